@@ -1,0 +1,93 @@
+"""Newline-delimited JSON frames.
+
+msgspec's JSON encoder never emits a raw newline (it escapes them inside strings), so a newline
+always ends a frame: after a corrupt frame the reader resynchronises at the next newline and
+the neighbouring records survive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+import msgspec
+
+from ipc.records import PIPE_BUF, ToDaemon, ToProxy
+
+log = logging.getLogger("tether.ipc")
+
+# Large enough for a long prompt list, small enough that a runaway writer cannot eat memory.
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+
+
+class FrameTooLarge(ValueError):
+    pass
+
+
+def encode(record: msgspec.Struct, limit: int = MAX_FRAME_BYTES) -> bytes:
+    """One record as one frame (ending in a newline)."""
+    frame = _encoder.encode(record) + b"\n"
+    if len(frame) > limit:
+        raise FrameTooLarge(f"{type(record).__name__} frame is {len(frame)} bytes, limit {limit}")
+    return frame
+
+
+def encode_control(record: msgspec.Struct) -> bytes:
+    """A control frame: must fit in PIPE_BUF so one write() is atomic among several writers."""
+    return encode(record, PIPE_BUF)
+
+
+class FrameDecoder(Generic[T]):
+    """Incremental decoder: feed bytes, get typed records; bad frames are logged and counted."""
+
+    def __init__(self, pipe: str, record_type: type[T], max_frame: int = MAX_FRAME_BYTES) -> None:
+        self.pipe = pipe
+        self.max_frame = max_frame
+        self.num_bad = 0
+        self._decoder = msgspec.json.Decoder(record_type)
+        self._buf = bytearray()
+        self._skipping = False  # inside an oversized frame: drop bytes up to its newline
+
+    def feed(self, data: bytes) -> Iterator[T]:
+        self._buf += data
+        start = 0
+        buf = self._buf
+        while True:
+            end = buf.find(b"\n", start)
+            if end < 0:
+                break
+            if self._skipping:
+                self._skipping = False
+            elif end - start > self.max_frame:
+                self._bad(f"oversized frame ({end - start} bytes > {self.max_frame})")
+            elif end > start:
+                try:
+                    yield self._decoder.decode(memoryview(buf)[start:end])
+                except msgspec.ValidationError as exc:
+                    self._bad(f"invalid record: {exc}")
+                except msgspec.DecodeError as exc:
+                    self._bad(f"corrupt frame: {exc}")
+            start = end + 1
+        del buf[:start]
+        if len(buf) > self.max_frame:
+            if not self._skipping:
+                self._bad(f"oversized frame (> {self.max_frame} bytes)")
+            self._skipping = True
+            buf.clear()
+
+    def _bad(self, why: str) -> None:
+        self.num_bad += 1
+        log.warning("ipc: skipped a record on %s: %s", self.pipe, why)
+
+
+def daemon_decoder(pipe: str) -> FrameDecoder[ToDaemon]:
+    return FrameDecoder(pipe, ToDaemon)  # type: ignore[arg-type]
+
+
+def proxy_decoder(pipe: str = "tokens") -> FrameDecoder[ToProxy]:
+    return FrameDecoder(pipe, ToProxy)  # type: ignore[arg-type]

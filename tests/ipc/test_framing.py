@@ -1,0 +1,35 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ipc.framing import daemon_decoder, encode, encode_control, proxy_decoder
+from ipc.records import Abort, AbortCause, Delta, Finish, FinishReason, Usage
+
+
+@given(st.lists(st.tuples(st.text(), st.integers(0, 64), st.text()), max_size=20))
+def test_records_roundtrip_through_any_chunking(items: list[tuple[str, int, str]]) -> None:
+    records = [Delta(rid, i, text, [i]) for rid, i, text in items]
+    data = b"".join(encode(r) for r in records)
+    decoder = proxy_decoder()
+    out = []
+    for cut in range(0, len(data), 7):
+        out.extend(decoder.feed(data[cut : cut + 7]))
+    assert out == records
+    assert decoder.num_bad == 0
+
+
+def test_corrupt_frame_is_counted_and_neighbours_survive() -> None:
+    good = Finish("r", 0, FinishReason.STOP, Usage(1, 2))
+    data = encode(good) + b"{not json\n" + b'{"k":"unknown"}\n' + encode(good)
+    decoder = proxy_decoder()
+    assert list(decoder.feed(data)) == [good, good]
+    assert decoder.num_bad == 2
+
+
+def test_oversized_frame_is_skipped() -> None:
+    abort = Abort("r", AbortCause.CLIENT_DISCONNECT, 1, 2.0)
+    decoder = daemon_decoder("control")
+    decoder.max_frame = 64
+    data = b"x" * 200 + b"\n" + encode_control(abort)
+    assert list(decoder.feed(data[:100])) == []
+    assert list(decoder.feed(data[100:])) == [abort]
+    assert decoder.num_bad == 1

@@ -1,0 +1,144 @@
+"""Settings shared by `tether serve`, `tether daemon` and `tether proxy`.
+
+Each field is a command-line flag (``--max-num-seqs``) and an environment variable
+(``TETHER_MAX_NUM_SEQS``); the flag wins. This module stores values only; it imports neither
+torch nor the proxy, so both processes can use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+
+def default_runtime_dir() -> Path:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "tether"
+    return Path(f"/tmp/tether-{os.getuid()}")
+
+
+def default_state_dir() -> Path:
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "tether"
+
+
+@dataclasses.dataclass(slots=True)
+class Settings:
+    runtime_dir: Path = dataclasses.field(default_factory=default_runtime_dir)
+    state_dir: Path = dataclasses.field(default_factory=default_state_dir)
+    model: str = "builtin:tiny"
+    dtype: str = "auto"
+    device: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: list[str] = dataclasses.field(default_factory=list)
+    max_num_seqs: int = 64
+    max_tokens_per_tick: int = 512
+    kv_cache_blocks: int = 2048
+    max_waiting: int = 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    response_store_max: int = 10000
+    response_store_max_age_s: float = 7 * 24 * 3600.0
+    drain_timeout_s: float = 10.0
+    pipe_group: str | None = None
+    log_format: str = "auto"  # auto | json | text
+    log_level: str = "info"
+
+
+_HELP: dict[str, str] = {
+    "runtime_dir": "directory holding the FIFOs (requests, control, tokens)",
+    "state_dir": "directory holding the response store (SQLite)",
+    "model": "'builtin:tiny' (default demo model), 'builtin:small' (135M, for benchmarks) "
+    "or a local HF-format checkpoint directory",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)",
+    "device": "auto | cpu | cuda (auto: CUDA when present)",
+    "host": "HTTP listen address",
+    "port": "HTTP listen port",
+    "api_key": "accepted API key (repeatable; env: comma-separated); none = no auth",
+    "max_num_seqs": "most sequences running at once",
+    "max_tokens_per_tick": "token budget of one forward pass (prefill chunks + decodes)",
+    "kv_cache_blocks": "KV cache pool size in blocks of 16 tokens",
+    "max_waiting": "most requests waiting in the proxy before it answers 429",
+    "max_body_bytes": "largest accepted HTTP request body (413 above)",
+    "response_store_max": "most stored responses kept (oldest pruned)",
+    "response_store_max_age_s": "stored responses older than this are pruned",
+    "drain_timeout_s": "on SIGTERM, time given to in-flight work before it is aborted",
+    "pipe_group": "group given access to the FIFOs (mode 0660); none = owner only (0600)",
+    "log_format": "auto (JSON lines under systemd, text on a terminal) | json | text",
+    "log_level": "debug | info | warning | error",
+}
+
+
+def env_name(field: str) -> str:
+    return "TETHER_" + field.upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Settings()
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        shown = ",".join(default) if isinstance(default, list) else default
+        help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {shown}]"
+        if f.name == "api_key":
+            parser.add_argument(flag, action="append", default=None, help=help_text)
+        else:
+            parser.add_argument(flag, default=None, help=help_text)
+
+
+def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
+    """Flags first, then TETHER_* variables, then defaults. Raises ValueError naming the field."""
+    env = os.environ if environ is None else environ
+    out = Settings()
+    for f in dataclasses.fields(Settings):
+        raw = getattr(args, f.name, None)
+        source = "--" + f.name.replace("_", "-")
+        if raw is None and env_name(f.name) in env:
+            raw = env[env_name(f.name)]
+            source = env_name(f.name)
+        if raw is None:
+            continue
+        setattr(out, f.name, _convert(f.name, getattr(out, f.name), raw, source))
+    _check(out)
+    return out
+
+
+def _convert(name: str, default: object, raw: object, source: str) -> object:
+    if name == "api_key":
+        items = raw if isinstance(raw, list) else str(raw).split(",")
+        return [k.strip() for k in items if k.strip()]
+    if name == "pipe_group":
+        return str(raw) or None
+    try:
+        if isinstance(default, bool):
+            return str(raw).lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(str(raw))
+        if isinstance(default, float):
+            return float(str(raw))
+        if isinstance(default, Path):
+            return Path(str(raw))
+    except ValueError:
+        kind = type(default).__name__
+        raise ValueError(f"{source}: expected {kind}, got {raw!r}") from None
+    return str(raw)
+
+
+def _check(s: Settings) -> None:
+    positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
+                "max_body_bytes", "response_store_max")
+    for name in positive:
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+    if not 0 < s.port < 65536 and s.port != 0:
+        raise ValueError(f"--port must be in 0..65535, got {s.port}")
+    if s.log_format not in ("auto", "json", "text"):
+        raise ValueError(f"--log-format must be auto, json or text, got {s.log_format!r}")
+    if s.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {s.dtype!r}")
+    if s.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {s.device!r}")
