@@ -28,8 +28,8 @@ def test_corrupt_frame_is_counted_and_neighbours_survive() -> None:
 def test_oversized_frame_is_skipped() -> None:
     abort = Abort("r", AbortCause.CLIENT_DISCONNECT, 1, 2.0)
     decoder = daemon_decoder("control")
-    decoder.max_frame = 64
-    data = b"x" * 200 + b"\n" + encode_control(abort)
-    assert list(decoder.feed(data[:100])) == []
-    assert list(decoder.feed(data[100:])) == [abort]
+    decoder.max_frame = 150
+    data = b"x" * 400 + b"\n" + encode_control(abort)
+    assert list(decoder.feed(data[:200])) == []
+    assert list(decoder.feed(data[200:])) == [abort]
     assert decoder.num_bad == 1
