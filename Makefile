@@ -1,24 +1,31 @@
 # Two commands on a fresh machine: `make serve` and `make test`.
+#   make serve ARGS="--port 9000 --model /path/to/checkpoint"
+#   make test ARGS="-k launcher -x"
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# torch==2.13.0 is a CPU wheel in this machine's wheelhouse; elsewhere PyPI's Linux torch is the
+# CUDA build. Other builds: make serve TORCH=torch TORCH_INDEX=https://download.pytorch.org/whl/cu126
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
+PIP_TORCH := $(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
 ARGS ?=
 
-.PHONY: serve test lint bench loadtest clean
+.PHONY: serve test lint loadtest bench clean
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "tether needs Python >= 3.11 (set PYTHON=python3.11)")'
+	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo "python venv failed: on Debian/Ubuntu, apt-get install python3-venv"; exit 1; }
 	$(BIN)/pip install -q --upgrade pip
 
-# torch first: an unpinned torch would pull a multi-GB CUDA build.
+# torch first, so that `pip install -e .` finds it satisfied and never pulls another build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH)"
+	$(PIP_TORCH)
 	$(BIN)/pip install -q -e .
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH)"
+	$(PIP_TORCH)
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(VENV)/.installed $@
 
@@ -33,5 +40,15 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/mypy ipc proxy tether
 
+# Locust with disconnecting users against a fresh server pair; results under results/.
+loadtest: $(VENV)/.installed-dev
+	$(BIN)/python loadtest/run_locust.py $(ARGS)
+
+# Every benchmark script in turn; each prints its figures and writes JSON/PNG under results/.
+bench: $(VENV)/.installed-dev
+	@set -e; for script in loadtest/bench_*.py; do \
+		echo "== $$script"; $(BIN)/python "$$script" $(ARGS); \
+	done
+
 clean:
-	rm -rf $(VENV) .pytest_cache results
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache results

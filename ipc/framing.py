@@ -8,7 +8,6 @@ the neighbouring records survive.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 import msgspec
@@ -51,34 +50,50 @@ class FrameDecoder(Generic[T]):
         self.num_bad = 0
         self._decoder = msgspec.json.Decoder(record_type)
         self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already known to hold no newline
         self._skipping = False  # inside an oversized frame: drop bytes up to its newline
 
-    def feed(self, data: bytes) -> Iterator[T]:
-        self._buf += data
-        start = 0
+    def feed(self, data: bytes) -> list[T]:
+        """Consume ``data`` now and return the records it completes.
+
+        A list, not a generator: a lazy generator left unfinished (a consumer that raises or
+        breaks) would keep its bytes in the buffer and yield the same records again next time.
+        """
+        out: list[T] = []
         buf = self._buf
-        while True:
-            end = buf.find(b"\n", start)
-            if end < 0:
-                break
-            if self._skipping:
-                self._skipping = False
-            elif end - start > self.max_frame:
-                self._bad(f"oversized frame ({end - start} bytes > {self.max_frame})")
-            elif end > start:
-                try:
-                    yield self._decoder.decode(memoryview(buf)[start:end])
-                except msgspec.ValidationError as exc:
-                    self._bad(f"invalid record: {exc}")
-                except msgspec.DecodeError as exc:
-                    self._bad(f"corrupt frame: {exc}")
-            start = end + 1
-        del buf[:start]
+        buf += data
+        start = 0
+        end = buf.find(b"\n", self._scanned)
+        if end >= 0:
+            decode = self._decoder.decode
+            view = memoryview(buf)  # frames are decoded in place, without copies
+            try:
+                while end >= 0:
+                    if self._skipping:
+                        self._skipping = False
+                    elif end - start > self.max_frame:
+                        self._bad(f"oversized frame ({end - start} bytes > {self.max_frame})")
+                    elif end > start:
+                        try:
+                            out.append(decode(view[start:end]))
+                        except msgspec.ValidationError as exc:
+                            self._bad(f"invalid record: {exc}")
+                        except msgspec.DecodeError as exc:
+                            self._bad(f"corrupt frame: {exc}")
+                    start = end + 1
+                    end = buf.find(b"\n", start)
+            finally:
+                view.release()
+            del buf[:start]
+        # Remember how far we looked so a large frame arriving in small pieces is scanned once.
+        self._scanned = len(buf)
         if len(buf) > self.max_frame:
             if not self._skipping:
                 self._bad(f"oversized frame (> {self.max_frame} bytes)")
             self._skipping = True
             buf.clear()
+            self._scanned = 0
+        return out
 
     def _bad(self, why: str) -> None:
         self.num_bad += 1

@@ -33,3 +33,25 @@ def test_oversized_frame_is_skipped() -> None:
     assert list(decoder.feed(data[:200])) == []
     assert list(decoder.feed(data[200:])) == [abort]
     assert decoder.num_bad == 1
+
+
+def test_feed_consumes_its_bytes_even_if_the_caller_stops_early() -> None:
+    records = [Delta("r", i, "t", [i]) for i in range(3)]
+    data = b"".join(encode(r) for r in records)
+    decoder = proxy_decoder()
+    first = decoder.feed(data[:-5])
+    for _ in first:
+        break  # a consumer that stops (or raises) after one record
+    assert first == records[:2]
+    assert decoder.feed(data[-5:]) == records[2:]
+
+
+def test_large_frame_arriving_in_small_pieces() -> None:
+    big = Delta("r", 0, "x" * 300_000, list(range(1000)))
+    data = encode(big) + encode(big)
+    decoder = proxy_decoder()
+    out = []
+    for cut in range(0, len(data), 1000):
+        out.extend(decoder.feed(data[cut : cut + 1000]))
+    assert out == [big, big]
+    assert decoder.num_bad == 0

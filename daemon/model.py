@@ -1,0 +1,241 @@
+"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a flattened batch of tokens.
+
+The model knows nothing about sequences. It sees tokens [T], their positions [T] and an
+`AttentionMetadata` saying where each token's K/V goes in the paged cache and which cached
+keys each query may read. Per layer the cache is one tensor
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+
+Rows of the batch are ordered decode tokens first (one per sequence, attended in a single
+batched SDPA call), then prefill chunks (one SDPA call each, causal with an offset).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from daemon.config import ModelConfig
+
+
+@dataclasses.dataclass(slots=True)
+class PrefillSpan:
+    rows: slice  # this chunk's rows in the flattened batch
+    context_len: int  # tokens in the cache once this chunk is written
+    block_ids: Tensor  # long [ceil(context_len / block_size)]
+    # [n, context_len] bool, True = visible. None when nothing precedes the chunk in the
+    # cache: plain causal attention over the chunk's own K/V, no gather needed.
+    mask: Tensor | None
+
+
+@dataclasses.dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: Tensor  # long [T]: block * block_size + offset of each new token's K/V
+    num_decode_tokens: int  # rows [0, num_decode_tokens) are single-token chunks
+    decode_block_tables: Tensor | None  # long [D, max_blocks], padded with any valid id
+    decode_mask: Tensor | None  # bool [D, 1, 1, max_blocks * block_size], True = visible
+    prefills: list[PrefillSpan]
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, float]) -> Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+    # in between blends the two so the spectrum stays smooth.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(in_band, blended, scaled)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim / 2] (rotate-half layout, as HF)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 whatever the weight dtype, like the reference implementation.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """nn.Linear without its init: weights always come from a checkpoint or a seeded fill."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(n_out, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim, device=device, dtype=dtype))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
+                    meta: AttentionMetadata) -> Tensor:
+    """q [T, H, d], k/v [T, KVH, d] -> [T, H, d]; writes k/v into the cache first."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if not meta.prefills:
+        return _decode_attention(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q)
+    num_decode = meta.num_decode_tokens
+    if num_decode:
+        out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta)
+    for span in meta.prefills:
+        out[span.rows] = _prefill_attention(q[span.rows], k[span.rows], v[span.rows],
+                                            k_cache, v_cache, span)
+    return out
+
+
+def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      meta: AttentionMetadata) -> Tensor:
+    assert meta.decode_block_tables is not None
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    # [D, blocks, block_size, KVH, d] -> [D, KVH, L, d]
+    keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    # One query per sequence, so the query heads sharing a KV head can stand in as that
+    # head's query rows: GQA without repeating K/V.
+    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       span: PrefillSpan) -> Tensor:
+    if span.mask is None:
+        keys, values = k, v
+    else:
+        keys = k_cache[span.block_ids].flatten(0, 1)[: span.context_len]
+        values = v_cache[span.block_ids].flatten(0, 1)[: span.context_len]
+    # 4-D inputs: CPU SDPA only takes its fused (flash) kernel for batched 4-D tensors.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, device, dtype)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias,
+                             device, dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata) -> Tensor:
+        qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(x.shape[0], qk_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, :qk_heads], cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = paged_attention(q, k, qkv[:, qk_heads:], kv_cache, meta)
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False,
+                                   device, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.attn = Attention(cfg, device, dtype)
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.mlp = MLP(cfg, device, dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata) -> Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """Parameters are allocated uninitialised; the loader fills them (checkpoint or seed).
+
+    vocab_limit: ids >= this get -inf logits (a padded vocabulary the tokenizer cannot
+    decode, as in builtin:small); None = every id may be sampled.
+    """
+
+    inv_freq: Tensor
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 vocab_limit: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.vocab_limit = vocab_limit
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, False, device, dtype))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                kv_caches: list[Tensor]) -> Tensor:
+        """Hidden states [T, hidden] before the final norm; see `compute_logits`."""
+        x = self.embed_tokens(input_ids)
+        freqs = positions.float()[:, None, None] * self.inv_freq
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """float32 logits for the rows given (only the rows that are sampled)."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(self.norm(hidden), head).float()
+        if self.vocab_limit is not None:
+            logits[:, self.vocab_limit :] = float("-inf")
+        return logits

@@ -1,0 +1,194 @@
+"""Continuous batching: which sequences, and which of their tokens, go into the next forward pass.
+
+One tick mixes decodes (one token per running sequence, scheduled first so latency stays flat)
+with prefill chunks (chunked prefill under a token budget). The scheduler alone owns the block
+manager. When blocks run out a running sequence that is not yet in this tick's batch is
+preempted, newest first, and later recomputed from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from daemon.block_manager import BlockManager
+from daemon.sequence import SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens of one sequence for one forward pass (the model runner's input)."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    needs_logits: bool
+
+
+@dataclass(slots=True)
+class Batch:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)  # seqs[i] owns chunks[i]
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        start = seq.num_computed
+        end = start + num_tokens
+        self.chunks.append(ScheduledChunk(seq.token_ids[start:end], start, seq.block_table,
+                                          end == seq.num_tokens))
+        self.seqs.append(seq)
+        if seq.num_uncomputed == 1:
+            self.num_decode_tokens += 1
+        else:
+            self.num_prefill_tokens += num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_tokens_per_tick: int,
+                 copy_block: Callable[[int, int], None]) -> None:
+        if max_tokens_per_tick < max_num_seqs:
+            # Otherwise some running sequences could not decode in a tick and would starve.
+            raise ValueError(f"max_tokens_per_tick ({max_tokens_per_tick}) must be >= "
+                             f"max_num_seqs ({max_num_seqs})")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens_per_tick = max_tokens_per_tick
+        self.copy_block = copy_block
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        # Blocks promised to this tick's forks (taken in postprocess, after the forward pass).
+        self._fork_reserve = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_slots_used(self) -> int:
+        return sum(1 + len(s.fork_children) for s in self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; its `fork_children` join it once its prompt is prefilled."""
+        seq.status = SeqStatus.WAITING
+        for child in seq.fork_children:
+            child.status = SeqStatus.FORK_PENDING
+        self.waiting.append(seq)
+
+    # --- one tick -------------------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.max_tokens_per_tick
+        self._fork_reserve = 0
+        scheduled: set[int] = set()
+        for decode_phase in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled:
+                    continue
+                if (seq.num_uncomputed == 1) != decode_phase:
+                    continue
+                n = min(seq.num_uncomputed, budget)
+                if self._reserve(seq, n, scheduled):
+                    self._add(batch, seq, n)
+                    scheduled.add(seq.seq_id)
+                    budget -= n
+        self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: Batch, budget: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if self.num_slots_used + 1 + len(seq.fork_children) > self.max_num_seqs:
+                return
+            n = min(seq.num_uncomputed, budget)
+            if self._blocks_needed(seq, n) > self._num_available:
+                return
+            self.waiting.popleft()
+            self.block_manager.may_append(seq.block_table, seq.num_computed + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._add(batch, seq, n)
+            budget -= n
+
+    def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
+        """Blocks for `n` more tokens of a running sequence, preempting newer ones if needed."""
+        while self._blocks_needed(seq, n) > self._num_available:
+            victim = next((v for v in reversed(self.running)
+                           if v is not seq and v.seq_id not in scheduled), None)
+            if victim is None:
+                if seq.num_uncomputed == 1:
+                    self._preempt(seq)
+                # A prefill keeps its blocks and waits for decodes to finish.
+                return False
+            self._preempt(victim)
+        self.block_manager.may_append(seq.block_table, seq.num_computed + n)
+        return True
+
+    @property
+    def _num_available(self) -> int:
+        return self.block_manager.num_free - self._fork_reserve
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        end = seq.num_computed + n
+        needed = max(self.block_manager.num_blocks_for(end) - len(seq.block_table), 0)
+        return needed + self._fork_cost(seq, end)
+
+    def _fork_cost(self, seq: Sequence, end: int) -> int:
+        if not seq.fork_children or end != seq.num_tokens:
+            return 0
+        return self.block_manager.fork_cost(end) * len(seq.fork_children)
+
+    def _add(self, batch: Batch, seq: Sequence, n: int) -> None:
+        self._fork_reserve += self._fork_cost(seq, seq.num_computed + n)
+        batch.add(seq, n)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # --- after the forward pass -----------------------------------------------------------------
+
+    def postprocess(self, batch: Batch) -> list[tuple[int, Sequence]]:
+        """Advance computed positions and fork siblings; return (logits row, seq) to sample."""
+        to_sample: list[tuple[int, Sequence]] = []
+        row = 0
+        for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
+            seq.num_computed += len(chunk.token_ids)
+            if not chunk.needs_logits:
+                continue
+            to_sample.append((row, seq))
+            for child in seq.fork_children:
+                child.block_table = self.block_manager.fork(seq.block_table, seq.num_computed,
+                                                            self.copy_block)
+                child.num_computed = seq.num_computed
+                child.status = SeqStatus.RUNNING
+                self.running.append(child)
+                to_sample.append((row, child))
+            seq.fork_children.clear()
+            row += 1
+        return to_sample
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence ended normally: give back its blocks."""
+        self.remove(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out wherever it is (abort or finish) and free its blocks."""
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status = SeqStatus.FINISHED

@@ -1,0 +1,270 @@
+"""`tether daemon`: load the model, open the pipes, run the tick loop until SIGTERM.
+
+One thread does everything, in this order each tick: control records (aborts first, so an abort
+read now is applied before the next forward pass) -> new requests -> one engine step -> send
+records -> Stats. When there is no work it sleeps in `wait_readable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
+
+from daemon.engine import Engine
+from daemon.store import ResponseStore, StoreError
+from ipc.pipes import DaemonPipes, PipeError, inherited_fifos
+from ipc.records import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortCause,
+    Error,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    ResponseOp,
+    ResponseOpKind,
+    ResponseReply,
+    Submit,
+    ToDaemon,
+    ToProxy,
+    Welcome,
+)
+from tether.settings import Settings
+
+log = logging.getLogger("tether.daemon")
+
+Notify = Callable[[str], object]
+
+HEARTBEAT_TIMEOUT_S = 1.0  # the proxy beats every 250 ms
+STATS_INTERVAL_S = 0.1
+IDLE_WAIT_S = 0.05
+WATCHDOG_INTERVAL_S = 1.0
+STATUS_INTERVAL_S = 5.0
+FLUSH_TIMEOUT_S = 1.0
+
+
+class DaemonServer:
+    """The tick loop around one engine and one set of pipes; `serve` returns the exit code."""
+
+    def __init__(self, engine: Engine, pipes: DaemonPipes, store: ResponseStore,
+                 drain_timeout_s: float, notify: Notify | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.pipes = pipes
+        self.store = store
+        self.drain_timeout_s = drain_timeout_s
+        self.notify = notify or (lambda _msg: None)
+        self.clock = clock
+        self.epoch: int | None = None
+        self.last_heartbeat: float | None = None
+        self.stop_deadline: float | None = None
+        self._out: list[ToProxy] = []
+        self._last_stats = 0.0
+        self._last_watchdog = 0.0
+        self._last_status = 0.0
+
+    def request_stop(self, force: bool = False) -> None:
+        """First call: stop admitting and drain; a forced (second) call aborts what is left."""
+        now = self.clock()
+        if self.stop_deadline is None:
+            log.info("daemon: stopping; draining for up to %.1f s", self.drain_timeout_s)
+            self.stop_deadline = now + self.drain_timeout_s
+        elif force:
+            self.stop_deadline = now
+
+    def serve(self) -> int:
+        self.notify("READY=1")
+        while not self._done():
+            ran = self.tick()
+            if not ran:
+                self.pipes.wait_readable(IDLE_WAIT_S)
+        self._shutdown()
+        return 0
+
+    def tick(self) -> bool:
+        """One turn of the loop; returns whether a forward pass ran."""
+        now = self.clock()
+        self._drain_control(now)
+        self._check_proxy(now)
+        self._drain_requests()
+        ran = self._step()
+        self._flush_records(now, ran)
+        self._tell_systemd(now)
+        return ran
+
+    # --- phases ---------------------------------------------------------------------------------
+
+    def _drain_control(self, now: float) -> None:
+        for rec in self.pipes.read_control():
+            self._handle(rec, now)
+
+    def _drain_requests(self) -> None:
+        for rec in self.pipes.read_requests():
+            self._handle(rec, self.clock())
+
+    def _check_proxy(self, now: float) -> None:
+        reason = self.pipes.take_lost()
+        if reason is None and self.last_heartbeat is not None \
+                and now - self.last_heartbeat > HEARTBEAT_TIMEOUT_S:
+            reason = f"no heartbeat for {now - self.last_heartbeat:.1f} s"
+        if reason is not None:
+            log.warning("daemon: proxy lost (%s); aborting its requests", reason)
+            self.last_heartbeat = None
+            self._out += self.engine.abort_all(AbortCause.PROXY_LOST)
+
+    def _step(self) -> bool:
+        if not self.engine.has_work:
+            return False
+        try:
+            self._out += self.engine.step()
+        except Exception as e:  # a failed forward pass must not take the daemon down
+            log.exception("daemon: engine step failed; failing every running request")
+            self._out += self.engine.fail_all(f"internal error: {type(e).__name__}: {e}")
+        return True
+
+    def _flush_records(self, now: float, ran: bool) -> None:
+        if ran or now - self._last_stats >= STATS_INTERVAL_S:
+            stats = self.engine.stats()
+            stats.bad_records = dict(self.pipes.bad_records)
+            self._out.append(stats)
+            self._last_stats = now
+        if self._out:
+            out, self._out = self._out, []
+            self.pipes.send(out)
+
+    def _tell_systemd(self, now: float) -> None:
+        if now - self._last_watchdog >= WATCHDOG_INTERVAL_S:
+            self.notify("WATCHDOG=1")
+            self._last_watchdog = now
+        if now - self._last_status >= STATUS_INTERVAL_S:
+            sched = self.engine.scheduler
+            bm = self.engine.block_manager
+            self.notify(f"STATUS=running {len(sched.running)}, waiting {len(sched.waiting)}, "
+                        f"KV blocks {bm.num_used}/{bm.num_total}")
+            self._last_status = now
+
+    # --- records --------------------------------------------------------------------------------
+
+    def _handle(self, rec: ToDaemon, now: float) -> None:
+        if isinstance(rec, Abort):
+            self._out += self.engine.abort(rec.rid, rec.cause, rec.t_disconnect, t_read=now)
+        elif isinstance(rec, Submit):
+            self._submit(rec)
+        elif isinstance(rec, Heartbeat):
+            self.last_heartbeat = now
+        elif isinstance(rec, Hello):
+            self._hello(rec, now)
+        elif isinstance(rec, Goodbye):
+            log.info("daemon: proxy (epoch %d) said goodbye", rec.epoch)
+            self.last_heartbeat = None
+            self._out += self.engine.abort_epoch_older_than(rec.epoch + 1, AbortCause.PROXY_LOST)
+        elif isinstance(rec, ResponseOp):
+            self._response_op(rec)
+
+    def _submit(self, rec: Submit) -> None:
+        if self.stop_deadline is not None:
+            self._out.append(Error(rec.rid, "the server is shutting down", status=503))
+            return
+        self._out += self.engine.submit(rec)
+
+    def _hello(self, rec: Hello, now: float) -> None:
+        if rec.version != PROTOCOL_VERSION:
+            message = (f"protocol version mismatch: proxy (pid {rec.pid}) speaks version "
+                       f"{rec.version}, this daemon speaks version {PROTOCOL_VERSION}")
+            log.error("daemon: %s", message)
+            self._out.append(Error(None, message, status=500, code="version_mismatch"))
+            return
+        if self.epoch is None or rec.epoch > self.epoch:
+            if self.epoch is not None:
+                log.info("daemon: new proxy epoch %d (was %d)", rec.epoch, self.epoch)
+            self._out += self.engine.abort_epoch_older_than(rec.epoch, AbortCause.PROXY_LOST)
+            self.epoch = rec.epoch
+        self.last_heartbeat = now
+        self._out.append(Welcome(PROTOCOL_VERSION, os.getpid(), self.engine.model_name,
+                                 self.engine.max_model_len, rec.epoch))
+
+    def _response_op(self, op: ResponseOp) -> None:
+        running = self.engine.is_running(op.response_id)
+        try:
+            reply = self.store.handle_op(op, running)
+        except Exception as e:  # a broken store answers 500 rather than hang the client
+            log.exception("daemon: response store failed on %s %s", op.op, op.response_id)
+            reply = ResponseReply(op.op_id, 500, message=f"response store error: {e}")
+        if op.op is ResponseOpKind.CANCEL and reply.status == 200 and running:
+            self._out += self.engine.abort(op.response_id, AbortCause.CANCEL)
+        self._out.append(reply)
+
+    # --- shutdown -------------------------------------------------------------------------------
+
+    def _done(self) -> bool:
+        if self.stop_deadline is None:
+            return False
+        return not self.engine.has_work or self.clock() >= self.stop_deadline
+
+    def _shutdown(self) -> None:
+        self.notify("STOPPING=1")
+        self._out += self.engine.abort_all(AbortCause.SHUTDOWN)
+        self._flush_records(self.clock(), ran=True)
+        deadline = self.clock() + FLUSH_TIMEOUT_S
+        while self.pipes.proxy_connected and self.pipes.tokens_backlog \
+                and self.clock() < deadline:
+            self.pipes.wait_readable(0.01)
+        log.info("daemon: stopped")
+
+
+def run(settings: Settings, notify: Notify | None = None) -> int:
+    """Entry point of `tether daemon`; returns the process exit code."""
+    from daemon.loader import load_model
+    from daemon.runner import ModelRunner
+
+    t0 = time.monotonic()
+    try:
+        loaded = load_model(settings.model, settings.device, settings.dtype)
+    except (ValueError, OSError) as e:  # ModelLoadError and ConfigError are ValueErrors
+        log.error("daemon: cannot load model %s: %s", settings.model, e)
+        return 1
+    runner = ModelRunner(loaded.model, loaded.config, settings.kv_cache_blocks)
+    try:
+        store = ResponseStore(settings.state_dir / "responses.sqlite3",
+                              settings.response_store_max, settings.response_store_max_age_s)
+        pipes = DaemonPipes(settings.runtime_dir, settings.pipe_group, inherited_fifos())
+    except (StoreError, PipeError, ValueError) as e:
+        log.error("daemon: %s", e)
+        return 1
+    crashed = store.cleanup_crashed()
+    if crashed:
+        log.warning("daemon: ended %d responses left unfinished by a previous run", crashed)
+    try:
+        engine = Engine(runner, loaded.tokenizer, store, settings.max_num_seqs,
+                        settings.max_tokens_per_tick, loaded.max_model_len, loaded.name)
+    except ValueError as e:
+        log.error("daemon: %s", e)
+        pipes.close()
+        store.close()
+        return 1
+    log.info("daemon: model %s loaded in %.1f s; %d KV blocks of %d tokens; pipes in %s",
+             loaded.name, time.monotonic() - t0, runner.num_blocks, runner.block_size,
+             settings.runtime_dir)
+    server = DaemonServer(engine, pipes, store, settings.drain_timeout_s, notify)
+    previous = _install_signals(server)
+    try:
+        return server.serve()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        pipes.close()
+        store.close()
+
+
+def _install_signals(server: DaemonServer) -> dict[int, Callable[..., object] | int | None]:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        server.request_stop(force=server.stop_deadline is not None)
+
+    previous: dict[int, Callable[..., object] | int | None] = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous[signum] = signal.signal(signum, on_signal)
+    return previous

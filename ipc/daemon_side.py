@@ -1,0 +1,300 @@
+"""The daemon's ends of the FIFOs: synchronous, non-blocking, polled once per engine tick.
+
+The daemon reads ``control`` and ``requests`` and is the only writer of ``tokens``. Losing the
+proxy is reported once through `DaemonPipes.take_lost`; after a loss, tokens stay closed until
+the next Hello, so a proxy that was merely stuck first sees the EOF that tells it to resync
+instead of a stream with a silent gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import time
+from pathlib import Path
+
+from ipc.fifo import (
+    CONTROL,
+    FIFO_NAMES,
+    REQUESTS,
+    TOKENS,
+    PipeError,
+    ensure_fifos,
+    grow_pipe,
+    hung_up,
+    open_reader,
+    try_open_writer,
+)
+from ipc.framing import FrameDecoder, daemon_decoder, encode
+from ipc.records import Abort, Goodbye, Heartbeat, Hello, ResponseOp, Submit, ToDaemon, ToProxy
+
+log = logging.getLogger("tether.ipc")
+
+MAX_BACKLOG_BYTES = 8 * 1024 * 1024
+MAX_UNFLUSHED_S = 2.0
+TOKENS_RETRY_S = 0.05
+READ_CHUNK = 1024 * 1024
+# Caps one read_* call so a writer flooding the pipe cannot hold the tick loop forever.
+MAX_READS_PER_CALL = 16
+
+_ALLOWED: dict[str, tuple[type, ...]] = {
+    CONTROL: (Hello, Heartbeat, Goodbye, Abort, ResponseOp),
+    REQUESTS: (Submit,),
+}
+
+
+class _Reader:
+    """One read end with its decoder. Inherited (systemd) fds are O_RDWR and never see EOF."""
+
+    def __init__(self, name: str, path: Path, inherited_fd: int | None) -> None:
+        self.name = name
+        self.path = path
+        self.inherited = inherited_fd is not None
+        self.fd: int = inherited_fd if inherited_fd is not None else self._open()
+        self.decoder: FrameDecoder[ToDaemon] = daemon_decoder(name)
+
+    def _open(self) -> int:
+        fd = open_reader(self.path)
+        grow_pipe(fd)
+        return fd
+
+    def read(self) -> tuple[list[ToDaemon], bool]:
+        """(records available now, whether every writer has left)."""
+        records: list[ToDaemon] = []
+        for _ in range(MAX_READS_PER_CALL):
+            try:
+                data = os.read(self.fd, READ_CHUNK)
+            except BlockingIOError:
+                return records, False
+            if not data:
+                return records, hung_up(self.fd)
+            records += self._check(self.decoder.feed(data))
+        return records, False
+
+    def _check(self, records: list[ToDaemon]) -> list[ToDaemon]:
+        allowed = _ALLOWED[self.name]
+        if all(isinstance(r, allowed) for r in records):
+            return records
+        for r in records:
+            if not isinstance(r, allowed):
+                self.decoder.num_bad += 1
+                log.warning("ipc: skipped a %s record on the %s pipe", type(r).__name__, self.name)
+        return [r for r in records if isinstance(r, allowed)]
+
+    def reopen(self) -> None:
+        """A fresh open forgets the hang-up (poll stops reporting HUP) and any partial frame."""
+        if self.inherited:
+            return
+        os.close(self.fd)
+        self.fd = self._open()
+        bad = self.decoder.num_bad
+        self.decoder = daemon_decoder(self.name)
+        self.decoder.num_bad = bad
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _TokensWriter:
+    """The tokens write end with its buffer; the daemon is its only writer, so partial writes
+    cannot interleave with anyone else's and are simply continued later."""
+
+    def __init__(self, path: Path, inherited_fd: int | None) -> None:
+        self.path = path
+        self.inherited_fd = inherited_fd
+        self.fd: int | None = None
+        self.buf = bytearray()
+        self.dirty_since: float | None = None  # when buf last went from empty to non-empty
+        self.next_try = 0.0
+
+    def try_open(self, now: float) -> bool:
+        if self.fd is not None:
+            return True
+        if self.inherited_fd is not None:
+            self.fd = self.inherited_fd
+            return True
+        if now < self.next_try:
+            return False
+        self.next_try = now + TOKENS_RETRY_S
+        self.fd = try_open_writer(self.path)
+        if self.fd is not None:
+            grow_pipe(self.fd)
+        return self.fd is not None
+
+    def flush(self, now: float) -> str | None:
+        """Write what the pipe takes now; the reason the proxy is lost, if it is."""
+        buf = self.buf
+        while buf and self.fd is not None:
+            try:
+                n = os.write(self.fd, buf)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                return "proxy closed the tokens pipe (EPIPE)"
+            del buf[:n]
+        if not buf:
+            self.dirty_since = None
+            return None
+        if self.dirty_since is None:
+            self.dirty_since = now
+        if len(buf) > MAX_BACKLOG_BYTES:
+            return f"tokens backlog over {MAX_BACKLOG_BYTES >> 20} MiB (proxy not reading)"
+        if now - self.dirty_since > MAX_UNFLUSHED_S:
+            return f"tokens unflushed for over {MAX_UNFLUSHED_S:g} s (proxy not reading)"
+        return None
+
+    def drop(self) -> None:
+        """Forget the buffer and let go of the proxy (an inherited fd is kept, only idled)."""
+        self.buf.clear()
+        self.dirty_since = None
+        if self.fd is not None and self.fd != self.inherited_fd:
+            os.close(self.fd)
+        self.fd = None
+
+    def close(self) -> None:
+        self.drop()
+        if self.inherited_fd is not None:
+            os.close(self.inherited_fd)
+            self.inherited_fd = None
+
+
+class DaemonPipes:
+    """The daemon's FIFO ends. Nothing here blocks except `wait_readable`."""
+
+    def __init__(self, runtime_dir: Path, group: str | None = None,
+                 inherited: dict[str, int] | None = None, *,
+                 heartbeat_timeout: float | None = 2.0) -> None:
+        inherited = dict(inherited or {})
+        for fd in inherited.values():
+            os.set_blocking(fd, False)
+        paths = {name: Path(runtime_dir) / name for name in FIFO_NAMES}
+        if any(name not in inherited for name in FIFO_NAMES):
+            paths = ensure_fifos(Path(runtime_dir), group)
+        self._control = _Reader(CONTROL, paths[CONTROL], inherited.get(CONTROL))
+        self._requests = _Reader(REQUESTS, paths[REQUESTS], inherited.get(REQUESTS))
+        self._tokens = _TokensWriter(paths[TOKENS], inherited.get(TOKENS))
+        self._heartbeat_timeout = heartbeat_timeout
+        self._last_control: float | None = None
+        self._lost: str | None = None
+        # A systemd-held tokens pipe never tells us whether a proxy reads it: wait for a Hello.
+        self._await_hello = TOKENS in inherited
+        self._proxy_seen = False
+        self.num_dropped = 0  # records sent while no proxy was there
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read_control(self) -> list[ToDaemon]:
+        records, eof = self._read(self._control)
+        now = time.monotonic()
+        if records:
+            self._last_control = now
+            if any(isinstance(r, Hello) for r in records):
+                self._await_hello = False
+                self._proxy_seen = True
+                self._tokens.next_try = 0.0  # a proxy is there now: the Welcome must not wait
+        elif (self._heartbeat_timeout is not None and self._last_control is not None
+              and now - self._last_control > self._heartbeat_timeout):
+            self._lose(f"no heartbeat from the proxy for {self._heartbeat_timeout:g} s")
+        if eof:
+            self._lose("proxy closed the control pipe (EOF)", reopen=True)
+        return records
+
+    def read_requests(self) -> list[ToDaemon]:
+        records, eof = self._read(self._requests)
+        if eof:
+            self._lose("proxy closed the requests pipe (EOF)", reopen=True)
+        return records
+
+    def _read(self, reader: _Reader) -> tuple[list[ToDaemon], bool]:
+        try:
+            return reader.read()
+        except OSError as exc:
+            raise PipeError(f"{reader.path}: read failed: {exc.strerror}") from None
+
+    def wait_readable(self, timeout: float) -> None:
+        """Sleep until control or requests has data (or a hang-up), or ``timeout`` passes.
+
+        Meanwhile keeps flushing the tokens backlog as the proxy drains it.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            if self._open_tokens(now):
+                self._flush(now)
+            remaining = deadline - now
+            if remaining <= 0 or self._lost is not None:
+                return
+            poller = select.poll()
+            poller.register(self._control.fd, select.POLLIN)
+            poller.register(self._requests.fd, select.POLLIN)
+            tokens_fd = self._tokens.fd if self._tokens.buf else None
+            if tokens_fd is not None:
+                poller.register(tokens_fd, select.POLLOUT)
+            # Round up: a 0 ms poll for a sub-millisecond remainder would spin.
+            events = poller.poll(int(remaining * 1000) + 1)
+            if not events or any(fd != tokens_fd for fd, _ in events):
+                return
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def send(self, records: list[ToProxy]) -> None:
+        """Queue records for the proxy and write what the pipe takes; dropped if no proxy."""
+        now = time.monotonic()
+        if not self._open_tokens(now):
+            self.num_dropped += len(records)
+            return
+        if records:
+            if not self._tokens.buf:
+                self._tokens.dirty_since = now
+            self._tokens.buf += b"".join([encode(r) for r in records])
+        self._flush(now)
+
+    def _open_tokens(self, now: float) -> bool:
+        if self._await_hello:
+            return False
+        if self._tokens.fd is None and self._tokens.try_open(now):
+            self._proxy_seen = True
+        return self._tokens.fd is not None
+
+    def _flush(self, now: float) -> None:
+        reason = self._tokens.flush(now)
+        if reason is not None:
+            self._lose(reason)
+
+    # -- liveness --------------------------------------------------------------------------
+
+    def _lose(self, reason: str, reopen: bool = False) -> None:
+        if reopen:
+            # Both: the other pipe is about to hang up too, and its unread Submits are stale.
+            self._control.reopen()
+            self._requests.reopen()
+        self._tokens.drop()
+        self._last_control = None
+        self._await_hello = True
+        if self._proxy_seen and self._lost is None:
+            log.warning("ipc: proxy lost: %s", reason)
+            self._lost = reason
+        self._proxy_seen = False
+
+    def take_lost(self) -> str | None:
+        """Why the proxy was lost since the last call, or None."""
+        reason, self._lost = self._lost, None
+        return reason
+
+    @property
+    def bad_records(self) -> dict[str, int]:
+        return {CONTROL: self._control.decoder.num_bad, REQUESTS: self._requests.decoder.num_bad}
+
+    @property
+    def proxy_connected(self) -> bool:
+        return self._tokens.fd is not None and not self._await_hello
+
+    @property
+    def tokens_backlog(self) -> int:
+        return len(self._tokens.buf)
+
+    def close(self) -> None:
+        self._control.close()
+        self._requests.close()
+        self._tokens.close()

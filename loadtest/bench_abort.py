@@ -1,0 +1,383 @@
+"""What a departing client costs: abort latency, undelivered tokens, queued drops, goodput.
+
+    python loadtest/bench_abort.py                         # starts its own tether pair
+    python loadtest/bench_abort.py --base-url http://127.0.0.1:8000 --model NAME \\
+        --max-num-seqs 8                                   # any OpenAI-compatible server
+
+Phases (one client at a time unless stated, so counter deltas belong to one request):
+  tick      one full stream: seconds per decode step (the abort-latency budget is one of them)
+  stream    open a stream, read k tokens, drop it; generated (server counter) - received
+  nonstream a non-streaming request whose client times out; everything generated is waste
+  queued    fill --max-num-seqs with long streams, queue more, drop the queued ones:
+            their prompts must never be prefilled (prompt-token counter unchanged)
+  churn     100 concurrent streams, half of them leave after a random number of tokens;
+            goodput = tokens delivered / tokens generated
+Writes abort.json and abort_latency_cdf.png under results/bench-abort-<timestamp>/ (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import common
+import orjson
+import sse_client
+
+PROMPT = "The quick brown fox jumps over the lazy dog and keeps running because"
+
+# Counter / gauge names per server family, so the bench also runs against peers.
+FAMILIES: dict[str, dict[str, str]] = {
+    "tether": {"gen": "tether_generation_tokens_total", "prompt": "tether_prompt_tokens_total",
+               "running": "tether_requests_running", "waiting": "tether_requests_waiting",
+               "after": "tether_tokens_after_disconnect_total",
+               "latency": "tether_abort_latency_seconds"},
+    "vllm": {"gen": "vllm:generation_tokens_total", "prompt": "vllm:prompt_tokens_total",
+             "running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"},
+    "sglang": {"gen": "sglang:generation_tokens_total", "prompt": "sglang:prompt_tokens_total",
+               "running": "sglang:num_running_reqs", "waiting": "sglang:num_queue_reqs"},
+}
+
+ANCHORS = (
+    "vLLM and SGLang finish the step in flight on an abort (SGLang runs one more decode);",
+    "SGLang polls non-streaming clients every 4 s, llama.cpp every 1 s (never while busy).",
+)
+
+
+class Server:
+    """The server under test and the metric names it exposes (None: no usable /metrics)."""
+
+    def __init__(self, base_url: str, model: str) -> None:
+        self.base = base_url
+        self.model = model
+        self.names: dict[str, str] = {}
+        try:
+            m = common.scrape(base_url)
+        except OSError:
+            return
+        for names in FAMILIES.values():
+            if m.has(names["gen"]):
+                self.names = names
+                return
+
+    def scrape(self) -> common.Metrics | None:
+        return common.scrape(self.base) if self.names else None
+
+    def value(self, m: common.Metrics | None, key: str) -> float | None:
+        if m is None or key not in self.names:
+            return None
+        return m.total(self.names[key])
+
+    def busy(self) -> float | None:
+        m = self.scrape()
+        if m is None:
+            return None
+        return (self.value(m, "running") or 0.0) + (self.value(m, "waiting") or 0.0)
+
+    async def wait_idle(self, within: float = 30.0) -> float | None:
+        """Monotonic time at which running + waiting first read 0 (None without metrics)."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            busy = self.busy()
+            if busy is None:
+                return None
+            if busy <= 0:
+                return time.monotonic()
+            await asyncio.sleep(0.002)
+        raise TimeoutError(f"server still busy after {within} s")
+
+    async def wait_for(self, key: str, at_least: float, within: float = 10.0) -> bool:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if (self.value(self.scrape(), key) or 0.0) >= at_least:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    def body(self, max_tokens: int, stream: bool, **extra: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "prompt": PROMPT, "max_tokens": max_tokens,
+                                "ignore_eos": True, "stream": stream, "return_token_ids": True}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return {**body, **extra}
+
+
+def delta(srv: Server, before: common.Metrics | None, after: common.Metrics | None,
+          key: str) -> float | None:
+    a, b = srv.value(after, key), srv.value(before, key)
+    return None if a is None or b is None else a - b
+
+
+async def read_stream(resp: sse_client.Response, stop_after: int | None,
+                      times: list[float] | None = None) -> tuple[int, int | None]:
+    """Reads until the end or `stop_after` tokens: (tokens received, usage tokens if ended)."""
+    got = 0
+    async for data in resp.events():
+        if data == b"[DONE]":
+            break
+        obj = orjson.loads(data)
+        if obj.get("usage") and not obj.get("choices"):
+            return got, int(obj["usage"]["completion_tokens"])
+        n = sse_client.tokens_in_event(obj)
+        got += n
+        if times is not None and n:
+            times.append(time.monotonic())
+        if stop_after is not None and got >= stop_after:
+            break
+    return got, None
+
+
+# --- phases ----------------------------------------------------------------------------------
+
+
+async def phase_tick(srv: Server, tokens: int = 64) -> float:
+    times: list[float] = []
+    async with sse_client.stream(srv.base, "/v1/completions", srv.body(tokens, True)) as resp:
+        _, usage = await read_stream(resp, None, times)
+    await srv.wait_idle()
+    steps = (usage or len(times)) - 1
+    return (times[-1] - times[0]) / steps if len(times) > 1 and steps > 0 else 0.0
+
+
+async def phase_stream(srv: Server, trials: int, max_tokens: int) -> dict[str, Any]:
+    waste: list[float] = []
+    after_disconnect: list[float] = []
+    latency: list[float] = []
+    for _ in range(trials):
+        before = srv.scrape()
+        k = random.randint(1, 32)
+        async with sse_client.stream(srv.base, "/v1/completions",
+                                     srv.body(max_tokens, True)) as resp:
+            received, _ = await read_stream(resp, k)
+        assert resp.closed_at is not None
+        idle = await srv.wait_idle()
+        after = srv.scrape()
+        if idle is not None:
+            latency.append(idle - resp.closed_at)
+        gen = delta(srv, before, after, "gen")
+        if gen is not None:
+            waste.append(gen - received)
+        late = delta(srv, before, after, "after")
+        if late is not None:
+            after_disconnect.append(late)
+    return {"trials": trials, "waste_tokens": common.summary(waste),
+            "server_tokens_after_disconnect": common.summary(after_disconnect),
+            "client_abort_latency_s": common.summary(latency), "latency_samples_s": latency}
+
+
+async def phase_nonstream(srv: Server, trials: int, max_tokens: int) -> dict[str, Any]:
+    generated: list[float] = []
+    after_disconnect: list[float] = []
+    latency: list[float] = []
+    for _ in range(trials):
+        before = srv.scrape()
+        timeout = random.uniform(0.05, 0.3)
+        call = sse_client.call_json(srv.base, "POST", "/v1/completions",
+                                    srv.body(max_tokens, False))
+        try:
+            await asyncio.wait_for(call, timeout)
+        except TimeoutError:
+            pass
+        t_close = time.monotonic()
+        idle = await srv.wait_idle()
+        after = srv.scrape()
+        if idle is not None:
+            latency.append(idle - t_close)
+        gen = delta(srv, before, after, "gen")
+        if gen is not None:
+            generated.append(gen)
+        late = delta(srv, before, after, "after")
+        if late is not None:
+            after_disconnect.append(late)
+    return {"trials": trials, "generated_tokens_all_wasted": common.summary(generated),
+            "server_tokens_after_disconnect": common.summary(after_disconnect),
+            "client_abort_latency_s": common.summary(latency), "latency_samples_s": latency}
+
+
+async def phase_queued(srv: Server, max_num_seqs: int | None, queued: int) -> dict[str, Any]:
+    if max_num_seqs is None or not srv.names:
+        return {"skipped": "needs --max-num-seqs and a server with metrics"}
+    fillers = [await sse_client.request(srv.base, "POST", "/v1/completions",
+                                        srv.body(1500, True)) for _ in range(max_num_seqs)]
+    readers = [asyncio.create_task(read_stream(r, None)) for r in fillers]
+    try:
+        running = await srv.wait_for("running", max_num_seqs)
+        # Every filler has decoded at least once, so its prefill is behind us.
+        gen0 = srv.value(srv.scrape(), "gen") or 0.0
+        await srv.wait_for("gen", gen0 + max_num_seqs)
+        waiting_streams = [await sse_client.request(srv.base, "POST", "/v1/completions",
+                                                    srv.body(64, True)) for _ in range(queued)]
+        queued_seen = await srv.wait_for("waiting", queued)
+        before = srv.scrape()
+        for r in waiting_streams:
+            r.close()
+        t_close = time.monotonic()
+        drained = None
+        while time.monotonic() - t_close < 10:
+            if (srv.value(srv.scrape(), "waiting") or 0.0) <= 0:
+                drained = time.monotonic() - t_close
+                break
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.3)
+    finally:
+        for r in fillers:
+            r.close()
+        for t in readers:
+            t.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+    await srv.wait_idle()
+    prefill = delta(srv, before, srv.scrape(), "prompt")
+    return {"max_num_seqs": max_num_seqs, "queued": queued, "filled": running,
+            "queue_seen": queued_seen, "prefill_tokens_of_dropped": prefill,
+            "queued_abort_latency_s": drained}
+
+
+async def phase_churn(srv: Server, streams: int, seconds: float, churn: float) -> dict[str, Any]:
+    before = srv.scrape()
+    totals = {"delivered_completed": 0, "delivered_dropped": 0, "counted_completed": 0,
+              "completed": 0, "dropped": 0, "errors": 0}
+    stop_at = time.monotonic() + seconds
+
+    async def client() -> None:
+        while time.monotonic() < stop_at:
+            max_tokens = random.randint(16, 128)
+            leave = random.randint(1, max_tokens - 1) if random.random() < churn else None
+            try:
+                async with sse_client.stream(srv.base, "/v1/completions",
+                                             srv.body(max_tokens, True)) as resp:
+                    got, usage = await read_stream(resp, leave)
+            except (OSError, sse_client.HttpError, asyncio.IncompleteReadError):
+                totals["errors"] += 1
+                continue
+            if leave is not None and usage is None:
+                totals["dropped"] += 1
+                totals["delivered_dropped"] += got
+            else:
+                totals["completed"] += 1
+                totals["delivered_completed"] += usage if usage is not None else got
+                totals["counted_completed"] += got
+
+    await asyncio.gather(*(client() for _ in range(streams)))
+    await srv.wait_idle(60)
+    generated = delta(srv, before, srv.scrape(), "gen")
+    delivered = totals["delivered_completed"] + totals["delivered_dropped"]
+    out: dict[str, Any] = {"streams": streams, "seconds": seconds, "churn": churn, **totals,
+                           "generated": generated,
+                           "goodput": delivered / generated if generated else None}
+    if totals["counted_completed"]:
+        # usage tokens / tokens counted from events, on streams that ran to the end: how
+        # exact the client-side count of dropped streams is (1.0 = exact).
+        out["count_accuracy"] = totals["delivered_completed"] / totals["counted_completed"]
+    return out
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def report(results: dict[str, Any], latency_hist: common.Histogram | None) -> None:
+    tick = results["tick_s"]
+    budget = tick + 0.002
+    stream, queued, churn = results["stream"], results["queued"], results["churn"]
+    waste_p99 = stream["waste_tokens"]["p99"]
+    server_p99 = latency_hist.quantile(0.99) if latency_hist else None
+    client_p99 = stream["client_abort_latency_s"]["p99"]
+    prefill = queued.get("prefill_tokens_of_dropped")
+    goodput = churn["goodput"]
+    print(f"\n=== abort benchmark ({results['server']}, model {results['model']}) ===")
+    print(f"  tick (s per decode step, one stream) {tick * 1000:.2f} ms")
+    print(common.goal_line("waste per dropped stream, p99 (tokens)", waste_p99, "<= 1",
+                           None if waste_p99 is None else waste_p99 <= 1))
+    print(common.goal_line("abort latency p99, server histogram", server_p99 and server_p99 * 1e3,
+                           f"<= {budget * 1e3:.2f} ms",
+                           None if server_p99 is None else server_p99 <= budget, " ms"))
+    print(common.goal_line("abort latency p99, client view (idle seen)",
+                           client_p99 and client_p99 * 1e3, "(upper bound)", None, " ms"))
+    print(common.goal_line("prefill tokens of dropped queued requests", prefill, "== 0",
+                           None if prefill is None else prefill == 0))
+    print(common.goal_line("goodput, 50% churn, 100 streams", goodput, ">= 0.99",
+                           None if goodput is None else goodput >= 0.99))
+    ns = results["nonstream"]
+    print(f"  non-streaming drop: generated {ns['generated_tokens_all_wasted']['mean']} tokens "
+          f"(mean), after disconnect {ns['server_tokens_after_disconnect']['mean']}, idle after "
+          f"{_ms(ns['client_abort_latency_s']['p50'])} (p50)")
+    print("  anchors: " + "\n           ".join(ANCHORS))
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def plot(path: Path, results: dict[str, Any], hist: common.Histogram | None) -> None:
+    series = {"stream drop (client view)": results["stream"]["latency_samples_s"],
+              "non-stream drop (client view)": results["nonstream"]["latency_samples_s"]}
+    series = {k: [v * 1000 for v in vs] for k, vs in series.items()}
+    points = {}
+    if hist is not None and hist.count:
+        points["server histogram (bucket bounds)"] = [
+            (le * 1000, c / hist.count) for le, c in hist.buckets if le != float("inf")]
+    common.plot_cdf(path, series, "abort latency (ms)", "Abort latency CDF", points)
+
+
+async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
+    model = args.model or common.served_model(base) or "default"
+    srv = Server(base, model)
+    hist0 = _hist(srv)
+    results: dict[str, Any] = {"server": base, "model": model,
+                               "metrics": next((k for k, v in FAMILIES.items()
+                                                if v == srv.names), None)}
+    results["tick_s"] = await phase_tick(srv)
+    results["stream"] = await phase_stream(srv, args.trials, args.max_tokens)
+    results["nonstream"] = await phase_nonstream(srv, max(5, args.trials // 3), args.max_tokens)
+    results["queued"] = await phase_queued(srv, args.max_num_seqs, args.queued)
+    results["churn"] = await phase_churn(srv, args.streams, args.churn_seconds, 0.5)
+    hist1 = _hist(srv)
+    hist = hist1.minus(hist0) if hist0 and hist1 else hist1
+    results["server_abort_latency_s"] = None if hist is None else {
+        "count": hist.count, "p50": hist.quantile(0.5), "p99": hist.quantile(0.99),
+        "mean": hist.sum / hist.count if hist.count else None}
+    results["_hist"] = hist
+    return results
+
+
+def _hist(srv: Server) -> common.Histogram | None:
+    m = srv.scrape()
+    return m.histogram(srv.names["latency"]) if m and "latency" in srv.names else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", default=None, help="server to test (default: our own pair)")
+    parser.add_argument("--model", default=None, help="model name (default: /v1/models)")
+    parser.add_argument("--serve-model", default="builtin:tiny", help="model our own pair loads")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the server's limit (our own pair: 16)")
+    parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--queued", type=int, default=4)
+    parser.add_argument("--streams", type=int, default=100)
+    parser.add_argument("--churn-seconds", type=float, default=15.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not args.base_url and args.max_num_seqs is None:
+        args.max_num_seqs = 16
+    common.raise_fd_limit()
+    out = common.results_dir(args.out, "bench-abort")
+    with common.server_or_url(args.base_url, model=args.serve_model,
+                              max_num_seqs=args.max_num_seqs) as (base, _pair):
+        results = asyncio.run(run(args, base))
+    hist = results.pop("_hist")
+    plot(out / "abort_latency_cdf.png", results, hist)
+    report(results, hist)
+    common.write_json(out / "abort.json", results)
+    print(f"  results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""IPC benchmark: two processes over real FIFOs.
+
+1. Token records/s, daemon -> proxy, through DaemonPipes.send and ProxyPipes (encode, write,
+   read, decode, dispatch), next to a bare anchor: orjson lines over a FIFO, one write per
+   record and batched.
+2. Control-record latency, ProxyPipes.control -> DaemonPipes.read_control, while the reader
+   idles in wait_readable and while it simulates ticks (busy 5 ms, then drains).
+
+    python loadtest/bench_ipc.py [--records N] [--aborts N] [--out results/bench_ipc.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import select
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ipc.pipes import DaemonPipes, ProxyPipes, ensure_fifos
+from ipc.records import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortCause,
+    Delta,
+    Hello,
+    Stats,
+    ToProxy,
+    Welcome,
+)
+
+FORK = multiprocessing.get_context("fork")
+BATCH = 256  # records per DaemonPipes.send, like one tick of a 256-sequence batch
+GOAL_RECORDS_PER_S = 500_000
+GOAL_IDLE_P99_US = 100.0
+
+
+def _stats() -> Stats:
+    return Stats(time.monotonic(), 0, 0, 0, 0, 0, 0, 0, 0, 0, {}, {}, {})
+
+
+def _welcome_hellos(pipes: DaemonPipes) -> list[ToProxy]:
+    return [Welcome(PROTOCOL_VERSION, os.getpid(), "bench", 2048, r.epoch)
+            for r in pipes.read_control() if isinstance(r, Hello)]
+
+
+# -- 1. token records/s ------------------------------------------------------------------------
+
+
+def _token_daemon(run: Path, total: int, results: multiprocessing.Queue) -> None:
+    pipes = DaemonPipes(run)
+    while not (out := _welcome_hellos(pipes)):
+        pipes.wait_readable(0.1)
+    pipes.send(out)
+    batch: list[ToProxy] = [Delta(f"cmpl-{i % 64:032x}", i % 4, " tok", [1000 + i])
+                            for i in range(BATCH)]
+    sent, t0 = 0, time.perf_counter()
+    while sent < total:
+        pipes.send(batch)
+        sent += len(batch)
+        while pipes.tokens_backlog > 2 * 1024 * 1024:
+            pipes.wait_readable(0.001)  # flushes as the proxy drains
+    while pipes.tokens_backlog:
+        pipes.wait_readable(0.001)
+    results.put(sent / (time.perf_counter() - t0))
+    time.sleep(0.5)
+
+
+async def _token_proxy(run: Path, total: int) -> float:
+    done = asyncio.Event()
+    up = asyncio.Event()
+    count = 0
+    t_first = t_last = 0.0
+
+    def on_record(record: ToProxy) -> None:
+        nonlocal count, t_first, t_last
+        if isinstance(record, Delta):
+            count += 1
+            if count == 1:
+                t_first = time.perf_counter()
+            if count == total:
+                t_last = time.perf_counter()
+                done.set()
+
+    pipes = ProxyPipes(run, 1, on_record, lambda is_up, _why: is_up and up.set())
+    await pipes.start()
+    await asyncio.wait_for(up.wait(), 10)
+    await asyncio.wait_for(done.wait(), 120)
+    await pipes.close()
+    return (total - 1) / (t_last - t_first)
+
+
+def bench_tokens(run: Path, total: int) -> dict[str, float]:
+    results: multiprocessing.Queue = FORK.Queue()
+    daemon = FORK.Process(target=_token_daemon, args=(run, total, results), daemon=True)
+    daemon.start()
+    reader_rate = asyncio.run(_token_proxy(run, total))
+    writer_rate = results.get(timeout=60)
+    daemon.join(5)
+    return {"proxy_records_per_s": reader_rate, "daemon_send_records_per_s": writer_rate}
+
+
+def _bare_writer(path: Path, total: int, batched: bool) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    line = [orjson.dumps({"k": "delta", "rid": f"cmpl-{i % 64:032x}", "index": i % 4,
+                          "text": " tok", "token_ids": [1000 + i]}) + b"\n"
+            for i in range(BATCH)]
+    chunk = b"".join(line)
+    for _ in range(total // BATCH):
+        if batched:
+            os.write(fd, chunk)
+        else:
+            for frame in line:
+                os.write(fd, frame)
+    os.close(fd)
+
+
+def bench_bare(path: Path, total: int, batched: bool) -> float:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    writer = FORK.Process(target=_bare_writer, args=(path, total, batched), daemon=True)
+    writer.start()
+    # Until the writer opens its end, read() would return EOF at once: wait for its data.
+    select.select([fd], [], [], 10)
+    os.set_blocking(fd, True)
+    count, rest, t0 = 0, b"", None
+    while count < total // BATCH * BATCH:
+        data = os.read(fd, 1 << 20)
+        if not data:
+            break
+        t0 = t0 or time.perf_counter()
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            orjson.loads(line)
+        count += len(lines)
+    elapsed = time.perf_counter() - (t0 or 0.0)
+    os.close(fd)
+    writer.join(5)
+    return count / elapsed
+
+
+# -- 2. control latency ------------------------------------------------------------------------
+
+
+def _control_proxy(run: Path, count: int) -> None:
+    async def main() -> None:
+        up = asyncio.Event()
+        pipes = ProxyPipes(run, 2, lambda r: None, lambda is_up, _why: is_up and up.set())
+        await pipes.start()
+        await asyncio.wait_for(up.wait(), 10)
+        rng = random.Random(0)
+        for phase in ("idle", "tick"):
+            for i in range(count):
+                await asyncio.sleep(rng.uniform(0.0005, 0.002))
+                pipes.control(Abort(f"{phase}-{i}", AbortCause.CLIENT_DISCONNECT, 2,
+                                    time.monotonic()))
+            await asyncio.sleep(0.05)
+            pipes.control(Abort(f"{phase}-end", AbortCause.CANCEL, 2))
+        await pipes.close()
+
+    asyncio.run(main())
+
+
+def bench_control(run: Path, count: int) -> dict[str, dict[str, float]]:
+    pipes = DaemonPipes(run)
+    proxy = FORK.Process(target=_control_proxy, args=(run, count), daemon=True)
+    proxy.start()
+    latencies: dict[str, list[float]] = {"idle": [], "tick": []}
+    phase, next_stats = "idle", 0.0
+    while phase != "done":
+        if phase == "idle":
+            pipes.wait_readable(0.05)
+        else:
+            busy_until = time.monotonic() + 0.005  # a forward pass
+            while time.monotonic() < busy_until:
+                pass
+        out: list[ToProxy] = []
+        for record in pipes.read_control():
+            now = time.monotonic()
+            if isinstance(record, Hello):
+                out.append(Welcome(PROTOCOL_VERSION, os.getpid(), "bench", 2048, record.epoch))
+            elif isinstance(record, Abort) and record.t_disconnect is not None:
+                latencies[phase].append(now - record.t_disconnect)
+            elif isinstance(record, Abort) and record.rid.endswith("-end"):
+                phase = "tick" if phase == "idle" else "done"
+        if time.monotonic() >= next_stats:
+            next_stats = time.monotonic() + 0.05
+            out.append(_stats())
+        pipes.send(out)
+    proxy.join(5)
+    pipes.close()
+    return {name: _percentiles(values) for name, values in latencies.items()}
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    cuts = statistics.quantiles(values, n=100)
+    return {"n": len(values), "p50_us": cuts[49] * 1e6, "p99_us": cuts[98] * 1e6,
+            "max_us": max(values) * 1e6}
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=400_000, help="token records per run")
+    parser.add_argument("--aborts", type=int, default=2000, help="control records per phase")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_ipc.json"))
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
+        run = Path(tmp)
+        tokens = bench_tokens(run / "tokens", args.records)
+        bare_path = ensure_fifos(run / "bare")["tokens"]
+        tokens["bare_orjson_one_write_per_s"] = bench_bare(bare_path, args.records, False)
+        tokens["bare_orjson_batched_per_s"] = bench_bare(bare_path, args.records, True)
+        control = bench_control(run / "control", args.aborts)
+
+    print(f"token records/s over one FIFO ({args.records} records, {BATCH} per send):")
+    print(f"  tether  DaemonPipes.send (encode+write)    {tokens['daemon_send_records_per_s']:>12,.0f}")
+    print(f"  tether  ProxyPipes (read+decode+dispatch) {tokens['proxy_records_per_s']:>12,.0f}"
+          f"   goal >= {GOAL_RECORDS_PER_S:,}")
+    print(f"  bare    orjson lines, one write each      {tokens['bare_orjson_one_write_per_s']:>12,.0f}")
+    print(f"  bare    orjson lines, batched writes      {tokens['bare_orjson_batched_per_s']:>12,.0f}")
+    print("control latency, ProxyPipes.control -> DaemonPipes.read_control:")
+    for name, label in (("idle", "idle in wait_readable"), ("tick", "5 ms ticks, then drain")):
+        c = control[name]
+        print(f"  {label:<24} p50 {c['p50_us']:>8.1f} us   p99 {c['p99_us']:>8.1f} us   "
+              f"max {c['max_us']:>8.1f} us   (n={c['n']})")
+    print(f"  goal: idle p99 <= {GOAL_IDLE_P99_US:.0f} us")
+
+    result = {"tokens": tokens, "control_latency": control,
+              "goals": {"records_per_s": GOAL_RECORDS_PER_S, "idle_p99_us": GOAL_IDLE_P99_US},
+              "met": {"records_per_s": tokens["proxy_records_per_s"] >= GOAL_RECORDS_PER_S,
+                      "idle_p99_us": control["idle"]["p99_us"] <= GOAL_IDLE_P99_US}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

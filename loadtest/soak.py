@@ -1,0 +1,111 @@
+"""Soak: a long locust run with heavy churn while the pair's memory is watched.
+
+    python loadtest/soak.py                          # 10 min, 200 users, 50% churn
+    python loadtest/soak.py --duration 1800 --users 300 --warmup 120
+
+Starts a fresh pair, runs the locust load test (loadtest/locustfile.py, with its own
+settle / 5xx / waste checks) and samples the RSS of the proxy and the daemon every
+--sample-every seconds. Fails (exit 1) if either process's RSS at the end (median of the last
+three samples) exceeds its RSS just after --warmup (median of the first three samples past it)
+by more than --max-growth, or if the locust run failed.
+Writes soak.json, rss.png and the locust report under results/soak-<timestamp>/ (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import common
+import psutil
+import run_locust
+
+
+def sample_until_exit(proc: subprocess.Popen[bytes], procs: dict[str, psutil.Process],
+                      every: float) -> tuple[list[float], dict[str, list[float]]]:
+    start = time.monotonic()
+    times: list[float] = []
+    rss: dict[str, list[float]] = {name: [] for name in procs}
+    while proc.poll() is None:
+        times.append(time.monotonic() - start)
+        for name, p in procs.items():
+            try:
+                rss[name].append(p.memory_info().rss / 2**20)
+            except psutil.Error:
+                rss[name].append(float("nan"))
+        try:
+            proc.wait(every)
+        except subprocess.TimeoutExpired:
+            pass
+    return times, rss
+
+
+def growth(times: list[float], values: list[float], warmup: float) -> dict[str, Any]:
+    after = [v for t, v in zip(times, values, strict=True) if t >= warmup]
+    if len(after) < 4:
+        return {"warm_mib": None, "end_mib": None, "growth": None,
+                "note": "too few samples after warm-up"}
+    warm, end = statistics.median(after[:3]), statistics.median(after[-3:])
+    return {"warm_mib": warm, "end_mib": end, "growth": end / warm - 1.0,
+            "peak_mib": max(values)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    parser.add_argument("--users", type=int, default=200)
+    parser.add_argument("--churn", type=float, default=0.5)
+    parser.add_argument("--warmup", type=float, default=60.0, help="seconds before the baseline")
+    parser.add_argument("--sample-every", type=float, default=5.0)
+    parser.add_argument("--max-growth", type=float, default=0.10)
+    parser.add_argument("--model", default="builtin:tiny")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    out = common.results_dir(args.out, "soak")
+    common.raise_fd_limit()
+
+    with common.ServerPair(model=args.model, max_num_seqs=args.max_num_seqs) as pair:
+        procs = pair.processes()
+        cmd = run_locust.locust_command(pair.base_url, args.duration, args.users,
+                                        max(1.0, args.users / 10), out, None,
+                                        ["--lt-churn", str(args.churn)])
+        print("$", " ".join(cmd), flush=True)
+        locust = subprocess.Popen(cmd, cwd=common.REPO)
+        times, rss = sample_until_exit(locust, procs, args.sample_every)
+        pids = {name: p.pid for name, p in procs.items()}
+
+    verdicts = {name: growth(times, values, args.warmup) for name, values in rss.items()}
+    problems = [f"{name} RSS grew {v['growth']:.1%} after warm-up "
+                f"({v['warm_mib']:.1f} -> {v['end_mib']:.1f} MiB)"
+                for name, v in verdicts.items()
+                if v["growth"] is not None and v["growth"] > args.max_growth]
+    if locust.returncode != 0:
+        problems.append(f"locust exited with {locust.returncode} (see its checks above)")
+    if any(v["growth"] is None for v in verdicts.values()):
+        problems.append("not enough samples after warm-up to judge memory growth")
+
+    print(f"\n=== soak ({args.duration:g} s, {args.users} users, churn {args.churn:g}) ===")
+    for name, v in verdicts.items():
+        print(common.goal_line(f"{name} RSS growth after warm-up", v["growth"],
+                               f"<= {args.max_growth:.0%}",
+                               None if v["growth"] is None else v["growth"] <= args.max_growth))
+    for problem in problems:
+        print("  FAIL:", problem)
+    common.write_json(out / "soak.json", {"args": vars(args), "pids": pids, "times_s": times,
+                                          "rss_mib": rss, "growth": verdicts,
+                                          "locust_exit": locust.returncode,
+                                          "problems": problems})
+    common.plot_lines(out / "rss.png", times, rss, "seconds", "RSS (MiB)",
+                      "tether RSS during the soak")
+    print(f"  result: {'FAIL' if problems else 'PASS'}; results in {out}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The proxy's ASGI application: routes, middleware and the engine client's lifetime."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from proxy import completions, responses
+from proxy.auth import ApiKeyMiddleware
+from proxy.engine_client import EngineClient
+from proxy.errors import EXCEPTION_HANDLERS, ApiError, error_response
+from proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from tether.settings import Settings
+
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestIdMiddleware:
+    """Echoes the request id on every answer: the client's valid X-Request-Id, else the one a
+    handler chose (``request.state.request_id``)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        offered = dict(scope["headers"]).get(b"x-request-id")
+        if offered is not None and not _REQUEST_ID.match(offered):
+            offered = None
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                chosen = scope.get("state", {}).get("request_id")
+                rid = chosen.encode() if chosen else offered
+                if rid is not None:
+                    message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit: by Content-Length up front, by counting otherwise."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            exc = self._too_large() if length.isdigit() else ApiError(
+                400, "invalid Content-Length header", code="invalid_header")
+            await error_response(exc)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body larger than {self.max_bytes} bytes",
+                        code="request_too_large")
+
+
+# --- small routes -----------------------------------------------------------------------------
+
+
+async def health(request: Request) -> Response:
+    engine: EngineClient = request.app.state.engine
+    if engine.up:
+        return JSONResponse({"status": "ok", "model": engine.model,
+                             "max_model_len": engine.max_model_len})
+    return JSONResponse({"status": "unavailable", "reason": engine.down_reason}, status_code=503)
+
+
+async def models(request: Request) -> Response:
+    name = completions.served_model(request)
+    engine: EngineClient = request.app.state.engine
+    card = {"id": name, "object": "model", "created": request.app.state.started_at,
+            "owned_by": "tether", "max_model_len": engine.max_model_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def metrics(request: Request) -> Response:
+    figures: ProxyMetrics = request.app.state.metrics
+    return Response(figures.render(), media_type=CONTENT_TYPE)
+
+
+# --- assembly ---------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    engine = EngineClient(settings.runtime_dir, settings.max_waiting)
+    app.state.engine = engine
+    app.state.metrics = ProxyMetrics(engine)
+    app.state.started_at = int(time.time())
+    await engine.start()
+    try:
+        yield
+    finally:
+        await responses.close_background(app)
+        await engine.close()
+
+
+def create_app(settings: Settings) -> Starlette:
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        *completions.routes,
+        *responses.routes,
+    ]
+    middleware = [
+        Middleware(RequestIdMiddleware),
+        Middleware(ApiKeyMiddleware, keys=settings.api_key),
+        Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes),
+    ]
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+                    lifespan=lifespan)
+    app.state.settings = settings
+    return app

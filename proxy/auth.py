@@ -1,0 +1,45 @@
+"""API-key check as pure ASGI middleware.
+
+Pure ASGI (not BaseHTTPMiddleware) because the handlers' disconnect detection needs the
+server's own ``receive``: wrapping it in a task-and-queue layer delays or loses http.disconnect.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from proxy.errors import ApiError, error_response
+
+# The API lives under /v1; /health and /metrics stay open for probes and scrapers.
+PROTECTED_PREFIX = "/v1"
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or not self.keys
+                or not scope["path"].startswith(PROTECTED_PREFIX) or self._allowed(scope)):
+            await self.app(scope, receive, send)
+            return
+        exc = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error_response(exc)(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        offered = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    offered = token.strip()
+                break
+        # Compare against every key so the time taken does not tell which one nearly matched.
+        matched = False
+        for key in self.keys:
+            matched |= hmac.compare_digest(offered, key)
+        return matched

@@ -1,0 +1,251 @@
+"""POST /v1/completions and POST /v1/chat/completions.
+
+Both routes share one flow: validate -> Submit -> wait for the daemon's first record while
+watching the client (so a rejection still gets its HTTP status and a queued request whose
+client leaves is aborted) -> then either collect everything (still watching) or stream SSE.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, Usage
+from proxy.cancellation import run_until_disconnect
+from proxy.engine_client import EngineClient
+from proxy.errors import ApiError
+from proxy.metrics import ProxyMetrics
+from proxy.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    check_chat,
+    check_completion,
+    check_model,
+    decode_body,
+    request_id,
+    sampling_params,
+)
+from proxy.sse import DONE, SSEResponse, sse_event
+
+EngineStream = AsyncGenerator[Delta | Finish, None]
+
+
+class Shape:
+    """How one endpoint renders choices; the flow around it is shared."""
+
+    kind = RequestKind.COMPLETION
+    prefix = "cmpl-"
+    full_object = "text_completion"
+    chunk_object = "text_completion"
+    endpoint = "completions"
+
+    def choice(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def chunk_choice(self, index: int, text: str, finish: str | None,
+                     first: bool) -> dict[str, Any]:
+        return self.choice(index, text, finish)
+
+
+class ChatShape(Shape):
+    kind = RequestKind.CHAT
+    prefix = "chatcmpl-"
+    full_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    endpoint = "chat"
+
+    def choice(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish}
+
+    def chunk_choice(self, index: int, text: str, finish: str | None,
+                     first: bool) -> dict[str, Any]:
+        delta: dict[str, str] = {"role": "assistant"} if first else {}
+        if text or (first and finish is None):
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+COMPLETION = Shape()
+CHAT = ChatShape()
+
+
+def finish_reason(record: Finish) -> str:
+    """The OpenAI finish_reason; a sequence the server itself gave up on is an error."""
+    if record.reason is FinishReason.STOP or record.reason is FinishReason.LENGTH:
+        return record.reason.value
+    if record.reason is FinishReason.ABORT:
+        cause = record.cause.value if record.cause else "unknown"
+        raise ApiError(503, f"the request was aborted by the server ({cause})",
+                       code="request_aborted")
+    raise ApiError(500, record.message or "the engine failed on this request",
+                   code="engine_error")
+
+
+def usage_body(usages: dict[int, Usage], n: int) -> dict[str, int]:
+    # Every sample of a prompt reports that prompt's tokens: count them once per prompt.
+    prompt = sum(u.prompt_tokens for i, u in usages.items() if i % n == 0)
+    completion = sum(u.completion_tokens for u in usages.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+class Exchange:
+    """One request's rendering state and figures."""
+
+    def __init__(self, request: Request, submit: Submit, shape: Shape, model: str,
+                 include_usage: bool) -> None:
+        self.submit = submit
+        self.shape = shape
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.metrics: ProxyMetrics = request.app.state.metrics
+        self.t_start = submit.t_submit
+        self.first_token_seen = False
+        self.usages: dict[int, Usage] = {}
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.submit.rid, "object": obj, "created": self.created,
+                "model": self.model}
+
+    def on_record(self, record: Delta | Finish) -> str | None:
+        """Accounts one record; returns the finish reason for a Finish."""
+        if isinstance(record, Delta):
+            if not self.first_token_seen:
+                self.first_token_seen = True
+                self.metrics.time_to_first_token.observe(time.monotonic() - self.t_start)
+            return None
+        self.usages[record.index] = record.usage
+        return finish_reason(record)
+
+    def usage(self) -> dict[str, int]:
+        return usage_body(self.usages, self.submit.n)
+
+    def done(self) -> None:
+        self.metrics.request_duration.labels(self.shape.endpoint).observe(
+            time.monotonic() - self.t_start)
+
+
+async def _first(records: EngineStream) -> Delta | Finish | None:
+    return await anext(records, None)
+
+
+async def collect(ex: Exchange, first: Delta | Finish | None, records: EngineStream) -> Response:
+    texts: dict[int, list[str]] = {}
+    finishes: dict[int, str] = {}
+    record = first
+    while record is not None:
+        reason = ex.on_record(record)
+        if isinstance(record, Delta):
+            texts.setdefault(record.index, []).append(record.text)
+        elif reason is not None:
+            finishes[record.index] = reason
+        record = await anext(records, None)
+    choices = [ex.shape.choice(i, "".join(texts.get(i, ())), finishes.get(i))
+               for i in sorted(finishes)]
+    body = {**ex.head(ex.shape.full_object), "choices": choices, "usage": ex.usage()}
+    ex.done()
+    return JSONResponse(body)
+
+
+async def stream(ex: Exchange, first: Delta | Finish | None,
+                 records: EngineStream) -> AsyncIterator[bytes]:
+    started: set[int] = set()
+    head = ex.head(ex.shape.chunk_object)
+    usage_field = {"usage": None} if ex.include_usage else {}
+    try:
+        record = first
+        while record is not None:
+            reason = ex.on_record(record)
+            text = record.text if isinstance(record, Delta) else ""
+            is_first = record.index not in started
+            started.add(record.index)
+            choice = ex.shape.chunk_choice(record.index, text, reason, is_first)
+            yield sse_event({**head, "choices": [choice], **usage_field})
+            record = await anext(records, None)
+        if ex.include_usage:
+            yield sse_event({**head, "choices": [], "usage": ex.usage()})
+        yield DONE
+        ex.done()
+    except ApiError as exc:
+        # Headers are gone already: the error travels as the last event.
+        yield sse_event(exc.body())
+    finally:
+        await records.aclose()
+
+
+async def respond(request: Request, submit: Submit, shape: Shape, stream_it: bool,
+                  include_usage: bool) -> Response:
+    engine: EngineClient = request.app.state.engine
+    records = engine.generate(submit)
+    try:
+        first = await run_until_disconnect(request, _first(records))
+    except BaseException:
+        await records.aclose()
+        raise
+    ex = Exchange(request, submit, shape, served_model(request), include_usage)
+    if stream_it:
+        return SSEResponse(stream(ex, first, records))
+    try:
+        return await run_until_disconnect(request, collect(ex, first, records))
+    finally:
+        await records.aclose()
+
+
+def served_model(request: Request) -> str:
+    engine: EngineClient = request.app.state.engine
+    return engine.model or request.app.state.settings.model
+
+
+def served_models(request: Request) -> tuple[str, ...]:
+    engine: EngineClient = request.app.state.engine
+    names = [request.app.state.settings.model]
+    if engine.model is not None and engine.model not in names:
+        names.insert(0, engine.model)
+    return tuple(names)
+
+
+def _begin(request: Request, shape: Shape) -> tuple[str, float]:
+    t_start = time.monotonic()
+    rid = request_id(request.headers.get("x-request-id"), shape.prefix)
+    request.state.request_id = rid
+    return rid, t_start
+
+
+async def completions(request: Request) -> Response:
+    rid, t_start = _begin(request, COMPLETION)
+    req = decode_body(await request.body(), CompletionRequest)
+    check_completion(req)
+    check_model(req.model, served_models(request))
+    engine: EngineClient = request.app.state.engine
+    sampling = sampling_params(req, req.max_tokens, "max_tokens", engine.max_model_len)
+    submit = Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.COMPLETION, sampling=sampling,
+                    n=req.n, prompts=req.prompts, t_submit=t_start)
+    return await respond(request, submit, COMPLETION, req.stream, req.include_usage)
+
+
+async def chat_completions(request: Request) -> Response:
+    rid, t_start = _begin(request, CHAT)
+    req = decode_body(await request.body(), ChatRequest)
+    check_chat(req)
+    check_model(req.model, served_models(request))
+    engine: EngineClient = request.app.state.engine
+    max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, param = req.max_tokens, "max_tokens"
+    sampling = sampling_params(req, max_tokens, param, engine.max_model_len)
+    submit = Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.CHAT, sampling=sampling,
+                    n=req.n, messages=[m.to_record() for m in req.messages], t_submit=t_start)
+    return await respond(request, submit, CHAT, req.stream, req.include_usage)
+
+
+routes = [
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+]

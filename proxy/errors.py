@@ -1,0 +1,102 @@
+"""OpenAI-shaped errors: one exception type for everything a handler can refuse, one renderer.
+
+Every refusal the client can cause is an `ApiError` with the right status; the app's exception
+handlers turn it (and Starlette's own 404/405) into ``{"error": {message, type, param, code}}``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+log = logging.getLogger("tether.proxy")
+
+# Not an HTTP status anyone receives: the client has gone. nginx's code for the same situation,
+# so access logs tell a dropped request from a served one.
+CLIENT_CLOSED_REQUEST = 499
+
+_PHRASES = {
+    400: "bad request",
+    401: "unauthorized",
+    404: "not found",
+    405: "method not allowed",
+    413: "request body too large",
+    429: "too many requests",
+    500: "internal server error",
+    503: "service unavailable",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or default_type(status)
+        self.headers = headers
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+def default_type(status: int) -> str:
+    if status == 503:
+        return "service_unavailable"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_response(exc: ApiError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def api_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def http_error_handler(request: Request, exc: Exception) -> Response:
+    """Starlette's routing errors (unknown route, wrong method) in the OpenAI shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+        code: str | None = "not_found"
+    elif exc.status_code == 405:
+        message = f"method {request.method} not allowed on {request.url.path}"
+        code = "method_not_allowed"
+    else:
+        message = exc.detail or _PHRASES.get(exc.status_code, "error")
+        code = None
+    return error_response(ApiError(exc.status_code, message, code=code,
+                                   headers=dict(exc.headers or {})))
+
+
+async def disconnected_handler(request: Request, exc: Exception) -> Response:
+    # Nobody reads this response; answering keeps the disconnect out of the error log.
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def unexpected_handler(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(ApiError(500, "internal server error", code="internal_error"))
+
+
+EXCEPTION_HANDLERS = {
+    ApiError: api_error_handler,
+    HTTPException: http_error_handler,
+    ClientDisconnected: disconnected_handler,
+    Exception: unexpected_handler,
+}

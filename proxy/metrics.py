@@ -1,0 +1,117 @@
+"""Prometheus figures: the daemon's last Stats plus what only the proxy can measure.
+
+The daemon's counters are cumulative since it started, so they are exposed as counters straight
+from the last Stats record by a collector (a daemon restart reads as a counter reset, which
+Prometheus handles) rather than replayed through inc().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ipc.records import AbortCause, FinishReason, Stats
+from proxy.engine_client import EngineClient
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+_GAUGES = (
+    ("tether_requests_running", "Sessions the daemon is running", "running"),
+    ("tether_requests_waiting", "Sessions queued in the daemon", "waiting"),
+    ("tether_kv_cache_blocks_used", "KV cache blocks in use", "kv_blocks_used"),
+    ("tether_kv_cache_blocks_total", "KV cache blocks in the pool", "kv_blocks_total"),
+    ("tether_conversation_placeholders", "Responses placeholders held", "placeholders"),
+)
+
+_TOKEN_COUNTERS = (
+    ("tether_prompt_tokens", "Prompt tokens prefilled", "prompt_tokens"),
+    ("tether_generation_tokens", "Tokens generated", "generation_tokens"),
+    ("tether_tokens_after_disconnect",
+     "Tokens generated after the client's disconnect was written", "tokens_after_disconnect"),
+)
+
+
+class EngineCollector(Collector):
+    """Reads the engine client's last Stats at scrape time."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.last_stats
+        yield from self._gauges(stats)
+        yield from self._counters(stats)
+        yield from self._proxy_figures()
+
+    def _gauges(self, stats: Stats | None) -> Iterator[Metric]:
+        for name, doc, attr in _GAUGES:
+            yield GaugeMetricFamily(name, doc, value=getattr(stats, attr) if stats else 0)
+
+    def _counters(self, stats: Stats | None) -> Iterator[Metric]:
+        finished = CounterMetricFamily("tether_requests_finished",
+                                       "Requests finished in the daemon, by reason",
+                                       labels=["reason"])
+        for reason in FinishReason:
+            finished.add_metric([reason.value], stats.finished.get(reason.value, 0) if stats else 0)
+        yield finished
+        aborts = CounterMetricFamily("tether_aborts", "Sessions aborted in the daemon, by cause",
+                                     labels=["cause"])
+        for cause in AbortCause:
+            aborts.add_metric([cause.value], stats.aborts.get(cause.value, 0) if stats else 0)
+        yield aborts
+        for name, doc, attr in _TOKEN_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(stats, attr) if stats else 0)
+        bad = CounterMetricFamily("tether_ipc_bad_records", "Undecodable IPC records, by pipe",
+                                  labels=["pipe"])
+        counts = dict(stats.bad_records) if stats else {}
+        counts["tokens"] = counts.get("tokens", 0) + self.engine.bad_records
+        for pipe in ("requests", "control", *sorted(set(counts) - {"requests", "control"})):
+            bad.add_metric([pipe], counts.get(pipe, 0))
+        yield bad
+
+    def _proxy_figures(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("tether_proxy_sessions", "Sessions open in the proxy",
+                                value=self.engine.num_sessions)
+        yield GaugeMetricFamily("tether_proxy_sessions_waiting",
+                                "Sessions the daemon has not answered yet",
+                                value=self.engine.num_waiting)
+        yield GaugeMetricFamily("tether_daemon_up", "1 when the daemon answers",
+                                value=1 if self.engine.up else 0)
+        sent = CounterMetricFamily("tether_proxy_aborts_sent", "Abort records written, by cause",
+                                   labels=["cause"])
+        for cause, count in self.engine.aborts_sent.items():
+            sent.add_metric([cause.value], count)
+        yield sent
+
+
+class ProxyMetrics:
+    """One private registry per app, so tests can build several apps in one process."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine))
+        self.abort_latency = Histogram(
+            "tether_abort_latency_seconds",
+            "From the proxy seeing a disconnect to the daemon evicting the session",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "tether_time_to_first_token_seconds", "From request arrival to the first token",
+            buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.request_duration = Histogram(
+            "tether_request_duration_seconds", "From request arrival to its last byte",
+            labelnames=["endpoint"], buckets=_DURATION_BUCKETS, registry=self.registry)
+        engine.stats_listeners.append(self._on_stats)
+
+    def _on_stats(self, stats: Stats) -> None:
+        for seconds in stats.abort_latency_obs:
+            self.abort_latency.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,229 @@
+"""The OpenAI Responses API: create, retrieve, delete and cancel responses.
+
+A foreground response is tied to its HTTP request: when the client leaves, the engine session
+is aborted (and the daemon drops the placeholder). A background response runs in a proxy task
+that no client owns (see `proxy.responses_background`); only a cancel or a DELETE stops it.
+The daemon owns the store; GET / DELETE / cancel go to it as ResponseOp records, except that a
+background response this proxy still holds answers from its live state when the daemon has no
+row for it yet (it has not admitted the Submit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ipc.records import AbortCause, Delta, Finish, ResponseOpKind, ResponseReply, Submit
+from ipc.response_object import ResponseStatus
+from proxy.cancellation import run_until_disconnect
+from proxy.completions import served_model, served_models
+from proxy.engine_client import EngineClient, unavailable
+from proxy.errors import ApiError
+from proxy.responses_background import BackgroundRegistry, BackgroundRun
+from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record
+from proxy.responses_request import (
+    build_submit,
+    decode_request,
+    response_params,
+    sampling_params,
+)
+from proxy.schemas import request_id
+from proxy.sse import SSEResponse, sse_event
+
+
+def background_registry(app: Starlette) -> BackgroundRegistry:
+    registry: BackgroundRegistry | None = getattr(app.state, "background_responses", None)
+    if registry is None:
+        registry = app.state.background_responses = BackgroundRegistry()
+    return registry
+
+
+async def close_background(app: Starlette) -> None:
+    """For the app's shutdown: every background response still running ends as failed."""
+    registry: BackgroundRegistry | None = getattr(app.state, "background_responses", None)
+    if registry is not None:
+        await registry.close()
+
+
+EngineStream = AsyncGenerator[Delta | Finish, None]
+
+
+def _engine(request: Request) -> EngineClient:
+    engine: EngineClient = request.app.state.engine
+    return engine
+
+
+# --- POST /v1/responses ---------------------------------------------------------------------
+
+
+async def create_response(request: Request) -> Response:
+    t_submit = time.monotonic()
+    rid = request_id(request.headers.get("x-request-id"), "resp_")
+    request.state.request_id = rid
+    req = decode_request(await request.body(), served_models(request))
+    engine = _engine(request)
+    if not engine.up:
+        raise unavailable(engine.down_reason)
+    registry = background_registry(request.app)
+    if registry.get(rid) is not None:
+        raise ApiError(400, f"response id {rid!r} is already in use", param="X-Request-Id",
+                       code="duplicate_request_id")
+    sampling = sampling_params(req, engine.max_model_len)
+    params = response_params(req, rid, served_model(request), sampling)
+    submit = build_submit(req, params, sampling, engine.epoch, t_submit)
+    events = ResponseEvents(params)
+    if not req.background:
+        return await _foreground(request, engine, events, submit, req.stream)
+    run = BackgroundRun(events)
+    registry.add(run)
+    run.start(engine, submit)
+    if req.stream:
+        return SSEResponse(_sse(run.subscribe()))
+    return JSONResponse(events.snapshot())
+
+
+async def _foreground(request: Request, engine: EngineClient, events: ResponseEvents,
+                      submit: Submit, stream: bool) -> Response:
+    """Waits for the engine's first record (a rejected request is still an HTTP error), then
+    answers. Leaving early closes the engine stream, whose ``finally`` writes the Abort."""
+    records = engine.generate(submit)
+    try:
+        first = await run_until_disconnect(request, _first(records))
+    except BaseException:
+        await records.aclose()
+        raise
+    if stream:
+        return SSEResponse(_sse(_foreground_events(events, first, records)))
+    try:
+        return JSONResponse(await run_until_disconnect(request, _collect(events, first, records)))
+    finally:
+        await records.aclose()
+
+
+async def _first(records: EngineStream) -> Delta | Finish | None:
+    return await anext(records, None)
+
+
+async def _collect(events: ResponseEvents, first: Delta | Finish | None,
+                   records: EngineStream) -> dict[str, Any]:
+    record = first
+    while record is not None:
+        apply_record(events, record)
+        record = await anext(records, None)
+    return events.snapshot()
+
+
+async def _foreground_events(events: ResponseEvents, first: Delta | Finish | None,
+                             records: EngineStream) -> AsyncGenerator[Event, None]:
+    try:
+        for event in events.created():
+            yield event
+        record = first
+        while record is not None:
+            for event in apply_record(events, record):
+                yield event
+            record = await anext(records, None)
+    except ApiError as exc:  # the daemon was lost mid-stream
+        for event in events.error(exc.message, exc.code, exc.param):
+            yield event
+        for event in events.finish(Outcome(ResponseStatus.FAILED, error=exc.message)):
+            yield event
+    finally:
+        await records.aclose()
+
+
+async def _sse(events: AsyncGenerator[Event, None]) -> AsyncGenerator[bytes, None]:
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield sse_event(event, event["type"])
+
+
+# --- GET / DELETE / cancel ------------------------------------------------------------------
+
+
+def _reply(reply: ResponseReply) -> Response:
+    if reply.status == 200:
+        return JSONResponse(reply.body)
+    code = "not_found" if reply.status == 404 else None
+    raise ApiError(reply.status, reply.message or f"response operation failed ({reply.status})",
+                   code=code)
+
+
+async def get_response(request: Request) -> Response:
+    rid = request.path_params["response_id"]
+    run = background_registry(request.app).get(rid)
+    if request.query_params.get("stream", "false").lower() == "true":
+        if run is None:
+            raise ApiError(400, f"response {rid!r} cannot be streamed: only a background "
+                           "response still held by this server can", param="stream")
+        return SSEResponse(_sse(run.subscribe(_starting_after(request))))
+    if run is not None and not run.finished:
+        # Live state, with the text so far; the daemon's placeholder has no output yet.
+        return JSONResponse(run.events.snapshot())
+    try:
+        reply = await _engine(request).response_op(ResponseOpKind.GET, rid)
+    except ApiError:
+        if run is None:
+            raise
+        return JSONResponse(run.events.snapshot())  # the daemon is down; this proxy knows
+    if reply.status == 404 and run is not None:
+        return JSONResponse(run.events.snapshot())
+    return _reply(reply)
+
+
+def _starting_after(request: Request) -> int | None:
+    raw = request.query_params.get("starting_after")
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ApiError(400, f"'starting_after' must be an integer, got {raw!r}",
+                       param="starting_after") from None
+
+
+async def delete_response(request: Request) -> Response:
+    rid = request.path_params["response_id"]
+    registry = background_registry(request.app)
+    reply = await _engine(request).response_op(ResponseOpKind.DELETE, rid)
+    run = registry.get(rid)
+    if run is not None and reply.status in (200, 404):
+        if not run.finished:
+            # The daemon holds no live row for it (not admitted yet): nobody wants it any more.
+            _engine(request).abort(rid, AbortCause.CANCEL)
+            run.end(Outcome(ResponseStatus.CANCELLED))
+        registry.remove(rid)
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+    return _reply(reply)
+
+
+async def cancel_response(request: Request) -> Response:
+    """Cancel a background response: the store marks it cancelled first, so however the race
+    with its last tokens goes it stays cancelled; then the Abort stops the engine."""
+    rid = request.path_params["response_id"]
+    engine = _engine(request)
+    run = background_registry(request.app).get(rid)
+    live = run is not None and not run.finished
+    reply = await engine.response_op(ResponseOpKind.CANCEL, rid)
+    if reply.status == 200 or (live and reply.status == 404):
+        engine.abort(rid, AbortCause.CANCEL)
+    if run is not None and live and reply.status in (200, 404):
+        run.end(Outcome(ResponseStatus.CANCELLED))
+        if reply.status == 404:  # queued in the daemon, not admitted: no row to answer from
+            return JSONResponse(run.events.snapshot())
+    return _reply(reply)
+
+
+routes = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+]

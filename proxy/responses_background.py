@@ -1,0 +1,142 @@
+"""Background responses: generation that outlives the HTTP request that started it.
+
+A `BackgroundRun` drives one engine session in its own task (``abort_on_exit=False``: a client
+leaving does not stop it) and keeps every event it produced, so a background stream, a later
+``GET ?stream=true`` and a cancel all see the same sequence. Whatever happens (finish, engine
+error, daemon lost, cancel, proxy shutdown) the run publishes exactly one terminal event, so
+no reader ever waits forever.
+
+`BackgroundRegistry` bounds how many runs the proxy holds: finished runs are kept a while for
+late readers, then dropped oldest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator
+
+from ipc.records import AbortCause, Submit
+from ipc.response_object import ResponseStatus
+from proxy.engine_client import EngineClient
+from proxy.errors import ApiError
+from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record
+
+log = logging.getLogger("tether.proxy")
+
+
+class BackgroundRun:
+    def __init__(self, events: ResponseEvents) -> None:
+        self.events = events
+        self.history: list[Event] = []
+        self.task: asyncio.Task[None] | None = None
+        self.finished_at: float | None = None
+        self._wake = asyncio.Event()
+        self.publish(events.created())
+
+    @property
+    def id(self) -> str:
+        return self.events.params.id
+
+    @property
+    def finished(self) -> bool:
+        return self.events.finished
+
+    def start(self, engine: EngineClient, submit: Submit) -> None:
+        self.task = asyncio.create_task(self._drive(engine, submit), name=f"background {self.id}")
+
+    def publish(self, events: list[Event]) -> None:
+        if not events:
+            return
+        self.history.extend(events)
+        if self.finished and self.finished_at is None:
+            self.finished_at = time.monotonic()
+        # Each waiter holds the Event current when it checked; swapping wakes them all at once.
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def end(self, outcome: Outcome) -> None:
+        """Finish now (cancel, shutdown) unless the run already finished; stops the task."""
+        self.publish(self.events.finish(outcome))
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
+
+    async def subscribe(self, starting_after: int | None = None) -> AsyncGenerator[Event, None]:
+        """Every event after ``starting_after`` (all of them by default), until the terminal one."""
+        i = 0 if starting_after is None else starting_after + 1
+        while True:
+            while i < len(self.history):
+                yield self.history[i]
+                i += 1
+            if self.finished:
+                return
+            await self._wake.wait()
+
+    async def _drive(self, engine: EngineClient, submit: Submit) -> None:
+        try:
+            async with contextlib.aclosing(engine.generate(submit, abort_on_exit=False)) as records:
+                async for record in records:
+                    self.publish(apply_record(self.events, record))
+        except ApiError as exc:
+            self.publish(self.events.error(exc.message, exc.code, exc.param))
+            self.publish(self.events.finish(Outcome(ResponseStatus.FAILED, error=exc.message)))
+        except asyncio.CancelledError:
+            if not self.finished:  # not a cancel (that ends the run first): the proxy stops
+                engine.abort(self.id, AbortCause.SHUTDOWN)
+                self.publish(self.events.finish(Outcome(ResponseStatus.FAILED,
+                                                        error="the server is shutting down")))
+            raise
+        except Exception as exc:
+            log.exception("background response %s failed", self.id)
+            self.publish(self.events.finish(Outcome(ResponseStatus.FAILED, error=str(exc))))
+        finally:
+            # The engine ended the stream without a Finish: still give readers their ending.
+            self.publish(self.events.finish(Outcome(ResponseStatus.FAILED,
+                                                    error="generation ended without a result")))
+
+
+class BackgroundRegistry:
+    """The background runs this proxy holds, bounded in number and in how long finished ones stay."""
+
+    def __init__(self, max_runs: int = 1024, keep_finished_s: float = 600.0) -> None:
+        self.max_runs = max_runs
+        self.keep_finished_s = keep_finished_s
+        self._runs: OrderedDict[str, BackgroundRun] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def get(self, response_id: str) -> BackgroundRun | None:
+        return self._runs.get(response_id)
+
+    def remove(self, response_id: str) -> None:
+        self._runs.pop(response_id, None)
+
+    def add(self, run: BackgroundRun) -> None:
+        """Raises ApiError(429) when every slot holds a run still generating."""
+        self._prune(time.monotonic())
+        if len(self._runs) >= self.max_runs:
+            raise ApiError(429, f"too many background responses in progress (limit "
+                                f"{self.max_runs}); retry later", code="rate_limit_exceeded")
+        self._runs[run.id] = run
+
+    def _prune(self, now: float) -> None:
+        finished = [r for r in self._runs.values() if r.finished_at is not None]
+        expired = [r for r in finished if now - (r.finished_at or now) > self.keep_finished_s]
+        for run in expired:
+            del self._runs[run.id]
+        excess = len(self._runs) - self.max_runs + 1
+        for run in [r for r in finished if r not in expired][:max(excess, 0)]:
+            del self._runs[run.id]
+
+    async def close(self) -> None:
+        """Proxy shutdown: every unfinished run ends as failed, and its task is awaited."""
+        tasks = [r.task for r in self._runs.values() if r.task is not None and not r.task.done()]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

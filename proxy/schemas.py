@@ -1,0 +1,217 @@
+"""Request bodies of the completions and chat routes, validated by msgspec while decoding.
+
+Limits live in the types (``Meta(ge=1)``) so msgspec's error names the field and the limit;
+`decode_body` turns its "at `$.field`" path into the OpenAI ``param``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+from ipc.records import Message, SamplingParams
+from proxy.errors import ApiError
+
+T = TypeVar("T")
+
+MAX_N = 128
+MAX_PROMPTS = 256
+MAX_STOP = 16
+MAX_SEED = 2**63 - 1
+# The proxy cannot count prompt tokens, so an omitted max_tokens gets a fixed default rather
+# than "the rest of the context" (which the daemon would reject for any non-empty prompt).
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 512}
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1)]
+Seed = Annotated[int, msgspec.Meta(ge=-MAX_SEED, le=MAX_SEED)]
+Stop = str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP)]
+N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat; None means "the default"."""
+
+    model: str | None = None
+    n: N = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    user: str | None = None
+    # Accepted so that clients sending the neutral value work; anything else is refused
+    # rather than silently ignored.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_PROMPTS)]
+    max_tokens: PositiveInt | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+
+class TextPart(msgspec.Struct):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def to_record(self) -> Message:
+        text = self.content if isinstance(self.content, str) else "\n".join(
+            part.text for part in self.content)
+        return Message("system" if self.role == "developer" else self.role, text)
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None
+
+
+_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+
+
+def decode_body(body: bytes, struct_type: type[T]) -> T:
+    """Decodes a JSON body into `struct_type`; ApiError(400) naming the field on any problem."""
+    decoder = _decoders.get(struct_type)
+    if decoder is None:
+        decoder = _decoders[struct_type] = msgspec.json.Decoder(struct_type)
+    try:
+        return decoder.decode(body)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        raise validation_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}",
+                       code="invalid_json") from None
+
+
+def validation_error(text: str) -> ApiError:
+    match = _AT.match(text)
+    what = match.group("what") if match else text
+    path = (match.group("path") or "") if match else ""
+    param = path.removeprefix(".")
+    missing = _MISSING.match(what)
+    if missing:
+        param = f"{param}.{missing.group('field')}" if param else missing.group("field")
+        return ApiError(400, f"missing required field '{param}'", param=param,
+                        code="missing_required_parameter")
+    if not param:
+        return ApiError(400, f"invalid request body: {what}", code="invalid_value")
+    return ApiError(400, f"invalid value for '{param}': {what}", param=param,
+                    code="invalid_value")
+
+
+def _refuse(param: str, why: str) -> ApiError:
+    return ApiError(400, f"'{param}' {why}", param=param, code="unsupported_parameter")
+
+
+def _check_unsupported(req: _Sampling) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise _refuse(name, "is not supported (only 0)")
+    if req.logit_bias:
+        raise _refuse("logit_bias", "is not supported")
+    if req.stream_options is not None and not req.stream:
+        raise _refuse("stream_options", "is only allowed when 'stream' is true")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    _check_unsupported(req)
+    if req.echo:
+        raise _refuse("echo", "is not supported")
+    if req.logprobs is not None:
+        raise _refuse("logprobs", "is not supported")
+    if req.suffix:
+        raise _refuse("suffix", "is not supported")
+    if req.best_of not in (None, 1):
+        raise _refuse("best_of", "is not supported (only 1)")
+
+
+def check_chat(req: ChatRequest) -> None:
+    _check_unsupported(req)
+    if req.logprobs:
+        raise _refuse("logprobs", "is not supported")
+    if req.tools:
+        raise _refuse("tools", "is not supported")
+
+
+def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
+                    max_model_len: int | None) -> SamplingParams:
+    """The record for the daemon; `param` names the max-tokens field the client used."""
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS["completion" if isinstance(req, CompletionRequest)
+                                        else "chat"]
+        if max_model_len is not None:
+            max_tokens = min(max_tokens, max_model_len)
+    elif max_model_len is not None and max_tokens > max_model_len:
+        raise ApiError(400, f"'{param}' is {max_tokens}, more than the model's context length "
+                       f"{max_model_len}", param=param, code="context_length_exceeded")
+    if req.min_tokens > max_tokens:
+        raise ApiError(400, f"'min_tokens' ({req.min_tokens}) must be <= '{param}' "
+                       f"({max_tokens})", param="min_tokens", code="invalid_value")
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k in (None, 0) else req.top_k,
+        seed=req.seed,
+        stop=[s for s in stop if s],
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+    )
+
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_id(header: str | None, prefix: str) -> str:
+    """The client's X-Request-Id when it is valid, else a fresh id starting with `prefix`."""
+    if header is None:
+        return prefix + uuid.uuid4().hex
+    if not _REQUEST_ID.match(header):
+        raise ApiError(400, "X-Request-Id must be 1 to 128 characters of [A-Za-z0-9._:-]",
+                       param="X-Request-Id", code="invalid_request_id")
+    return header
+
+
+def check_model(model: str | None, served: tuple[str, ...]) -> None:
+    """An omitted model means the served one; any other name is a 404 as OpenAI answers."""
+    if model is not None and model not in served:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+                       f"'{served[0]}'", param="model", code="model_not_found")

@@ -1,0 +1,113 @@
+"""Runs the proxy app on uvicorn: readiness and watchdog notifications, graceful SIGTERM.
+
+On SIGTERM the listener closes first, open sessions get `drain_timeout_s` to finish, then the
+rest are aborted with cause ``shutdown`` (their clients get a 503 or a final error event) before
+uvicorn closes the connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from starlette.applications import Starlette
+
+from ipc.records import AbortCause
+from proxy.app import create_app
+from proxy.engine_client import EngineClient
+from tether.settings import Settings
+
+log = logging.getLogger("tether.proxy")
+
+Notify = Callable[[str], object]
+
+WATCHDOG_INTERVAL_S = 2.0
+# Once open sessions were aborted, their responses end within a moment.
+CLOSE_TIMEOUT_S = 2.0
+
+
+class ProxyServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: Starlette, drain_timeout_s: float,
+                 notify: Notify | None = None) -> None:
+        super().__init__(config)
+        self.app = app
+        self.drain_timeout_s = drain_timeout_s
+        self.notify: Notify = notify or (lambda message: None)
+        self._watchdog: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int | None:
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets or ():
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    return int(sock.getsockname()[1])
+        return None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # The first SIGTERM/SIGINT asks, a second forces. Not re-raised after the shutdown (as
+        # uvicorn does): a drained exit is a clean exit, status 0.
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if not self.started:
+            return
+        self._watchdog = asyncio.create_task(self._pet_watchdog(), name="tether-watchdog")
+        self.notify(f"STATUS=listening on {self.config.host}:{self.port}")
+        self.notify("READY=1")
+
+    async def _pet_watchdog(self) -> None:
+        # From the event loop, so a blocked loop stops the pings and systemd notices.
+        while True:
+            self.notify("WATCHDOG=1")
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.notify("STOPPING=1")
+        for server in self.servers:
+            server.close()
+        engine: EngineClient | None = getattr(self.app.state, "engine", None)
+        if engine is not None:
+            await self._drain(engine)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+        await super().shutdown(sockets)
+
+    async def _drain(self, engine: EngineClient) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        # Polling, not an event: a second signal (force_exit) must cut the wait short too.
+        while engine.num_sessions and time.monotonic() < deadline and not self.force_exit:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        aborted = engine.abort_all(AbortCause.SHUTDOWN)
+        if aborted:
+            log.info("shutdown: aborted %d session(s) still running after %.1f s", aborted,
+                     self.drain_timeout_s)
+
+
+def build_server(settings: Settings, notify: Notify | None = None) -> ProxyServer:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, loop="auto", http="auto",
+        lifespan="on", log_config=None, access_log=False,
+        timeout_graceful_shutdown=int(CLOSE_TIMEOUT_S),
+    )
+    return ProxyServer(config, app, settings.drain_timeout_s, notify)
+
+
+def run(settings: Settings, notify: Callable[[str], object] | None = None) -> int:
+    server = build_server(settings, notify)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start the app
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0 if server.started else 1

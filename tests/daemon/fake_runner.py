@@ -1,0 +1,65 @@
+"""A model runner for engine tests: a paged "KV cache" of token ids and a scripted next token.
+
+It reads every context token back through the block table, so a wrong table (a fork that did
+not copy, a preemption that did not recompute) produces a wrong token, not a silent pass.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+
+import torch
+
+from daemon.scheduler import ScheduledChunk
+
+Script = Callable[[list[int]], int]
+
+
+def hash_script(vocab: int) -> Script:
+    """A deterministic 'model': the next token is a hash of the whole context."""
+    return lambda ctx: zlib.crc32(bytes(str(ctx), "ascii")) % vocab
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, vocab: int, script: Script | None = None,
+                 block_size: int = 16, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s  # per forward pass, to give a tick a realistic duration
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab = vocab
+        self.script = script or hash_script(vocab)
+        self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.passes: list[list[ScheduledChunk]] = []
+        self.copies: list[tuple[int, int]] = []
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        self.passes.append([ScheduledChunk(list(c.token_ids), c.start_pos, list(c.block_table),
+                                           c.needs_logits) for c in chunks])
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        bs = self.block_size
+        rows = []
+        for c in chunks:
+            for i, tok in enumerate(c.token_ids):
+                pos = c.start_pos + i
+                self.cache[c.block_table[pos // bs]][pos % bs] = tok
+            if c.needs_logits:
+                end = c.start_pos + len(c.token_ids)
+                ctx = [self.cache[c.block_table[p // bs]][p % bs] for p in range(end)]
+                assert None not in ctx, "a context position was never written"
+                rows.append(self.logits([t for t in ctx if t is not None]))
+        if not rows:
+            return torch.empty(0, self.vocab)
+        return torch.stack(rows)
+
+    def logits(self, ctx: list[int]) -> torch.Tensor:
+        # The scripted token gets the top logit; the rest a smooth spread, so sampling varies.
+        out = torch.linspace(0.0, 2.0, self.vocab)
+        out[self.script(ctx)] = 4.0
+        return out
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.copies.append((src, dst))
+        self.cache[dst] = list(self.cache[src])

@@ -1,0 +1,136 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.block_manager import BlockManager, OutOfBlocks
+from daemon.scheduler import Scheduler
+from daemon.sequence import Sequence
+from daemon.stops import StopMatcher
+from daemon.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from ipc.records import SamplingParams
+
+TOK = ByteTokenizer()
+
+
+def check_ref_counts(bm: BlockManager, tables: list[list[int]]) -> None:
+    counts = [0] * bm.num_total
+    for table in tables:
+        for block in table:
+            counts[block] += 1
+    assert counts == [bm.ref_count(b) for b in range(bm.num_total)]
+    assert bm.num_used == sum(1 for c in counts if c)
+
+
+def test_allocate_and_free_round_trip():
+    bm = BlockManager(4)
+    table = bm.allocate(17)
+    assert len(table) == 2 and bm.num_used == 2
+    bm.free(table)
+    assert table == [] and bm.num_used == 0 and bm.num_free == 4
+
+
+def test_may_append_grows_only_at_block_boundaries():
+    bm = BlockManager(4)
+    table = bm.allocate(16)
+    bm.may_append(table, 16)
+    assert len(table) == 1
+    assert bm.can_append(table, 17)
+    bm.may_append(table, 17)
+    assert len(table) == 2
+
+
+def test_cannot_allocate_beyond_pool():
+    bm = BlockManager(2)
+    assert not bm.can_allocate(33)
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(33)
+    assert bm.num_used == 0
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    bm = BlockManager(8)
+    parent = bm.allocate(20)
+    copies: list[tuple[int, int]] = []
+    child = bm.fork(parent, 20, lambda s, d: copies.append((s, d)))
+    assert child[0] == parent[0] and bm.ref_count(parent[0]) == 2
+    assert child[1] != parent[1] and copies == [(parent[1], child[1])]
+    bm.free(parent)
+    assert bm.ref_count(child[0]) == 1 and bm.num_used == 2
+    bm.free(child)
+    assert bm.num_used == 0
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    bm = BlockManager(4)
+    parent = bm.allocate(32)
+    child = bm.fork(parent, 32, lambda s, d: pytest.fail("no copy expected"))
+    assert child == parent and bm.num_used == 2
+
+
+def test_double_free_is_refused():
+    bm = BlockManager(2)
+    table = bm.allocate(1)
+    alias = list(table)
+    bm.free(table)
+    with pytest.raises(RuntimeError):
+        bm.free(alias)
+
+
+def make_seq(prompt_len: int, n: int, max_tokens: int) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens)
+    ids = [65 + i % 26 for i in range(prompt_len)]
+    group = [Sequence("r", i, list(ids), params, IncrementalDetokenizer(TOK), StopMatcher([]))
+             for i in range(n)]
+    group[0].fork_children = group[1:]
+    return group[0]
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(1, 40), st.integers(1, 3), st.integers(1, 20)),
+        st.tuples(st.just("tick"), st.integers(1, 3)),
+        st.tuples(st.just("abort"), st.integers(0, 10)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops)
+def test_scheduler_never_leaks_or_double_books_blocks(program):
+    bm = BlockManager(12)
+    sched = Scheduler(bm, max_num_seqs=6, max_tokens_per_tick=24, copy_block=lambda s, d: None)
+    groups: list[list[Sequence]] = []
+
+    def tick() -> None:
+        batch = sched.schedule()
+        assert batch.num_prefill_tokens + batch.num_decode_tokens <= 24
+        for chunk in batch.chunks:
+            assert len(chunk.block_table) * 16 >= chunk.start_pos + len(chunk.token_ids)
+        for _, seq in sched.postprocess(batch):
+            seq.token_ids.append(1)
+            if seq.num_generated >= seq.params.max_tokens:
+                sched.finish(seq)
+
+    for op in program:
+        if op[0] == "submit":
+            parent = make_seq(op[1], op[2], op[3])
+            groups.append([parent, *parent.fork_children])
+            sched.add(parent)
+        elif op[0] == "tick":
+            for _ in range(op[1]):
+                tick()
+        elif groups:
+            # An abort ends the whole session, pending forks included.
+            for seq in groups[op[1] % len(groups)]:
+                if not seq.is_finished:
+                    sched.remove(seq)
+        live = [s for g in groups for s in g if not s.is_finished]
+        check_ref_counts(bm, [s.block_table for s in live])
+        assert len(sched.running) <= 6
+    for _ in range(500):
+        if not sched.has_work:
+            break
+        tick()
+    assert not sched.has_work
+    assert bm.num_used == 0

@@ -1,0 +1,412 @@
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.engine import Engine
+from daemon.loader import load_model
+from daemon.runner import ModelRunner
+from daemon.store import ResponseStore
+from daemon.tokenizer import ByteTokenizer
+from ipc.records import (
+    AbortCause,
+    Delta,
+    Error,
+    Finish,
+    FinishReason,
+    Message,
+    RequestKind,
+    ResponseFields,
+    ResponseOp,
+    ResponseOpKind,
+    SamplingParams,
+    Submit,
+    ToProxy,
+)
+from tests.daemon.fake_runner import FakeRunner, Script
+
+TOK = ByteTokenizer()
+EOS = TOK.eos_token_ids[0]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def make_engine(script: Script | None = None, num_blocks: int = 64, max_num_seqs: int = 8,
+                budget: int = 64, max_model_len: int = 512,
+                store: ResponseStore | None = None) -> tuple[Engine, FakeRunner]:
+    runner = FakeRunner(num_blocks, TOK.vocab_size, script)
+    engine = Engine(runner, TOK, store, max_num_seqs, budget, max_model_len, "fake",
+                    clock=Clock())
+    return engine, runner
+
+
+def completion(rid: str, prompt: str = "hello", n: int = 1, **params) -> Submit:
+    return Submit(rid, 1, RequestKind.COMPLETION, SamplingParams(**params), n=n,
+                  prompts=[prompt])
+
+
+def run(engine: Engine, max_ticks: int = 500) -> list[ToProxy]:
+    out: list[ToProxy] = []
+    for _ in range(max_ticks):
+        if not engine.has_work:
+            return out
+        out += engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def texts(records: list[ToProxy], rid: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for r in records:
+        if isinstance(r, Delta) and r.rid == rid:
+            out[r.index] = out.get(r.index, "") + r.text
+    return out
+
+
+def finishes(records: list[ToProxy], rid: str) -> dict[int, Finish]:
+    return {r.index: r for r in records if isinstance(r, Finish) and r.rid == rid}
+
+
+def writer(text: str, prompt: str) -> Script:
+    n_prompt = len(TOK.encode(prompt))
+    data = text.encode()
+    return lambda ctx: data[len(ctx) - n_prompt] if len(ctx) - n_prompt < len(data) else EOS
+
+
+def test_completion_streams_text_and_finishes_with_usage():
+    engine, _ = make_engine(writer("Hi there", "hello"))
+    assert engine.submit(completion("a", temperature=0.0, max_tokens=50)) == []
+    out = run(engine)
+    assert texts(out, "a") == {0: "Hi there"}
+    fin = finishes(out, "a")[0]
+    assert fin.reason is FinishReason.STOP
+    assert (fin.usage.prompt_tokens, fin.usage.completion_tokens) == (6, 9)
+    assert engine.block_manager.num_used == 0 and engine.sessions == {}
+
+
+def test_max_tokens_finishes_with_length():
+    engine, _ = make_engine(writer("abcdefgh", "hello"))
+    engine.submit(completion("a", temperature=0.0, max_tokens=3))
+    out = run(engine)
+    assert texts(out, "a") == {0: "abc"}
+    assert finishes(out, "a")[0].reason is FinishReason.LENGTH
+
+
+def test_stop_string_spanning_tokens_is_never_sent():
+    engine, _ = make_engine(writer("one two. three", "hello"))
+    engine.submit(completion("a", temperature=0.0, max_tokens=50, stop=["o. t"]))
+    out = run(engine)
+    assert texts(out, "a") == {0: "one tw"}
+    assert finishes(out, "a")[0].reason is FinishReason.STOP
+
+
+def test_stop_token_id_ends_without_its_text():
+    engine, _ = make_engine(writer("abc;def", "hello"))
+    engine.submit(completion("a", temperature=0.0, max_tokens=50, stop_token_ids=[ord(";")]))
+    out = run(engine)
+    assert texts(out, "a") == {0: "abc"}
+    assert finishes(out, "a")[0].usage.completion_tokens == 4
+
+
+def test_n_samples_share_the_prompt_and_match_separate_runs():
+    prompt = "a prompt of twenty b"  # 21 tokens with BOS: one full block plus a partial one
+    engine, runner = make_engine()
+    engine.submit(completion("a", prompt, n=3, temperature=1.0, seed=7, max_tokens=12,
+                             ignore_eos=True))
+    out = run(engine)
+    prefill = runner.passes[0]
+    assert len(prefill) == 1 and len(prefill[0].token_ids) == 21
+    assert len(runner.copies) == 2
+    got = texts(out, "a")
+    assert len(set(got.values())) > 1
+    # The same request again, next to other work, gives the same choices.
+    again, _ = make_engine()
+    again.submit(completion("x", "unrelated", n=2, temperature=1.0, max_tokens=12))
+    again.submit(completion("b", prompt, n=3, temperature=1.0, seed=7, max_tokens=12,
+                            ignore_eos=True))
+    assert texts(run(again), "b") == got
+
+
+def test_preemption_under_memory_pressure_gives_the_same_text():
+    def greedy_texts(num_blocks: int) -> tuple[dict[str, dict[int, str]], int]:
+        engine, _ = make_engine(num_blocks=num_blocks, budget=64)
+        for i in range(6):
+            engine.submit(completion(f"r{i}", f"prompt number {i}", n=2, temperature=0.0,
+                                     max_tokens=40, ignore_eos=True))
+        out = run(engine, max_ticks=5000)
+        assert engine.block_manager.num_used == 0
+        return {f"r{i}": texts(out, f"r{i}") for i in range(6)}, engine.scheduler.num_preemptions
+
+    roomy, roomy_preemptions = greedy_texts(64)
+    tight, tight_preemptions = greedy_texts(8)
+    assert roomy_preemptions == 0 and tight_preemptions > 0
+    assert tight == roomy
+
+
+def test_seeded_output_does_not_depend_on_batch_neighbours():
+    def seeded_text(neighbours: int) -> str:
+        engine, _ = make_engine()
+        for i in range(neighbours):
+            engine.submit(completion(f"n{i}", f"other {i}", temperature=1.0, max_tokens=20))
+        engine.submit(completion("s", temperature=0.8, top_p=0.9, seed=42, max_tokens=20,
+                                 ignore_eos=True))
+        return texts(run(engine), "s")[0]
+
+    assert seeded_text(0) == seeded_text(3) == seeded_text(6)
+
+
+def test_abort_while_waiting_is_never_prefilled():
+    engine, runner = make_engine(max_num_seqs=1)
+    engine.submit(completion("a", max_tokens=5))
+    engine.submit(completion("b", max_tokens=5))
+    engine.step()
+    out = engine.abort("b", AbortCause.CLIENT_DISCONNECT, t_disconnect=engine.clock())
+    assert out == [Finish("b", 0, FinishReason.ABORT, out[0].usage,
+                          cause=AbortCause.CLIENT_DISCONNECT)]
+    run(engine)
+    assert all("b" not in t.rids for t in engine.tick_log)
+    assert len(runner.passes) == len(engine.tick_log)
+
+
+def test_no_forward_pass_after_the_abort_includes_the_session():
+    engine, _ = make_engine()
+    engine.submit(completion("a", max_tokens=100, ignore_eos=True))
+    engine.submit(completion("b", max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    t_read = engine.clock()
+    engine.abort("a", AbortCause.CLIENT_DISCONNECT, t_disconnect=t_read - 0.5, t_read=t_read)
+    run(engine)
+    assert all("a" not in t.rids for t in engine.tick_log if t.start > t_read)
+    assert engine.block_manager.num_used == 0
+
+
+def test_abort_is_idempotent():
+    engine, _ = make_engine()
+    engine.submit(completion("a", n=2, max_tokens=100, ignore_eos=True))
+    engine.step()
+    first = engine.abort("a", AbortCause.CLIENT_DISCONNECT)
+    assert sorted(r.index for r in first) == [0, 1]
+    assert engine.abort("a", AbortCause.CLIENT_DISCONNECT) == []
+    assert engine.stats().aborts == {"client_disconnect": 1}
+    assert engine.block_manager.num_used == 0 and not engine.has_work
+
+
+def test_abort_before_submit_leaves_a_tombstone():
+    engine, runner = make_engine()
+    assert engine.abort("ghost", AbortCause.CLIENT_DISCONNECT) == []
+    out = engine.submit(completion("ghost", n=2))
+    assert [(r.index, r.reason, r.cause) for r in out] == [
+        (0, FinishReason.ABORT, AbortCause.CLIENT_DISCONNECT),
+        (1, FinishReason.ABORT, AbortCause.CLIENT_DISCONNECT)]
+    assert not engine.has_work and runner.passes == []
+
+
+def test_tokens_after_disconnect_counts_ticks_started_after_it():
+    engine, _ = make_engine()
+    engine.submit(completion("a", max_tokens=100, ignore_eos=True))
+    engine.step()
+    t_disconnect = engine.clock()
+    for _ in range(4):
+        engine.step()
+    engine.abort("a", AbortCause.CLIENT_DISCONNECT, t_disconnect=t_disconnect)
+    stats = engine.stats()
+    assert stats.tokens_after_disconnect == 4
+    assert stats.abort_latency_ticks_obs == [4]
+    assert len(stats.abort_latency_obs) == 1 and stats.abort_latency_obs[0] > 0
+    assert engine.stats().abort_latency_obs == []  # observations are handed out once
+
+
+@pytest.mark.parametrize(("submit", "param", "status"), [
+    (completion("a", "x" * 500, max_tokens=20), "max_tokens", 400),
+    (completion("a", "", max_tokens=20), "prompt", 400),
+    (completion("a", n=9), "n", 400),
+    (Submit("a", 1, RequestKind.CHAT, SamplingParams()), "messages", 400),
+])
+def test_invalid_requests_are_rejected_naming_the_field(submit, param, status):
+    engine, _runner = make_engine()
+    [err] = engine.submit(submit)
+    assert isinstance(err, Error) and err.rid == "a"
+    assert (err.param, err.status) == (param, status)
+    assert not engine.has_work
+
+
+def test_context_length_error_names_the_limit():
+    engine, _ = make_engine()
+    [err] = engine.submit(completion("a", "x" * 500, max_tokens=20))
+    assert isinstance(err, Error) and "512" in err.message and "max_tokens" in err.message
+
+
+def test_chat_renders_the_template():
+    engine, runner = make_engine()
+    engine.submit(Submit("c", 1, RequestKind.CHAT, SamplingParams(max_tokens=2),
+                         messages=[Message("user", "hi")]))
+    run(engine)
+    prompt = runner.passes[0][0].token_ids
+    assert TOK.decode(prompt) == "user\nhi\nassistant\n"
+    assert prompt[0] == TOK.special_ids["<bos>"] and prompt.count(prompt[0]) == 1
+
+
+def response(rid: str, text: str, previous: str | None = None,
+             background: bool = False) -> Submit:
+    fields = ResponseFields(previous_response_id=previous, background=background,
+                            input_items=[{"role": "user", "content": text}], model="fake")
+    return Submit(rid, 1, RequestKind.RESPONSE, SamplingParams(max_tokens=30, temperature=0.0),
+                  response=fields)
+
+
+def get(store: ResponseStore, rid: str) -> tuple[int, dict | None]:
+    reply = store.handle_op(ResponseOp("op", ResponseOpKind.GET, rid, 1), running=False)
+    return reply.status, reply.body
+
+
+def test_response_is_stored_and_continued():
+    store = ResponseStore(None, 100, 3600.0)
+    engine, runner = make_engine(lambda ctx: EOS if ctx[-1] == ord("!") else ord("!"),
+                                 store=store)
+    engine.submit(response("resp_1", "first"))
+    assert store.num_placeholders() == 1
+    run(engine)
+    status, body = get(store, "resp_1")
+    assert status == 200 and body is not None and body["status"] == "completed"
+    engine.submit(response("resp_2", "second", previous="resp_1"))
+    run(engine)
+    assert "first" in TOK.decode(runner.passes[-2][0].token_ids)
+    assert store.num_placeholders() == 0
+
+
+def test_unknown_previous_response_is_404():
+    engine, _ = make_engine(store=ResponseStore(None, 100, 3600.0))
+    [err] = engine.submit(response("resp_x", "hi", previous="resp_missing"))
+    assert isinstance(err, Error)
+    assert (err.status, err.param) == (404, "previous_response_id")
+
+
+def test_foreground_abort_removes_the_placeholder_background_cancel_keeps_it():
+    store = ResponseStore(None, 100, 3600.0)
+    engine, _ = make_engine(lambda ctx: ord("a"), store=store)
+    engine.submit(response("resp_fg", "x"))
+    engine.submit(response("resp_bg", "y", background=True))
+    engine.step()
+    engine.abort("resp_fg", AbortCause.CLIENT_DISCONNECT)
+    engine.abort("resp_bg", AbortCause.CANCEL)
+    assert get(store, "resp_fg")[0] == 404
+    status, body = get(store, "resp_bg")
+    assert status == 200 and body is not None and body["status"] == "cancelled"
+    assert store.num_placeholders() == 0
+
+
+def test_proxy_loss_keeps_background_responses_running():
+    store = ResponseStore(None, 100, 3600.0)
+    engine, _ = make_engine(lambda ctx: ord("a"), store=store)
+    engine.submit(completion("c", max_tokens=50))
+    engine.submit(response("resp_bg", "y", background=True))
+    engine.step()
+    out = engine.abort_all(AbortCause.PROXY_LOST)
+    assert {r.rid for r in out} == {"c"}
+    run(engine)
+    assert get(store, "resp_bg")[1]["status"] in ("completed", "incomplete")  # type: ignore[index]
+
+
+def test_abort_epoch_older_than_spares_the_new_proxy():
+    engine, _ = make_engine()
+    engine.submit(Submit("old", 1, RequestKind.COMPLETION, SamplingParams(), prompts=["x"]))
+    engine.submit(Submit("new", 2, RequestKind.COMPLETION, SamplingParams(), prompts=["y"]))
+    out = engine.abort_epoch_older_than(2, AbortCause.PROXY_LOST)
+    assert [r.rid for r in out] == ["old"] and engine.is_running("new")
+
+
+def test_request_end_is_logged_with_fields(caplog):
+    engine, _ = make_engine(writer("ok", "hello"))
+    with caplog.at_level(logging.INFO, logger="tether.requests"):
+        engine.submit(completion("a", temperature=0.0))
+        run(engine)
+    [rec] = [r for r in caplog.records if r.name == "tether.requests"]
+    fields = rec.fields  # type: ignore[attr-defined]
+    assert fields["rid"] == "a" and fields["finish_reason"] == "stop"
+    assert fields["prompt_tokens"] == 6 and fields["generated_tokens"] == 3
+    assert fields["duration_s"] > 0
+
+
+def test_stats_report_gauges_and_counters():
+    engine, _ = make_engine(writer("ok", "hello"))
+    engine.submit(completion("a", temperature=0.0))
+    engine.step()
+    s = engine.stats()
+    assert (s.running, s.waiting, s.ticks, s.prompt_tokens) == (1, 0, 1, 6)
+    assert s.kv_blocks_used == 1 and s.kv_blocks_total == 64
+    run(engine)
+    s = engine.stats()
+    assert s.finished == {"stop": 1} and s.generation_tokens == 3 and s.kv_blocks_used == 0
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.integers(1, 60), st.integers(1, 3), st.integers(1, 24)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 20)),
+), max_size=30)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops)
+def test_idle_engine_holds_no_blocks(program):
+    engine, _ = make_engine(num_blocks=10, max_num_seqs=5, budget=32, max_model_len=200)
+    finished: dict[str, set[int]] = {}
+    expected: dict[str, int] = {}
+    out: list[ToProxy] = []
+    for i, op in enumerate(program):
+        if op[0] == "submit":
+            rid = f"r{i}"
+            expected[rid] = op[2]
+            out += engine.submit(completion(rid, "p" * op[1], n=op[2], max_tokens=op[3]))
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                out += engine.step()
+        elif expected:
+            rid = sorted(expected)[op[1] % len(expected)]
+            out += engine.abort(rid, AbortCause.CLIENT_DISCONNECT)
+    out += run(engine, max_ticks=2000)
+    assert engine.block_manager.num_used == 0 and engine.sessions == {}
+    for r in out:
+        if isinstance(r, Finish):
+            assert r.index not in finished.setdefault(r.rid, set()), "finished twice"
+            finished[r.rid].add(r.index)
+    for rid, n in expected.items():
+        if rid in finished or not any(isinstance(r, Error) and r.rid == rid for r in out):
+            assert finished.get(rid) == set(range(n))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(2)
+    return load_model("builtin:tiny", "cpu", "float32")
+
+
+def tiny_engine(tiny, num_blocks: int) -> Engine:
+    runner = ModelRunner(tiny.model, tiny.config, num_blocks)
+    return Engine(runner, tiny.tokenizer, None, 8, 64, tiny.max_model_len, tiny.name)
+
+
+def test_builtin_tiny_end_to_end_with_forks_and_preemption(tiny):
+    def greedy(num_blocks: int) -> tuple[dict[str, dict[int, str]], Engine]:
+        engine = tiny_engine(tiny, num_blocks)
+        for i in range(3):
+            engine.submit(completion(f"r{i}", f"The number {i} is", n=2, temperature=0.0,
+                                     max_tokens=16, ignore_eos=True))
+        out = run(engine)
+        assert all(len(finishes(out, f"r{i}")) == 2 for i in range(3))
+        return {f"r{i}": texts(out, f"r{i}") for i in range(3)}, engine
+
+    roomy, _ = greedy(64)
+    tight, engine = greedy(5)
+    assert engine.scheduler.num_preemptions > 0 and engine.block_manager.num_used == 0
+    assert tight == roomy
+    assert all(got[0] == got[1] for got in roomy.values())  # greedy forks agree

@@ -1,0 +1,148 @@
+from daemon.block_manager import BlockManager
+from daemon.scheduler import Batch, Scheduler
+from daemon.sequence import SeqStatus, Sequence
+from daemon.stops import StopMatcher
+from daemon.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from ipc.records import SamplingParams
+
+TOK = ByteTokenizer()
+
+
+def seq(prompt_len: int, n: int = 1, rid: str = "r") -> Sequence:
+    ids = [97 + i % 26 for i in range(prompt_len)]
+    group = [Sequence(rid, i, list(ids), SamplingParams(), IncrementalDetokenizer(TOK),
+                      StopMatcher([])) for i in range(n)]
+    group[0].fork_children = group[1:]
+    return group[0]
+
+
+def scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64,
+              copies: list[tuple[int, int]] | None = None) -> Scheduler:
+    sink = copies if copies is not None else []
+    return Scheduler(BlockManager(num_blocks), max_num_seqs, budget,
+                     lambda s, d: sink.append((s, d)))
+
+
+def run_tick(sched: Scheduler, token: int = 1) -> Batch:
+    """One tick with a model that always samples `token`."""
+    batch = sched.schedule()
+    for _, s in sched.postprocess(batch):
+        s.token_ids.append(token)
+    return batch
+
+
+def test_long_prompt_is_prefilled_in_chunks_under_the_budget():
+    sched = scheduler(budget=32)
+    s = seq(50)
+    sched.add(s)
+    first = run_tick(sched)
+    assert [len(c.token_ids) for c in first.chunks] == [32]
+    assert not first.chunks[0].needs_logits and s.num_generated == 0
+    second = run_tick(sched)
+    assert second.chunks[0].start_pos == 32 and len(second.chunks[0].token_ids) == 18
+    assert second.chunks[0].needs_logits and s.num_generated == 1
+
+
+def test_decodes_come_first_and_prefill_takes_the_rest_of_the_budget():
+    sched = scheduler(budget=20)
+    a = seq(5, rid="a")
+    sched.add(a)
+    run_tick(sched)
+    b = seq(40, rid="b")
+    sched.add(b)
+    batch = run_tick(sched)
+    assert batch.seqs == [a, b]
+    assert [len(c.token_ids) for c in batch.chunks] == [1, 19]
+    assert batch.num_decode_tokens == 1 and batch.num_prefill_tokens == 19
+
+
+def test_max_num_seqs_limits_admission():
+    sched = scheduler(max_num_seqs=2)
+    seqs = [seq(4, rid=str(i)) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    batch = run_tick(sched)
+    assert batch.seqs == seqs[:2]
+    assert list(sched.waiting) == [seqs[2]]
+
+
+def test_fork_children_count_against_max_num_seqs():
+    sched = scheduler(max_num_seqs=3)
+    sched.add(seq(4, n=3, rid="a"))
+    sched.add(seq(4, rid="b"))
+    run_tick(sched)
+    assert len(sched.running) == 3
+    assert [s.rid for s in sched.waiting] == ["b"]
+
+
+def test_newest_running_sequence_is_preempted_when_blocks_run_out():
+    sched = scheduler(num_blocks=2, budget=64)
+    old, new = seq(16, rid="old"), seq(15, rid="new")
+    sched.add(old)
+    sched.add(new)
+    run_tick(sched)  # both prefilled: 1 block each, old now needs a second block
+    assert sched.block_manager.num_free == 0
+    batch = run_tick(sched)
+    assert batch.seqs == [old]
+    assert new.status is SeqStatus.WAITING and new.num_computed == 0
+    assert list(sched.waiting) == [new] and sched.num_preemptions == 1
+    # The preempted sequence keeps its sampled token and recomputes it with the prompt.
+    assert new.num_tokens == 16
+
+
+def test_preempted_sequence_is_recomputed_with_its_generated_tokens():
+    sched = scheduler(num_blocks=2, budget=64)
+    old, new = seq(16, rid="old"), seq(15, rid="new")
+    sched.add(old)
+    sched.add(new)
+    run_tick(sched)
+    run_tick(sched)
+    sched.finish(old)
+    batch = run_tick(sched)
+    assert batch.seqs == [new]
+    assert batch.chunks[0].start_pos == 0 and len(batch.chunks[0].token_ids) == 16
+    assert batch.chunks[0].needs_logits
+
+
+def test_removed_waiting_sequence_is_never_scheduled():
+    sched = scheduler(max_num_seqs=1)
+    a, b = seq(4, rid="a"), seq(4, rid="b")
+    sched.add(a)
+    sched.add(b)
+    run_tick(sched)
+    sched.remove(b)
+    for _ in range(5):
+        batch = run_tick(sched)
+        assert b not in batch.seqs
+    sched.finish(a)
+    assert not sched.has_work and sched.schedule().seqs == []
+
+
+def test_n_children_fork_the_prompt_blocks_once_it_is_prefilled():
+    copies: list[tuple[int, int]] = []
+    sched = scheduler(copies=copies)
+    parent = seq(20, n=3)
+    children = list(parent.fork_children)
+    sched.add(parent)
+    batch = sched.schedule()
+    assert batch.seqs == [parent]  # the prompt is computed once
+    sampled = sched.postprocess(batch)
+    assert [(row, s.index) for row, s in sampled] == [(0, 0), (0, 1), (0, 2)]
+    full = parent.block_table[0]
+    assert all(c.block_table[0] == full for c in children)
+    assert sched.block_manager.ref_count(full) == 3
+    partials = {s.block_table[1] for s in [parent, *children]}
+    assert len(partials) == 3
+    assert copies == [(parent.block_table[1], c.block_table[1]) for c in children]
+    assert all(c.num_computed == 20 and c.status is SeqStatus.RUNNING for c in children)
+
+
+def test_fork_waits_until_blocks_for_the_copies_are_free():
+    sched = scheduler(num_blocks=3)
+    hog = seq(16, rid="hog")
+    sched.add(hog)
+    run_tick(sched)  # hog: 1 block, 2 free; the group needs 2 + 2 copies
+    group = seq(20, n=3, rid="g")
+    sched.add(group)
+    batch = run_tick(sched)
+    assert group not in batch.seqs and list(sched.waiting) == [group]

@@ -1,0 +1,294 @@
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai.types.responses import Response
+
+from daemon.store import CRASHED_MESSAGE, ResponseStore
+from ipc.records import (
+    Message,
+    RequestKind,
+    ResponseFields,
+    ResponseOp,
+    ResponseOpKind,
+    SamplingParams,
+    Submit,
+    Usage,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def submit(
+    rid: str,
+    text: str = "hi",
+    *,
+    previous: str | None = None,
+    background: bool = False,
+    store: bool = True,
+    instructions: str | None = None,
+) -> Submit:
+    fields = ResponseFields(
+        store=store,
+        background=background,
+        previous_response_id=previous,
+        instructions=instructions,
+        input_items=[{"role": "user", "content": text}],
+        created_at=1_700_000_000,
+        model="tiny",
+    )
+    return Submit(rid, 1, RequestKind.RESPONSE, SamplingParams(max_tokens=8), response=fields)
+
+
+def op(kind: ResponseOpKind, rid: str) -> ResponseOp:
+    return ResponseOp(f"op-{kind}-{rid}", kind, rid, 1)
+
+
+def get(store: ResponseStore, rid: str) -> tuple[int, dict[str, Any] | None]:
+    reply = store.handle_op(op(ResponseOpKind.GET, rid), running=False)
+    return reply.status, reply.body
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(clock: Clock) -> Iterator[ResponseStore]:
+    s = ResponseStore(None, max_count=100, max_age_s=3600.0, clock=clock)
+    yield s
+    s.close()
+
+
+def test_placeholder_lifecycle(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", instructions="be brief"))
+    assert store.num_placeholders() == 1
+    status, body = get(store, "resp_1")
+    assert status == 200 and body is not None
+    assert body["status"] == "in_progress" and body["output"] == []
+
+    store.complete("resp_1", "hello", Usage(4, 2))
+    assert store.num_placeholders() == 0
+    status, body = get(store, "resp_1")
+    assert status == 200
+    parsed = Response.model_validate(body)
+    assert parsed.status == "completed"
+    assert parsed.output_text == "hello"
+    assert parsed.instructions == "be brief"
+    assert parsed.usage is not None and parsed.usage.total_tokens == 6
+    assert parsed.max_output_tokens == 8
+
+
+def test_length_limited_completion_is_incomplete(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    store.complete("resp_1", "cut", Usage(1, 8), incomplete_reason="max_output_tokens")
+    parsed = Response.model_validate(get(store, "resp_1")[1])
+    assert parsed.status == "incomplete"
+    assert parsed.incomplete_details is not None
+
+
+def test_store_false_leaves_no_row(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", store=False))
+    assert store.num_placeholders() == 0
+    store.complete("resp_1", "x", Usage(1, 1))
+    assert get(store, "resp_1")[0] == 404
+    assert store.num_stored() == 0
+
+
+def test_remove_on_abort_deletes_the_placeholder(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    store.remove("resp_1")
+    assert store.num_placeholders() == 0
+    status = store.handle_op(op(ResponseOpKind.GET, "resp_1"), running=False)
+    assert status.status == 404
+    assert status.message == "No response found with id 'resp_1'."
+
+
+def test_failed_response_keeps_its_error(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    store.fail("resp_1", "out of memory")
+    parsed = Response.model_validate(get(store, "resp_1")[1])
+    assert parsed.status == "failed"
+    assert parsed.error is not None and parsed.error.message == "out of memory"
+
+
+def test_background_cancel_stays_cancelled_after_a_late_finish(store: ResponseStore) -> None:
+    store.begin(submit("resp_bg", background=True))
+    assert get(store, "resp_bg")[1]["status"] == "queued"  # type: ignore[index]
+    reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=True)
+    assert reply.status == 200
+    assert Response.model_validate(reply.body).status == "cancelled"
+    assert store.num_placeholders() == 0
+
+    # The engine's last tick races the cancel; and its abort path must not delete the row.
+    store.complete("resp_bg", "late", Usage(1, 1))
+    store.fail("resp_bg", "late")
+    store.remove("resp_bg")
+    status, body = get(store, "resp_bg")
+    assert status == 200 and body is not None
+    assert body["status"] == "cancelled" and body["output"] == [] and body["error"] is None
+
+    again = store.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False)
+    assert again.status == 200
+
+
+def test_cancel_refusals(store: ResponseStore) -> None:
+    store.begin(submit("resp_done", background=True))
+    store.complete("resp_done", "x", Usage(1, 1))
+    reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_done"), running=False)
+    assert reply.status == 400
+    assert reply.message == "Cannot cancel a response that is completed."
+
+    store.begin(submit("resp_fg"))
+    reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_fg"), running=True)
+    assert reply.status == 400 and "only background" in (reply.message or "")
+    assert get(store, "resp_fg")[1]["status"] == "in_progress"  # type: ignore[index]
+
+    assert store.handle_op(op(ResponseOpKind.CANCEL, "resp_nope"), running=False).status == 404
+
+
+def test_delete(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    busy = store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=True)
+    assert busy.status == 400 and "in_progress" in (busy.message or "")
+
+    store.complete("resp_1", "x", Usage(1, 1))
+    reply = store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False)
+    assert reply.status == 200
+    assert reply.body == {"id": "resp_1", "object": "response.deleted", "deleted": True}
+    assert get(store, "resp_1")[0] == 404
+    assert store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False).status == 404
+
+
+def test_chained_history_of_three_turns(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", "one", instructions="first rules"))
+    store.complete("resp_1", "ONE", Usage(1, 1))
+    store.begin(submit("resp_2", "two", previous="resp_1"))
+    store.complete("resp_2", "TWO", Usage(1, 1))
+
+    third = submit("resp_3", "three", previous="resp_2", instructions="new rules")
+    # Instructions are not carried over previous_response_id; this turn's come first.
+    assert store.conversation(third) == [
+        Message("system", "new rules"),
+        Message("user", "one"),
+        Message("assistant", "ONE"),
+        Message("user", "two"),
+        Message("assistant", "TWO"),
+        Message("user", "three"),
+    ]
+    store.begin(third)
+    store.complete("resp_3", "THREE", Usage(1, 1))
+    # Each row holds the whole conversation: dropping a link does not break the chain.
+    store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False)
+    history = store.history("resp_3")
+    assert history is not None
+    assert [m.content for m in history] == ["one", "ONE", "two", "TWO", "three", "THREE"]
+    assert get(store, "resp_3")[1]["previous_response_id"] == "resp_2"  # type: ignore[index]
+
+
+def test_unknown_or_running_previous_gives_none(store: ResponseStore) -> None:
+    assert store.conversation(submit("resp_2", previous="resp_missing")) is None
+    store.begin(submit("resp_1"))
+    assert store.history("resp_1") is None
+    with pytest.raises(ValueError, match="resp_1"):
+        store.begin(submit("resp_2", previous="resp_1"))
+    assert store.num_placeholders() == 1
+
+
+def test_store_false_turn_can_continue_a_stored_chain(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", "one"))
+    store.complete("resp_1", "ONE", Usage(1, 1))
+    conversation = store.conversation(submit("resp_2", "two", previous="resp_1", store=False))
+    assert conversation == [Message("user", "one"), Message("assistant", "ONE"),
+                            Message("user", "two")]
+
+
+def test_survives_reopen_from_the_same_file(tmp_path: Path, clock: Clock) -> None:
+    path = tmp_path / "state" / "responses.db"
+    first = ResponseStore(path, max_count=100, max_age_s=3600.0, clock=clock)
+    first.begin(submit("resp_1", "one"))
+    first.complete("resp_1", "ONE", Usage(1, 1))
+    first.close()
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+    second = ResponseStore(path, max_count=100, max_age_s=3600.0, clock=clock)
+    assert second.cleanup_crashed() == 0
+    assert Response.model_validate(get(second, "resp_1")[1]).output_text == "ONE"
+    assert second.history("resp_1") == [Message("user", "one"), Message("assistant", "ONE")]
+    second.close()
+
+
+def test_cleanup_crashed_ends_placeholders_of_a_crashed_run(tmp_path: Path, clock: Clock) -> None:
+    path = tmp_path / "responses.db"
+    crashed = ResponseStore(path, max_count=100, max_age_s=3600.0, clock=clock)
+    crashed.begin(submit("resp_fg"))
+    crashed.begin(submit("resp_bg", background=True))
+    crashed.begin(submit("resp_done"))
+    crashed.complete("resp_done", "x", Usage(1, 1))
+    crashed.close()  # no complete/remove: the process died here
+
+    restarted = ResponseStore(path, max_count=100, max_age_s=3600.0, clock=clock)
+    assert restarted.num_placeholders() == 0
+    assert restarted.cleanup_crashed() == 2
+    assert get(restarted, "resp_fg")[0] == 404
+    parsed = Response.model_validate(get(restarted, "resp_bg")[1])
+    assert parsed.status == "failed"
+    assert parsed.error is not None and parsed.error.message == CRASHED_MESSAGE
+    assert get(restarted, "resp_done")[0] == 200
+    assert restarted.cleanup_crashed() == 0
+    restarted.close()
+
+
+def test_prune_by_count_drops_the_oldest(clock: Clock) -> None:
+    store = ResponseStore(None, max_count=3, max_age_s=3600.0, clock=clock)
+    for i in range(5):
+        store.begin(submit(f"resp_{i}"))
+        store.complete(f"resp_{i}", "x", Usage(1, 1))
+        clock.now += 1
+    store.begin(submit("resp_live"))
+    assert store.prune() == 2
+    assert [get(store, f"resp_{i}")[0] for i in range(5)] == [404, 404, 200, 200, 200]
+    assert get(store, "resp_live")[0] == 200  # placeholders are never pruned
+    assert store.prune() == 0
+    store.close()
+
+
+def test_prune_by_age(store: ResponseStore, clock: Clock) -> None:
+    store.begin(submit("resp_old"))
+    store.complete("resp_old", "x", Usage(1, 1))
+    store.begin(submit("resp_old_live"))
+    clock.now += 3000
+    store.begin(submit("resp_new"))
+    store.complete("resp_new", "x", Usage(1, 1))
+    assert store.prune() == 0
+    clock.now += 700
+    assert store.prune() == 1
+    assert get(store, "resp_old")[0] == 404
+    assert get(store, "resp_new")[0] == 200
+    assert get(store, "resp_old_live")[0] == 200
+
+
+def test_begin_prunes_now_and_then(clock: Clock) -> None:
+    store = ResponseStore(None, max_count=10, max_age_s=3600.0, clock=clock)
+    for i in range(200):
+        store.begin(submit(f"resp_{i}"))
+        store.complete(f"resp_{i}", "x", Usage(1, 1))
+    assert store.num_stored() < 10 + 64
+    store.close()
+
+
+def test_duplicate_response_id_is_refused(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    with pytest.raises(ValueError, match="already stored"):
+        store.begin(submit("resp_1"))
+    assert store.num_placeholders() == 1

@@ -1,0 +1,72 @@
+"""With an API key the pure-ASGI auth middleware keeps receive() intact: drops still abort."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Server, start_server
+from tests.e2e.test_abort_paths import (
+    CHAT,
+    LONG,
+    check_abort,
+    drop,
+    post_raw,
+    read_events,
+    wait_running,
+)
+from tests.e2e.test_abort_responses import response_id_from_stream
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = start_server(tmp_path_factory.mktemp("auth"), api_key="sk-test-key")
+    yield s
+    s.stop()
+
+
+def test_wrong_key_is_401(auth_server: Server) -> None:
+    r = httpx.post(auth_server.url + "/v1/completions", json={"prompt": "x"},
+                   headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    assert r.json()["error"]["message"]
+    assert httpx.get(auth_server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {**CHAT, "stream": True}),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 2, "stream": True, **LONG}),
+    ("/v1/responses", {"input": "hi", "stream": True, "max_output_tokens": 1500,
+                       "ignore_eos": True}),
+])
+def test_streaming_drop_aborts_with_auth(auth_server: Server, path: str,
+                                         body: dict[str, Any]) -> None:
+    before = auth_server.metrics()
+    sock = post_raw(auth_server, path, body)
+    raw = read_events(sock, 8)
+    if path == "/v1/responses":
+        rid = response_id_from_stream(raw)
+    drop(sock)
+    sequences = 4 if path == "/v1/completions" else 1
+    check_abort(auth_server, before, "client_disconnect", sequences=sequences)
+    if path == "/v1/responses":
+        with auth_server.client() as c:
+            assert c.get(f"/v1/responses/{rid}").status_code == 404
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 1500, "ignore_eos": True}),
+])
+def test_non_streaming_drop_aborts_with_auth(auth_server: Server, path: str,
+                                             body: dict[str, Any]) -> None:
+    before = auth_server.metrics()
+    sock = post_raw(auth_server, path, body)
+    wait_running(auth_server)
+    drop(sock)
+    check_abort(auth_server, before, "client_disconnect", sequences=1)

@@ -1,0 +1,70 @@
+"""A process dies with sessions running: nothing is orphaned and nobody hangs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import assert_baseline, m, start_server, wait_for
+from tests.e2e.test_abort_paths import LONG, post_raw, read_events
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_proxy_crash_evicts_its_sessions(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    try:
+        socks = [post_raw(server, "/v1/completions",
+                          {"prompt": f"stream {i}", "stream": True, **LONG}) for i in range(3)]
+        for s in socks:
+            read_events(s, 3)
+        assert m(server.metrics(), "tether_requests_running") == 3
+        server.kill("proxy")
+        killed_at = time.monotonic()
+        for s in socks:
+            s.close()
+        daemon_log = tmp_path / "daemon.log"
+        wait_for(lambda: "proxy_lost" in daemon_log.read_text(errors="replace"), 10,
+                 "the daemon notices the proxy is gone")
+        assert time.monotonic() - killed_at < 5.0  # generous: the bound asserted below is in ticks
+        server.start_proxy()
+        server.wait_health(200)
+        after = server.metrics()
+        assert m(after, "tether_aborts_total", cause="proxy_lost") == 3
+        assert_baseline(after)
+    finally:
+        server.stop()
+
+
+def test_daemon_crash_fails_clients_and_proxy_recovers(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    try:
+        sock = post_raw(server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "stream": True, **LONG})
+        read_events(sock, 3)
+        server.kill("daemon")
+        sock.settimeout(10)
+        rest = b""
+        started = time.monotonic()
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+            if rest.endswith(b"0\r\n\r\n"):  # the chunked body ended
+                break
+        assert time.monotonic() - started < 5.0
+        assert b'"error"' in rest, rest[-300:]
+        sock.close()
+        wait_for(lambda: server.health() == 503, 10, "/health 503 while the daemon is down")
+
+        server.start_daemon()
+        server.wait_health(200)
+        with server.client() as c:
+            r = c.post("/v1/completions", json={"prompt": "back", "max_tokens": 3,
+                                                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+    finally:
+        server.stop()

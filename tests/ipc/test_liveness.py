@@ -1,0 +1,238 @@
+"""Each side notices when the other process dies, hangs or speaks another protocol version,
+and the proxy reconnects when a new daemon appears. Real processes, killed for real."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ipc.framing import encode_control
+from ipc.pipes import DaemonPipes, ProxyPipes
+from ipc.records import (
+    PROTOCOL_VERSION,
+    Delta,
+    Hello,
+    RequestKind,
+    SamplingParams,
+    Submit,
+    ToProxy,
+    Welcome,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+FORK = multiprocessing.get_context("fork")
+
+# A minimal engine stand-in: welcomes each Hello, answers a Submit with its prompt reversed
+# and, unless told to stay silent, sends Stats every 50 ms like the real daemon's tick loop.
+_ECHO_DAEMON = """
+import os, sys, time
+from pathlib import Path
+from ipc.pipes import DaemonPipes
+from ipc.records import Delta, Hello, Stats, Welcome
+run, version, chatty = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "chatty"
+pipes = DaemonPipes(run)
+next_stats = 0.0
+while True:
+    pipes.wait_readable(0.02)
+    out = [Welcome(version, os.getpid(), "echo", 64, r.epoch)
+           for r in pipes.read_control() if isinstance(r, Hello)]
+    out += [Delta(r.rid, 0, r.prompts[0][::-1], []) for r in pipes.read_requests()]
+    if chatty and time.monotonic() >= next_stats:
+        next_stats = time.monotonic() + 0.05
+        out.append(Stats(time.monotonic(), 0, 0, 0, 0, 0, 0, 0, 0, 0, {}, {}, {}))
+    pipes.send(out)
+"""
+
+
+def _start_daemon(run: Path, version: int = PROTOCOL_VERSION,
+                  chatty: bool = True) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = [sys.executable, "-c", _ECHO_DAEMON, str(run), str(version),
+            "chatty" if chatty else "silent"]
+    return subprocess.Popen(args, env=env)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait()
+
+
+class _Proxy:
+    """ProxyPipes plus queues of what it reported, for awaiting in tests."""
+
+    def __init__(self, run: Path) -> None:
+        self.states: asyncio.Queue[tuple[bool, str]] = asyncio.Queue()
+        self.records: asyncio.Queue[ToProxy] = asyncio.Queue()
+        self.pipes = ProxyPipes(run, 42, self.records.put_nowait,
+                                lambda up, why: self.states.put_nowait((up, why)))
+
+    async def state(self, within: float = 5.0) -> tuple[bool, str]:
+        return await asyncio.wait_for(self.states.get(), within)
+
+    async def echo(self, rid: str, prompt: str) -> str:
+        submit = Submit(rid=rid, epoch=42, kind=RequestKind.COMPLETION,
+                        sampling=SamplingParams(), prompts=[prompt])
+        await self.pipes.submit(submit)
+        while True:
+            record = await asyncio.wait_for(self.records.get(), 5)
+            if isinstance(record, Delta) and record.rid == rid:
+                return record.text
+
+
+def test_proxy_sees_daemon_killed_and_reconnects_to_a_new_one(tmp_path: Path) -> None:
+    async def main() -> None:
+        daemon = _start_daemon(tmp_path)
+        proxy = _Proxy(tmp_path)
+        await proxy.pipes.start()
+        try:
+            assert await proxy.state() == (True, "connected")
+            assert await proxy.echo("a", "abc") == "cba"
+            _kill(daemon)
+            up, why = await proxy.state(2.0)
+            assert not up and ("EOF" in why or "EPIPE" in why)
+            assert not proxy.pipes.up
+            daemon = _start_daemon(tmp_path)
+            assert await proxy.state() == (True, "connected")
+            assert await proxy.echo("b", "xyz") == "zyx"
+            assert proxy.pipes.bad_records == 0
+        finally:
+            await proxy.pipes.close()
+            _kill(daemon)
+
+    asyncio.run(main())
+
+
+def test_proxy_declares_a_silent_daemon_lost(tmp_path: Path) -> None:
+    async def main() -> None:
+        daemon = _start_daemon(tmp_path, chatty=False)
+        proxy = _Proxy(tmp_path)
+        await proxy.pipes.start()
+        try:
+            assert await proxy.state() == (True, "connected")
+            t0 = time.monotonic()
+            up, why = await proxy.state(3.0)
+            assert not up and "no record from the daemon" in why
+            assert 0.9 < time.monotonic() - t0 < 2.0
+        finally:
+            await proxy.pipes.close()
+            _kill(daemon)
+
+    asyncio.run(main())
+
+
+def test_proxy_refuses_a_daemon_with_another_protocol_version(tmp_path: Path) -> None:
+    async def main() -> None:
+        daemon = _start_daemon(tmp_path, version=PROTOCOL_VERSION + 1)
+        proxy = _Proxy(tmp_path)
+        await proxy.pipes.start()
+        try:
+            up, why = await proxy.state()
+            assert not up
+            assert f"daemon {PROTOCOL_VERSION + 1}, proxy {PROTOCOL_VERSION}" in why
+            assert proxy.records.empty()
+        finally:
+            await proxy.pipes.close()
+            _kill(daemon)
+
+    asyncio.run(main())
+
+
+def _idle_proxy(run: Path) -> None:
+    async def main() -> None:
+        pipes = ProxyPipes(run, 9, lambda r: None, lambda up, why: None)
+        await pipes.start()
+        await asyncio.sleep(60)
+
+    asyncio.run(main())
+
+
+def _await_hello(pipes: DaemonPipes, timeout: float = 5.0) -> Hello:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pipes.wait_readable(0.05)
+        pipes.read_requests()
+        for record in pipes.read_control():
+            if isinstance(record, Hello):
+                pipes.send([Welcome(PROTOCOL_VERSION, os.getpid(), "m", 64, record.epoch)])
+                return record
+    raise AssertionError("no Hello from the proxy")
+
+
+def _await_lost(pipes: DaemonPipes, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pipes.wait_readable(0.05)
+        pipes.read_control()
+        pipes.read_requests()
+        pipes.send([])
+        lost = pipes.take_lost()
+        if lost is not None:
+            return lost
+    raise AssertionError("the daemon never noticed the proxy was gone")
+
+
+def test_daemon_sees_proxy_killed_and_does_not_spin(tmp_path: Path) -> None:
+    pipes = DaemonPipes(tmp_path)
+    proxy = FORK.Process(target=_idle_proxy, args=(tmp_path,))
+    proxy.start()
+    try:
+        assert _await_hello(pipes).epoch == 9
+        assert pipes.proxy_connected
+        os.kill(proxy.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert "EOF" in _await_lost(pipes, 2.0)
+        assert time.monotonic() - t0 < 0.5
+        assert not pipes.proxy_connected and pipes.take_lost() is None
+        # Hung-up fds are reopened, so an idle loop really waits instead of spinning on HUP.
+        loops, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 0.3:
+            pipes.wait_readable(0.1)
+            assert pipes.read_control() == [] and pipes.read_requests() == []
+            loops += 1
+        assert loops <= 5 and pipes.take_lost() is None
+        # A new proxy is welcomed as usual.
+        proxy.join(1)
+        proxy = FORK.Process(target=_idle_proxy, args=(tmp_path,))
+        proxy.start()
+        assert _await_hello(pipes).epoch == 9
+    finally:
+        proxy.kill()
+        pipes.close()
+
+
+def test_daemon_drops_a_hung_proxy_which_then_resyncs(tmp_path: Path) -> None:
+    pipes = DaemonPipes(tmp_path, heartbeat_timeout=0.5)
+    proxy = FORK.Process(target=_idle_proxy, args=(tmp_path,))
+    proxy.start()
+    try:
+        _await_hello(pipes)
+        os.kill(proxy.pid, signal.SIGSTOP)
+        assert "no heartbeat" in _await_lost(pipes, 2.0)
+        os.kill(proxy.pid, signal.SIGCONT)
+        # The proxy reads EOF on tokens (we closed it), reconnects and says Hello again.
+        _await_hello(pipes, 3.0)
+        assert pipes.proxy_connected
+    finally:
+        proxy.kill()
+        pipes.close()
+
+
+def test_daemon_ignores_writers_that_never_said_hello(tmp_path: Path) -> None:
+    pipes = DaemonPipes(tmp_path)
+    fd = os.open(tmp_path / "control", os.O_WRONLY | os.O_NONBLOCK)
+    os.write(fd, encode_control(Hello(PROTOCOL_VERSION, 1, 1))[:10])  # half a frame, then gone
+    os.close(fd)
+    pipes.wait_readable(0.5)
+    assert pipes.read_control() == []
+    assert pipes.take_lost() is None  # nobody had connected, so nobody was lost
+    fd = os.open(tmp_path / "control", os.O_WRONLY | os.O_NONBLOCK)
+    os.write(fd, encode_control(Hello(PROTOCOL_VERSION, 1, 2)))
+    assert _await_hello(pipes).epoch == 2  # the stale half frame was dropped with the old fd
+    os.close(fd)
+    pipes.close()

@@ -1,0 +1,301 @@
+"""ipc.pipes on real FIFOs: creation and permissions, both directions between real processes,
+several concurrent control writers, corrupt input, backlog bound and systemd-inherited fds."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import grp
+import multiprocessing
+import os
+import random
+import select
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from ipc import daemon_side
+from ipc.framing import encode, encode_control
+from ipc.pipes import DaemonPipes, DaemonUnavailable, PipeError, ProxyPipes, ensure_fifos
+from ipc.records import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortCause,
+    Delta,
+    Finish,
+    FinishReason,
+    Hello,
+    RequestKind,
+    SamplingParams,
+    Submit,
+    ToDaemon,
+    Usage,
+    Welcome,
+)
+
+FORK = multiprocessing.get_context("fork")
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _submit(rid: str, prompt: str = "hello") -> Submit:
+    return Submit(rid=rid, epoch=7, kind=RequestKind.COMPLETION, sampling=SamplingParams(),
+                  prompts=[prompt])
+
+
+def _drain(pipes: DaemonPipes, until: float, want: int) -> list[ToDaemon]:
+    got: list[ToDaemon] = []
+    while time.monotonic() < until and len(got) < want:
+        pipes.wait_readable(0.05)
+        got += pipes.read_control()
+        got += pipes.read_requests()
+    return got
+
+
+# -- ensure_fifos ------------------------------------------------------------------------------
+
+
+def test_ensure_fifos_creates_owner_only_fifos(tmp_path: Path) -> None:
+    paths = ensure_fifos(tmp_path / "run")
+    assert set(paths) == {"requests", "control", "tokens"}
+    assert _mode(tmp_path / "run") == 0o700
+    for path in paths.values():
+        assert stat.S_ISFIFO(os.lstat(path).st_mode)
+        assert _mode(path) == 0o600
+    assert ensure_fifos(tmp_path / "run") == paths  # idempotent
+
+
+def test_ensure_fifos_with_group_by_name_or_gid(tmp_path: Path) -> None:
+    gid = os.getgid()
+    for group in (grp.getgrgid(gid).gr_name, str(gid)):
+        run = tmp_path / group
+        for path in ensure_fifos(run, group).values():
+            assert _mode(path) == 0o660
+            assert os.lstat(path).st_gid == gid
+        assert _mode(run) == 0o750
+
+
+def test_ensure_fifos_refuses_an_unknown_group(tmp_path: Path) -> None:
+    with pytest.raises(PipeError, match="no-such-group-xyz"):
+        ensure_fifos(tmp_path / "run", "no-such-group-xyz")
+
+
+def test_ensure_fifos_refuses_a_regular_file_in_place(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "control").write_text("not a pipe")
+    with pytest.raises(PipeError, match=r"run/control: exists but is a regular file"):
+        ensure_fifos(run)
+
+
+def test_ensure_fifos_refuses_a_symlinked_dir(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "run").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PipeError, match="is a symlink, not a directory"):
+        ensure_fifos(tmp_path / "run")
+
+
+def test_ensure_fifos_fixes_a_loose_mode_on_our_own_fifo(tmp_path: Path) -> None:
+    paths = ensure_fifos(tmp_path / "run")
+    os.chmod(paths["tokens"], 0o666)
+    os.chmod(tmp_path / "run", 0o777)
+    ensure_fifos(tmp_path / "run")
+    assert _mode(paths["tokens"]) == 0o600
+    assert _mode(tmp_path / "run") == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a FIFO to another user")
+def test_ensure_fifos_refuses_another_users_fifo(tmp_path: Path) -> None:
+    paths = ensure_fifos(tmp_path / "run")
+    os.chown(paths["requests"], 65534, -1)
+    with pytest.raises(PipeError, match=r"run/requests: owned by uid 65534"):
+        ensure_fifos(tmp_path / "run")
+
+
+# -- proxy (child process) <-> daemon (this process) ------------------------------------------
+
+
+def _proxy_child(run: Path, big: int, results: multiprocessing.Queue) -> None:
+    async def main() -> list[str]:
+        got: list[str] = []
+        finished = asyncio.Event()
+        up = asyncio.Event()
+
+        def on_record(record: object) -> None:
+            got.append(type(record).__name__)
+            if isinstance(record, Finish) and record.rid == "big":
+                finished.set()
+
+        pipes = ProxyPipes(run, 7, on_record, lambda is_up, _why: is_up and up.set())
+        await pipes.start()
+        await asyncio.wait_for(up.wait(), 5)
+        for i in range(50):
+            await pipes.submit(_submit(f"r{i}"))
+        assert pipes.control(Abort("r3", AbortCause.CLIENT_DISCONNECT, 7, 1.0))
+        await pipes.submit(_submit("big", "x" * big))  # several pipe-fulls: partial writes
+        await asyncio.wait_for(finished.wait(), 5)
+        await pipes.close()
+        return got
+
+    results.put(asyncio.run(main()))
+
+
+def test_round_trip_between_proxy_and_daemon_processes(tmp_path: Path) -> None:
+    pipes = DaemonPipes(tmp_path)
+    results: multiprocessing.Queue = FORK.Queue()
+    big = 3 * 1024 * 1024
+    child = FORK.Process(target=_proxy_child, args=(tmp_path, big, results))
+    child.start()
+    try:
+        seen: list[ToDaemon] = []
+        deadline = time.monotonic() + 8
+        while child.is_alive() and time.monotonic() < deadline:
+            pipes.wait_readable(0.05)
+            for record in pipes.read_control() + pipes.read_requests():
+                seen.append(record)
+                if isinstance(record, Hello):
+                    assert record.version == PROTOCOL_VERSION
+                    pipes.send([Welcome(PROTOCOL_VERSION, os.getpid(), "m", 64, record.epoch)])
+                elif isinstance(record, Submit):
+                    pipes.send([Delta(record.rid, 0, "hi", [1]),
+                                Finish(record.rid, 0, FinishReason.STOP, Usage(1, 1))])
+        names = results.get(timeout=1)
+        child.join(5)
+    finally:
+        child.kill()
+    submits = [r for r in seen if isinstance(r, Submit)]
+    assert [r.rid for r in submits] == [f"r{i}" for i in range(50)] + ["big"]
+    assert len(submits[-1].prompts[0]) == big
+    assert any(isinstance(r, Abort) and r.rid == "r3" for r in seen)
+    assert names.count("Delta") == 51 and names.count("Finish") == 51
+    assert names[0] == "Welcome"
+    assert pipes.bad_records == {"control": 0, "requests": 0}
+    pipes.close()
+
+
+def test_proxy_without_daemon_stays_down(tmp_path: Path) -> None:
+    paths = ensure_fifos(tmp_path)
+    with pytest.raises(OSError) as exc:
+        os.open(paths["control"], os.O_WRONLY | os.O_NONBLOCK)
+    assert exc.value.errno == errno.ENXIO
+
+    async def main() -> None:
+        states: list[tuple[bool, str]] = []
+        pipes = ProxyPipes(tmp_path, 1, lambda r: None, lambda up, why: states.append((up, why)))
+        await pipes.start()
+        await asyncio.sleep(0.3)
+        assert not pipes.up and not pipes.connected and states == []
+        assert pipes.control(Abort("r", AbortCause.CANCEL, 1)) is False
+        with pytest.raises(DaemonUnavailable):
+            await pipes.submit(_submit("r"))
+        await pipes.close()
+
+    asyncio.run(main())
+
+
+# -- the daemon side against raw writers and readers ------------------------------------------
+
+
+def _control_writer(path: Path, writer: int, count: int, seed: int) -> None:
+    rng = random.Random(seed)
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    for seq in range(count):
+        # rid lengths up to nearly PIPE_BUF: a torn write would show up as a corrupt frame.
+        rid = f"{writer}:{seq}:" + "x" * rng.choice((0, 10, 500, 2000, 3900))
+        frame = encode_control(Abort(rid, AbortCause.CLIENT_DISCONNECT, writer))
+        while True:
+            try:
+                assert os.write(fd, frame) == len(frame)
+                break
+            except BlockingIOError:
+                select.select([], [fd], [], 1.0)
+    os.close(fd)
+
+
+def test_concurrent_control_writers_never_interleave(tmp_path: Path) -> None:
+    pipes = DaemonPipes(tmp_path)
+    writers, count = 4, 3000
+    procs = [FORK.Process(target=_control_writer, args=(tmp_path / "control", w, count, w))
+             for w in range(writers)]
+    for proc in procs:
+        proc.start()
+    got = _drain(pipes, time.monotonic() + 8, writers * count)
+    for proc in procs:
+        proc.join(5)
+    assert len(got) == writers * count
+    assert pipes.bad_records["control"] == 0
+    for w in range(writers):
+        seqs = [int(r.rid.split(":")[1]) for r in got if isinstance(r, Abort) and r.epoch == w]
+        assert seqs == list(range(count))  # each writer's records arrive whole and in order
+    pipes.close()
+
+
+def test_corrupt_bytes_are_counted_and_neighbours_survive(tmp_path: Path) -> None:
+    pipes = DaemonPipes(tmp_path)
+    control = os.open(tmp_path / "control", os.O_WRONLY | os.O_NONBLOCK)
+    requests = os.open(tmp_path / "requests", os.O_WRONLY | os.O_NONBLOCK)
+    abort = Abort("a", AbortCause.CANCEL, 1)
+    os.write(control, encode_control(abort) + b"\x00\xff{garbage\n" + encode_control(abort))
+    os.write(control, encode(_submit("wrong-pipe")) + encode_control(abort))
+    os.write(requests, encode(_submit("s1")) + b'{"k":"submit","rid":1}\n' + encode(_submit("s2")))
+    got = _drain(pipes, time.monotonic() + 2, 5)
+    assert got == [abort, abort, abort, _submit("s1"), _submit("s2")]
+    assert pipes.bad_records == {"control": 2, "requests": 1}
+    os.close(control)
+    os.close(requests)
+    pipes.close()
+
+
+def test_tokens_backlog_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pipes = DaemonPipes(tmp_path)
+    reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)  # never reads
+    delta = Delta("r", 0, "y" * 4000, [1])
+    pipes.send([delta])
+    assert pipes.proxy_connected
+    sent = 0
+    while pipes.take_lost() is None:
+        pipes.send([delta] * 100)
+        sent += 100
+        assert sent < 5000, "8 MiB backlog bound never tripped"
+    assert not pipes.proxy_connected and pipes.tokens_backlog == 0
+    pipes.send([delta])
+    assert pipes.num_dropped >= 1  # no proxy until it says Hello again
+
+    control = os.open(tmp_path / "control", os.O_WRONLY | os.O_NONBLOCK)
+    os.write(control, encode_control(Hello(PROTOCOL_VERSION, 1, 1)))
+    assert isinstance(_drain(pipes, time.monotonic() + 1, 1)[0], Hello)
+    os.close(reader)
+    reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)
+    monkeypatch.setattr(daemon_side, "MAX_UNFLUSHED_S", 0.2)
+    time.sleep(daemon_side.TOKENS_RETRY_S)
+    pipes.send([delta] * 300)  # > pipe size, < 8 MiB: trips the time bound instead
+    assert pipes.proxy_connected and pipes.tokens_backlog > 0
+    time.sleep(0.25)
+    pipes.send([])
+    assert "unflushed" in (pipes.take_lost() or "")
+    os.close(reader)
+    os.close(control)
+    pipes.close()
+
+
+def test_inherited_fds_are_used_instead_of_paths(tmp_path: Path) -> None:
+    paths = ensure_fifos(tmp_path / "systemd")
+    # What systemd's ListenFIFO= hands over: O_RDWR fds, so no EOF or ENXIO ever.
+    fds = {name: os.open(path, os.O_RDWR | os.O_NONBLOCK) for name, path in paths.items()}
+    pipes = DaemonPipes(tmp_path / "unused", inherited=dict(fds))
+    assert not (tmp_path / "unused").exists()
+    writer = os.open(paths["control"], os.O_WRONLY | os.O_NONBLOCK)
+    reader = os.open(paths["tokens"], os.O_RDONLY | os.O_NONBLOCK)
+    pipes.send([Delta("early", 0, "", [])])
+    assert not pipes.proxy_connected  # a systemd-held pipe proves no reader: wait for Hello
+    os.write(writer, encode_control(Hello(PROTOCOL_VERSION, 1, 5)))
+    assert _drain(pipes, time.monotonic() + 1, 1) == [Hello(PROTOCOL_VERSION, 1, 5)]
+    pipes.send([Delta("r", 0, "t", [2])])
+    assert os.read(reader, 4096) == encode(Delta("r", 0, "t", [2]))
+    os.close(writer)
+    os.close(reader)
+    pipes.close()

@@ -1,0 +1,128 @@
+"""The completions and chat routes in-process, against the scripted daemon on real FIFOs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from ipc.records import RequestKind
+from proxy.app import create_app
+from tests.proxy.conftest import MODEL, Peer, wait_until
+from tether.settings import Settings
+
+pytestmark = pytest.mark.anyio
+
+
+def events(text: str) -> list[dict[str, object] | str]:
+    out: list[dict[str, object] | str] = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+async def test_completion_choices_cover_prompts_times_n(client: httpx.AsyncClient,
+                                                        peer: Peer) -> None:
+    r = await client.post("/v1/completions", json={
+        "prompt": ["first", "second"], "n": 2, "max_tokens": 3, "seed": 1, "model": MODEL})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == "tok0 tok1 tok2 " and c["finish_reason"] == "length"
+               for c in body["choices"])
+    # Each prompt's tokens once, not once per sample.
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18}
+    submit = peer.submits[-1]
+    assert submit.kind is RequestKind.COMPLETION and submit.prompts == ["first", "second"]
+    assert (submit.n, submit.sampling.max_tokens, submit.sampling.seed) == (2, 3, 1)
+    assert submit.rid == body["id"] == r.headers["x-request-id"]
+
+
+async def test_completion_stream_ends_with_usage_and_done(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/completions", json={
+        "prompt": "p", "max_tokens": 2, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    got = events(r.text)
+    assert got[-1] == "[DONE]"
+    chunks = [e for e in got[:-1] if isinstance(e, dict)]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "tok0 tok1 "
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+async def test_chat_non_streaming_shape(client: httpx.AsyncClient, peer: Peer) -> None:
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
+        "max_completion_tokens": 2, "max_tokens": 9, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert [c["message"] for c in body["choices"]] == [
+        {"role": "assistant", "content": "tok0 tok1 "}] * 2
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 4
+    submit = peer.submits[-1]
+    assert submit.kind is RequestKind.CHAT and submit.sampling.max_tokens == 2
+    assert [m.role for m in submit.messages] == ["system", "user"]
+
+
+async def test_chat_stream_deltas(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+    got = events(r.text)
+    assert got[-1] == "[DONE]"
+    deltas = [e["choices"][0] for e in got[:-1] if isinstance(e, dict)]
+    assert deltas[0]["delta"]["role"] == "assistant"
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "tok0 tok1 "
+    assert deltas[-1]["finish_reason"] == "length" and "usage" not in got[0]
+
+
+async def test_daemon_rejection_keeps_its_status_and_param(client: httpx.AsyncClient) -> None:
+    for stream in (False, True):
+        r = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "TOO LONG"}], "stream": stream})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+
+
+async def test_x_request_id_is_honoured_and_duplicates_refused(client: httpx.AsyncClient,
+                                                               peer: Peer) -> None:
+    r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 1},
+                          headers={"X-Request-Id": "mine-1"})
+    assert r.status_code == 200 and r.json()["id"] == "mine-1"
+    assert r.headers["x-request-id"] == "mine-1" and peer.submits[-1].rid == "mine-1"
+    peer.hold = True
+    first = asyncio.ensure_future(client.post(
+        "/v1/completions", headers={"X-Request-Id": "dup"}, json={"prompt": "p", "max_tokens": 1}))
+    await wait_until(lambda: any(s.rid == "dup" for s in peer.submits))
+    second = await client.post("/v1/completions", headers={"X-Request-Id": "dup"},
+                               json={"prompt": "p", "max_tokens": 1})
+    assert second.status_code == 400
+    assert second.json()["error"]["code"] == "duplicate_request_id"
+    peer.hold = False
+    assert (await first).status_code == 200
+
+
+async def test_too_many_waiting_is_429(settings: Settings, peer: Peer) -> None:
+    settings.max_waiting = 1
+    app = create_app(settings)
+    peer.hold = True
+    async with app.router.lifespan_context(app):
+        await wait_until(lambda: app.state.engine.up)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://p") as c:
+            queued = asyncio.ensure_future(
+                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 1}))
+            await wait_until(lambda: app.state.engine.num_waiting == 1)
+            r = await c.post("/v1/completions", json={"prompt": "p", "max_tokens": 1})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            peer.hold = False
+            assert (await queued).status_code == 200

@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+import asyncio
+import gc
+import tracemalloc
+from collections.abc import AsyncIterator
+
+import pytest
+
+from ipc.records import AbortCause, Finish, RequestKind, ResponseOpKind, SamplingParams, Submit
+from proxy.engine_client import EngineClient
+from proxy.errors import ApiError
+from tests.proxy.conftest import Peer, wait_until
+from tether.settings import Settings
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def engine(settings: Settings, peer: Peer) -> AsyncIterator[EngineClient]:
+    client = EngineClient(settings.runtime_dir, settings.max_waiting)
+    await client.start()
+    await wait_until(lambda: client.up)
+    yield client
+    await client.close()
+
+
+def submit(engine: EngineClient, rid: str, max_tokens: int = 3, prompts: int = 1,
+           n: int = 1) -> Submit:
+    return Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.COMPLETION,
+                  sampling=SamplingParams(max_tokens=max_tokens),
+                  prompts=[f"p{i}" for i in range(prompts)], n=n)
+
+
+async def test_welcome_is_tracked(engine: EngineClient) -> None:
+    assert engine.model == "test-model" and engine.max_model_len == 4096
+    await wait_until(lambda: engine.last_stats is not None)
+
+
+async def test_full_session_writes_no_abort(engine: EngineClient, peer: Peer) -> None:
+    records = [r async for r in engine.generate(submit(engine, "full", prompts=2, n=2))]
+    finishes = [r for r in records if isinstance(r, Finish)]
+    assert sorted(f.index for f in finishes) == [0, 1, 2, 3]
+    assert isinstance(records[-1], Finish)
+    # Stopping right after the last Finish is still a normal end.
+    async for record in engine.generate(submit(engine, "brk", max_tokens=1)):
+        if isinstance(record, Finish):
+            break
+    await asyncio.sleep(0.2)
+    assert peer.aborts == [] and engine.num_sessions == 0
+
+
+async def test_closing_early_writes_the_abort_at_once(engine: EngineClient, peer: Peer) -> None:
+    stream = engine.generate(submit(engine, "early", max_tokens=4000))
+    await anext(stream)
+    await stream.aclose()
+    assert engine.aborts_sent[AbortCause.CLIENT_DISCONNECT] == 1
+    peer.wait_for(lambda p: [a.rid for a in p.aborts] == ["early"])
+    assert peer.aborts[0].cause is AbortCause.CLIENT_DISCONNECT
+
+
+async def test_cancelling_a_queued_session_writes_the_abort(engine: EngineClient,
+                                                            peer: Peer) -> None:
+    peer.hold = True
+    stream = engine.generate(submit(engine, "queued"))
+    task = asyncio.ensure_future(anext(stream))
+    await wait_until(lambda: engine.num_waiting == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert engine.num_waiting == 0 and engine.num_sessions == 0
+    peer.wait_for(lambda p: [a.rid for a in p.aborts] == ["queued"])
+
+
+async def test_abort_on_exit_false_leaves_the_session_running(engine: EngineClient,
+                                                              peer: Peer) -> None:
+    stream = engine.generate(submit(engine, "bg", max_tokens=50), abort_on_exit=False)
+    await anext(stream)
+    await stream.aclose()
+    await asyncio.sleep(0.1)
+    assert peer.aborts == []
+
+
+async def test_rejection_raises_its_error_without_abort(engine: EngineClient,
+                                                        peer: Peer) -> None:
+    bad = Submit(rid="long", epoch=engine.epoch, kind=RequestKind.COMPLETION,
+                 sampling=SamplingParams(), prompts=["TOO LONG"])
+    with pytest.raises(ApiError) as info:
+        async for _ in engine.generate(bad):
+            pass
+    assert (info.value.status, info.value.param) == (400, "prompt")
+    await asyncio.sleep(0.1)
+    assert peer.aborts == []
+
+
+async def test_daemon_lost_fails_every_session(engine: EngineClient, peer: Peer) -> None:
+    streams = [engine.generate(submit(engine, f"lost{i}", max_tokens=4000)) for i in range(3)]
+    for stream in streams:
+        await anext(stream)
+    peer.stop()
+    for stream in streams:
+        with pytest.raises(ApiError) as info:
+            async for _ in stream:
+                pass
+        assert info.value.status == 503
+    assert not engine.up and engine.num_sessions == 0
+    with pytest.raises(ApiError):
+        await anext(engine.generate(submit(engine, "after")))
+
+
+async def test_duplicate_rid_is_refused(engine: EngineClient, peer: Peer) -> None:
+    peer.hold = True
+    first = engine.generate(submit(engine, "same"))
+    task = asyncio.ensure_future(anext(first))
+    await wait_until(lambda: engine.num_sessions == 1)
+    with pytest.raises(ApiError) as info:
+        await anext(engine.generate(submit(engine, "same")))
+    assert info.value.code == "duplicate_request_id"
+    peer.hold = False
+    await task
+    await first.aclose()
+
+
+async def test_unanswered_response_op_is_503(engine: EngineClient) -> None:
+    with pytest.raises(ApiError) as info:
+        await engine.response_op(ResponseOpKind.GET, "resp_x", timeout=0.1)
+    assert info.value.status == 503
+
+
+async def test_held_streams_are_cheap(engine: EngineClient, peer: Peer) -> None:
+    peer.hold = True
+    count = 1000
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    streams = [engine.generate(submit(engine, f"held{i}")) for i in range(count)]
+    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    await wait_until(lambda: engine.num_waiting == count, timeout=20)
+    per_stream = (tracemalloc.get_traced_memory()[0] - base) / count
+    tracemalloc.stop()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    print(f"{per_stream:.0f} bytes per held stream")
+    assert per_stream <= 20_000, per_stream
+    peer.wait_for(lambda p: len(p.aborts) == count, timeout=20)

@@ -1,0 +1,424 @@
+"""The Responses API routes against the scripted test daemon on real FIFOs.
+
+`StorePeer` extends the conftest peer with the daemon's real response store (in memory), so
+GET / DELETE / cancel get the answers the daemon gives. The peer finishes every sequence with
+``length`` after ``max_tokens`` tokens "tok0 tok1 ...", so responses end ``incomplete``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
+from starlette.applications import Starlette
+from starlette.types import Message
+
+from daemon.store import ResponseStore
+from ipc.records import (
+    Abort,
+    AbortCause,
+    Error,
+    Finish,
+    FinishReason,
+    RequestKind,
+    ResponseOp,
+    Submit,
+    ToDaemon,
+    ToProxy,
+)
+from proxy.app import create_app
+from tests.proxy.conftest import MODEL, PROMPT_TOKENS, LiveProxy, Peer, wait_until
+from tether.settings import Settings
+
+STREAM_EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+class StorePeer(Peer):
+    """The conftest daemon plus the daemon's response store, driven as the engine drives it."""
+
+    store: ResponseStore
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unadmitted: set[str] = set()  # placeholders to drop, as if not admitted yet
+
+    def _run(self) -> None:
+        # SQLite connections belong to the thread that made them: the peer's, as in the daemon.
+        self.store = ResponseStore(None, max_count=100, max_age_s=3600.0)
+        super()._run()
+
+    def _handle(self, record: ToDaemon) -> list[ToProxy]:
+        if isinstance(record, ResponseOp):
+            if record.response_id in self.unadmitted:
+                self.store.remove(record.response_id)
+            reply = self.store.handle_op(record, running=record.response_id in self._sessions)
+            return [reply]
+        if isinstance(record, Submit) and record.kind is RequestKind.RESPONSE:
+            try:
+                self.store.begin(record)
+            except ValueError as exc:
+                return [Error(record.rid, str(exc), param="previous_response_id")]
+        if isinstance(record, Abort):
+            if record.cause is AbortCause.CANCEL:
+                self.store.cancel(record.rid)
+            else:
+                self.store.remove(record.rid)
+        return super()._handle(record)
+
+    def _step(self) -> list[ToProxy]:
+        out = super()._step()
+        for record in out:
+            if isinstance(record, Finish) and record.reason is FinishReason.LENGTH:
+                n = record.usage.completion_tokens
+                text = "".join(f"tok{k} " for k in range(n))
+                self.store.complete(record.rid, text, record.usage,
+                                    incomplete_reason="max_output_tokens")
+        return out
+
+
+@pytest.fixture
+def peer(settings: Settings) -> Iterator[StorePeer]:
+    p = StorePeer(settings.runtime_dir)
+    p.start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def oai(live: LiveProxy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+@pytest.fixture
+async def app(settings: Settings, peer: StorePeer) -> AsyncIterator[Starlette]:
+    application = create_app(settings)
+    async with application.router.lifespan_context(application):
+        await wait_until(lambda: application.state.engine.up)
+        yield application
+
+
+@pytest.fixture
+async def client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+        yield c
+
+
+def tokens(n: int) -> str:
+    return "".join(f"tok{k} " for k in range(n))
+
+
+def parse_sse(raw: bytes) -> list[dict[str, Any]]:
+    events = []
+    for block in raw.split(b"\n\n"):
+        if not block.strip():
+            continue
+        head, data = block.split(b"\n", 1)
+        event = orjson.loads(data.removeprefix(b"data: "))
+        assert head == b"event: " + event["type"].encode()
+        events.append(event)
+    return events
+
+
+# --- foreground -----------------------------------------------------------------------------
+
+
+def test_create_with_the_openai_client(oai: openai.OpenAI, peer: StorePeer) -> None:
+    response = oai.responses.create(model=MODEL, input="hi", instructions="be brief",
+                                    max_output_tokens=3, temperature=0.5)
+    assert response.id.startswith("resp_")
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == tokens(3)
+    assert response.usage is not None and response.usage.input_tokens == PROMPT_TOKENS
+    submit = peer.submits[-1]
+    assert submit.rid == response.id and submit.kind is RequestKind.RESPONSE
+    assert submit.messages == [] and submit.n == 1
+    assert submit.sampling.max_tokens == 3 and submit.sampling.temperature == 0.5
+    assert submit.response is not None and submit.response.instructions == "be brief"
+    assert submit.response.input_items == [{"type": "message", "role": "user", "content": "hi"}]
+    stored = oai.responses.retrieve(response.id)
+    assert stored.status == "incomplete" and stored.output_text == tokens(3)
+
+
+def test_previous_response_id_and_extensions_reach_the_daemon(oai: openai.OpenAI,
+                                                              peer: StorePeer) -> None:
+    first = oai.responses.create(input="hi", max_output_tokens=2)
+    second = oai.responses.create(
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "more"}]}],
+        previous_response_id=first.id, max_output_tokens=4,
+        extra_body={"ignore_eos": True, "min_tokens": 2})
+    assert second.previous_response_id == first.id
+    submit = peer.submits[-1]
+    assert submit.response is not None and submit.response.previous_response_id == first.id
+    assert submit.sampling.ignore_eos and submit.sampling.min_tokens == 2
+
+
+def test_stream_with_the_openai_client(oai: openai.OpenAI) -> None:
+    with oai.responses.create(input="hi", max_output_tokens=2, stream=True) as stream:
+        events = list(stream)
+    types = [e.type for e in events]
+    assert types == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+        == tokens(2)
+    for event in events:
+        assert type(event).__name__ != "BaseModel"
+        STREAM_EVENTS.validate_python(event.model_dump())
+
+
+def test_store_false_is_not_retrievable(oai: openai.OpenAI) -> None:
+    response = oai.responses.create(input="hi", max_output_tokens=1, store=False)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(response.id)
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "hi", "background": True, "store": False}, "background"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"input": "hi", "temperature": 3}, "temperature"),
+    ({"input": "hi", "top_p": 0}, "top_p"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     "input[0].content[0].type"),
+    ({"input": []}, "input"),
+    ({"model": MODEL}, "input"),
+    ({"input": "hi", "stream": "yes"}, "stream"),
+])
+async def test_invalid_bodies_name_the_field(client: httpx.AsyncClient, peer: StorePeer,
+                                             body: dict[str, Any], param: str) -> None:
+    r = await client.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert peer.submits == []
+
+
+@pytest.mark.anyio
+async def test_metadata_and_user_are_tolerated(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/responses", json={
+        "input": "hi", "max_output_tokens": 1, "user": "u1", "metadata": {"k": "v"},
+        "model": MODEL})
+    assert r.status_code == 200 and r.json()["status"] == "incomplete"
+
+
+@pytest.mark.anyio
+async def test_unknown_ids_are_404(client: httpx.AsyncClient) -> None:
+    for method, path in (("GET", "/v1/responses/resp_nope"),
+                         ("DELETE", "/v1/responses/resp_nope"),
+                         ("POST", "/v1/responses/resp_nope/cancel")):
+        r = await client.request(method, path)
+        assert r.status_code == 404, (method, r.text)
+        assert r.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.anyio
+async def test_delete_then_get_is_404(client: httpx.AsyncClient) -> None:
+    created = (await client.post("/v1/responses", json={"input": "hi",
+                                                        "max_output_tokens": 1})).json()
+    r = await client.delete(f"/v1/responses/{created['id']}")
+    assert r.json() == {"id": created["id"], "object": "response.deleted", "deleted": True}
+    assert (await client.get(f"/v1/responses/{created['id']}")).status_code == 404
+
+
+@pytest.mark.anyio
+async def test_the_response_id_is_the_request_id(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1},
+                          headers={"X-Request-Id": "resp_mine"})
+    assert r.json()["id"] == "resp_mine" and r.headers["x-request-id"] == "resp_mine"
+
+
+# --- foreground disconnects -----------------------------------------------------------------
+
+
+async def call_until_disconnect(app: Starlette, body: dict[str, Any],
+                                disconnect: asyncio.Event) -> list[Message]:
+    """POST /v1/responses by hand; the client leaves when `disconnect` is set."""
+    sent: list[Message] = []
+    payload = orjson.dumps(body)
+    messages: list[Message] = [{"type": "http.request", "body": payload, "more_body": False}]
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/responses",
+             "raw_path": b"/v1/responses", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("proxy", 80)}
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.anyio
+async def test_a_foreground_disconnect_writes_an_abort(app: Starlette, peer: StorePeer) -> None:
+    peer.hold = True
+    disconnect = asyncio.Event()
+    call = asyncio.ensure_future(call_until_disconnect(
+        app, {"input": "hi", "max_output_tokens": 50}, disconnect))
+    await wait_until(lambda: len(peer.submits) == 1)
+    disconnect.set()
+    await call
+    rid = peer.submits[0].rid
+    await wait_until(lambda: any(a.rid == rid for a in peer.aborts))
+    assert [a.cause for a in peer.aborts] == [AbortCause.CLIENT_DISCONNECT]
+    assert peer.store.num_placeholders() == 0
+
+
+@pytest.mark.anyio
+async def test_a_foreground_stream_disconnect_writes_an_abort(app: Starlette,
+                                                              peer: StorePeer) -> None:
+    disconnect = asyncio.Event()
+    call = asyncio.ensure_future(call_until_disconnect(
+        app, {"input": "hi", "max_output_tokens": 2000, "stream": True}, disconnect))
+    await wait_until(lambda: len(peer.submits) == 1)
+    rid = peer.submits[0].rid
+    await asyncio.sleep(0.05)
+    disconnect.set()
+    sent = await call
+    assert sent[0]["status"] == 200
+    await wait_until(lambda: any(a.rid == rid for a in peer.aborts))
+    assert peer.aborts[0].cause is AbortCause.CLIENT_DISCONNECT
+    assert rid not in peer.finished
+
+
+# --- background -----------------------------------------------------------------------------
+
+
+def test_background_runs_to_the_end_and_cannot_be_cancelled_after(oai: openai.OpenAI,
+                                                                  peer: StorePeer) -> None:
+    response = oai.responses.create(input="hi", max_output_tokens=3, background=True)
+    assert response.status == "queued" and response.background
+    deadline = time.monotonic() + 5
+    while (got := oai.responses.retrieve(response.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert got.status == "incomplete" and got.output_text == tokens(3)
+    with pytest.raises(openai.BadRequestError, match="incomplete"):
+        oai.responses.cancel(response.id)
+    assert peer.aborts == []
+
+
+def test_cancel_a_background_response_ends_every_reader(oai: openai.OpenAI,
+                                                        peer: StorePeer) -> None:
+    peer.hold = True
+    response = oai.responses.create(input="hi", max_output_tokens=100, background=True)
+    assert oai.responses.retrieve(response.id).status == "queued"
+    seen: list[list[str]] = [[], []]
+
+    def read(i: int) -> None:
+        with oai.responses.retrieve(response.id, stream=True) as stream:
+            seen[i] = [e.type for e in stream]
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in readers:
+        t.start()
+    peer.wait_for(lambda p: len(p.submits) == 1)
+    time.sleep(0.05)
+    cancelled = oai.responses.cancel(response.id)
+    assert cancelled.status == "cancelled"
+    for t in readers:
+        t.join(5)
+        assert not t.is_alive()
+    for types in seen:
+        assert types[:2] == ["response.created", "response.queued"]
+        assert types[-1] == "response.cancelled"
+    assert [(a.rid, a.cause) for a in peer.aborts] == [(response.id, AbortCause.CANCEL)]
+    assert oai.responses.retrieve(response.id).status == "cancelled"
+    assert oai.responses.cancel(response.id).status == "cancelled"  # idempotent
+
+
+def test_a_background_stream_survives_its_client(live: LiveProxy, oai: openai.OpenAI,
+                                                 peer: StorePeer) -> None:
+    body = {"input": "hi", "max_output_tokens": 20, "background": True, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/responses", json=body, timeout=5) as r:
+        first = next(r.iter_lines())
+    assert first == "event: response.created"
+    rid = peer.submits[-1].rid
+    peer.wait_for(lambda p: rid in p.finished)
+    assert peer.aborts == []
+    with oai.responses.retrieve(rid, stream=True, starting_after=2) as stream:
+        events = list(stream)
+    assert events[0].sequence_number == 3
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == tokens(20)
+
+
+@pytest.mark.anyio
+async def test_a_lost_daemon_fails_background_responses(client: httpx.AsyncClient,
+                                                        peer: StorePeer) -> None:
+    peer.hold = True
+    created = (await client.post("/v1/responses", json={
+        "input": "hi", "background": True})).json()
+    await wait_until(lambda: len(peer.submits) == 1)
+    peer.stop()
+    r = await client.get(f"/v1/responses/{created['id']}", params={"stream": "true"})
+    events = parse_sse(r.content)
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"]["message"]
+    got = (await client.get(f"/v1/responses/{created['id']}")).json()
+    assert got["status"] == "failed"
+
+
+@pytest.mark.anyio
+async def test_cancel_before_the_daemon_admits_it(app: Starlette, client: httpx.AsyncClient,
+                                                  peer: StorePeer) -> None:
+    """A cancel that overtakes the Submit (control and requests are separate pipes)."""
+    peer.hold = True
+    created = (await client.post("/v1/responses", json={
+        "input": "hi", "background": True})).json()
+    run = app.state.background_responses.get(created["id"])
+    assert run is not None and not run.finished
+    await wait_until(lambda: len(peer.submits) == 1)
+    peer.unadmitted.add(created["id"])
+    r = await client.post(f"/v1/responses/{created['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert run.history[-1]["type"] == "response.cancelled"
+    got = (await client.get(f"/v1/responses/{created['id']}")).json()
+    assert got["status"] == "cancelled"
+
+
+@pytest.mark.anyio
+async def test_shutdown_aborts_and_fails_background_responses(settings: Settings,
+                                                              peer: StorePeer) -> None:
+    peer.hold = True
+    application = create_app(settings)
+    async with application.router.lifespan_context(application):
+        await wait_until(lambda: application.state.engine.up)
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+            created = (await c.post("/v1/responses", json={"input": "hi",
+                                                           "background": True})).json()
+        await wait_until(lambda: len(peer.submits) == 1)
+        run = application.state.background_responses.get(created["id"])
+    assert run.history[-1]["type"] == "response.failed"
+    peer.wait_for(lambda p: any(a.rid == created["id"] for a in p.aborts))
+    assert [a.cause for a in peer.aborts] == [AbortCause.SHUTDOWN]

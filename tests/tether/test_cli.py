@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tether.helpers import child_env
+from tether import cli, settings
+from tether.launcher import child_environ
+from tether.settings import Settings
+
+ENV_NAMES = [settings.env_name(f.name) for f in dataclasses.fields(Settings)]
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("command", ["serve", "daemon", "proxy"])
+def test_help_lists_every_flag_and_variable(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(Settings):
+        assert "--" + f.name.replace("_", "-") in out
+        assert settings.env_name(f.name) in out
+
+
+def test_top_level_help_lists_commands_and_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    for command in cli.COMMANDS:
+        assert command in out
+    for name in ENV_NAMES:
+        assert name in out
+
+
+def _resolve(argv: list[str], environ: dict[str, str]) -> Settings:
+    return settings.resolve(cli.build_parser().parse_args(argv), environ)
+
+
+def test_flag_beats_variable_beats_default() -> None:
+    s = _resolve(["proxy", "--port", "9001"],
+                 {"TETHER_PORT": "9002", "TETHER_MAX_NUM_SEQS": "7"})
+    assert (s.port, s.max_num_seqs, s.max_waiting) == (9001, 7, Settings().max_waiting)
+
+
+def test_api_keys_repeat_as_flags_and_split_as_a_variable() -> None:
+    assert _resolve(["proxy", "--api-key", "a", "--api-key", "b"], {}).api_key == ["a", "b"]
+    assert _resolve(["proxy"], {"TETHER_API_KEY": "a, b,"}).api_key == ["a", "b"]
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["serve", "--port", "eighty"], "--port"),
+    (["serve", "--port", "70000"], "--port"),
+    (["daemon", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["daemon", "--dtype", "int3"], "--dtype"),
+    (["proxy", "--drain-timeout-s", "soon"], "--drain-timeout-s"),
+    (["proxy", "--log-format", "xml"], "--log-format"),
+    (["proxy", "--log-level", "loud"], "--log-level"),
+    (["proxy", "--no-such-flag"], "--no-such-flag"),
+    (["launch"], "launch"),
+])
+def test_bad_flag_exits_2_naming_it(
+        argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_bad_variable_exits_2_naming_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TETHER_KV_CACHE_BLOCKS", "lots")
+    assert cli.main(["daemon"]) == 2
+    assert "TETHER_KV_CACHE_BLOCKS" in capsys.readouterr().err
+
+
+def test_bad_value_from_the_console_script_exits_2() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tether.cli", "proxy", "--port", "x"],
+                          capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == 2
+    assert "tether proxy: error: --port" in proc.stderr
+
+
+def test_launcher_passes_every_setting_to_its_children() -> None:
+    s = Settings(runtime_dir=Path("/run/x"), state_dir=Path("/var/lib/x"), model="/m",
+                 port=9000, api_key=["k1", "k2"], drain_timeout_s=2.5, pipe_group=None,
+                 log_format="json", max_num_seqs=3)
+    env = child_environ(s, "@sock")
+    assert env["NOTIFY_SOCKET"] == "@sock"
+    assert int(env["WATCHDOG_USEC"]) > 0
+    assert settings.resolve(cli.build_parser().parse_args(["daemon"]), env) == s
+    assert settings.resolve(
+        cli.build_parser().parse_args(["daemon"]), child_environ(Settings(), "@s")) == Settings()
+
+
+def test_cli_and_launcher_do_not_import_the_engine() -> None:
+    code = ("import sys, tether.cli, tether.launcher, tether.logs; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'daemon')); "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=child_env())
+    assert proc.returncode == 0, proc.stderr

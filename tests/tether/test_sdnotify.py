@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tether.helpers import child_env
+from tether.sdnotify import NotifyListener, notify, parse, watchdog_interval
+
+
+def _receiver(address: str | bytes) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    sock.settimeout(5.0)
+    return sock
+
+
+def test_notify_without_socket_returns_false(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert notify("READY=1") is False
+
+
+def test_notify_sends_one_datagram_to_a_path_socket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "notify"
+    with _receiver(str(path)) as sock:
+        monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+        assert notify("READY=1\nSTATUS=loading model") is True
+        assert sock.recv(4096) == b"READY=1\nSTATUS=loading model"
+
+
+def test_notify_maps_a_leading_at_to_the_abstract_namespace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"tether-test-{secrets.token_hex(6)}"
+    with _receiver(b"\0" + name.encode()) as sock:
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert notify("WATCHDOG=1") is True
+        assert sock.recv(4096) == b"WATCHDOG=1"
+
+
+def test_notify_to_a_missing_socket_returns_false(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone"))
+    assert notify("READY=1") is False
+
+
+def test_notify_ignores_addresses_it_does_not_speak(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", "vsock:2:1234")
+    assert notify("READY=1") is False
+
+
+@pytest.mark.parametrize(("environ", "expected"), [
+    ({}, None),
+    ({"WATCHDOG_USEC": "30000000"}, 15.0),
+    ({"WATCHDOG_USEC": "0"}, None),
+    ({"WATCHDOG_USEC": "soon"}, None),
+    ({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}, 1.0),
+    ({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid() + 1)}, None),
+])
+def test_watchdog_interval_is_half_the_period_for_this_process(
+        environ: dict[str, str], expected: float | None) -> None:
+    assert watchdog_interval(environ) == expected
+
+
+def test_parse_splits_lines_into_fields() -> None:
+    assert parse(b"READY=1\nSTATUS=a=b c\n\ngarbage") == {"READY": "1", "STATUS": "a=b c"}
+
+
+@pytest.mark.parametrize("kind", ["abstract", "path"])
+def test_listener_attributes_each_notification_to_its_sender(tmp_path: Path, kind: str) -> None:
+    listener = NotifyListener(tmp_path / "notify" if kind == "path" else None)
+    try:
+        assert listener.name.startswith("/" if kind == "path" else "@")
+        code = "from tether.sdnotify import notify; assert notify('READY=1\\nSTATUS=up')"
+        proc = subprocess.Popen([sys.executable, "-c", code],
+                                env=child_env(NOTIFY_SOCKET=listener.name))
+        assert proc.wait(30) == 0
+        notes = listener.receive()
+        assert [(n.pid, n.fields) for n in notes] == [(proc.pid, {"READY": "1", "STATUS": "up"})]
+        assert listener.receive() == []
+    finally:
+        listener.close()
+    assert kind == "abstract" or not (tmp_path / "notify").exists()

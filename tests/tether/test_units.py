@@ -1,0 +1,135 @@
+"""The systemd unit pair: systemd-analyze accepts it, and each ExecStart speaks sd_notify."""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.tether.helpers import (
+    INSTALLED_TETHER,
+    UNITS,
+    child_env,
+    free_port,
+    unit_command,
+    unit_environment,
+    unit_settings,
+    wait_notification,
+)
+from tether import launcher, settings
+from tether.sdnotify import NotifyListener
+from tether.settings import Settings
+
+DAEMON = UNITS / "tether-daemon.service"
+PROXY = UNITS / "tether-proxy.service"
+READY_TIMEOUT_S = {"tether-daemon.service": 120.0, "tether-proxy.service": 60.0}
+
+
+def _seconds(value: str) -> float:
+    return float(value.removesuffix("s"))
+
+
+def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed (apt-get install systemd); .ci/run installs it")
+    # verify insists that ExecStart= exists: point it at this checkout.
+    wrapper = tmp_path / "tether"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -m tether.cli \"$@\"\n")
+    wrapper.chmod(0o755)
+    copies = []
+    for unit in (DAEMON, PROXY):
+        copy = tmp_path / unit.name
+        copy.write_text(unit.read_text().replace(INSTALLED_TETHER, str(wrapper)))
+        copies.append(str(copy))
+    proc = subprocess.run([analyze, "verify", "--recursive-errors=yes", "--man=no", *copies],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_proxy_survives_daemon_restarts_by_design() -> None:
+    proxy = unit_settings(PROXY)
+    assert "BindsTo" not in proxy and "PartOf" not in proxy and "Requires" not in proxy
+    assert "tether-daemon.service" in proxy["Wants"][0]
+    assert "tether-daemon.service" in proxy["After"][0]
+
+
+def test_units_agree_with_each_other_and_with_the_launcher() -> None:
+    daemon, proxy = unit_settings(DAEMON), unit_settings(PROXY)
+    for unit in (daemon, proxy):
+        assert unit["Type"] == ["notify"] and unit["NotifyAccess"] == ["main"]
+        assert unit["RuntimeDirectory"] == daemon["RuntimeDirectory"]
+        assert unit["RuntimeDirectoryPreserve"] == ["yes"]
+        assert _seconds(unit["WatchdogSec"][0]) == launcher.WATCHDOG_S
+        assert _seconds(unit["TimeoutStopSec"][0]) > Settings().drain_timeout_s
+        assert unit["User"] == daemon["User"]  # both own the shared runtime directory
+    assert (unit_environment(DAEMON)["TETHER_RUNTIME_DIR"]
+            == "/run/" + daemon["RuntimeDirectory"][0])
+    assert unit_environment(PROXY) == unit_environment(DAEMON)
+
+
+def test_example_environment_file_mentions_every_variable() -> None:
+    text = (UNITS / "tether.env").read_text()
+    for f in dataclasses.fields(Settings):
+        assert f"#{settings.env_name(f.name)}=" in text
+
+
+@pytest.fixture
+def listener() -> Iterator[NotifyListener]:
+    sock = NotifyListener()
+    yield sock
+    sock.close()
+
+
+def _start_unit(unit: Path, tmp_path: Path, listener: NotifyListener,
+                port: int) -> subprocess.Popen[bytes]:
+    env = unit_environment(unit)
+    env.update(
+        TETHER_RUNTIME_DIR=str(tmp_path / "run"),
+        TETHER_STATE_DIR=str(tmp_path / "state"),
+        TETHER_PIPE_GROUP=grp.getgrgid(os.getgid()).gr_name,
+        TETHER_PORT=str(port),
+        TETHER_LOG_FORMAT="json",
+        NOTIFY_SOCKET=listener.name,
+        WATCHDOG_USEC="1000000",
+    )
+    with open(tmp_path / f"{unit.stem}.log", "wb") as log:
+        return subprocess.Popen(unit_command(unit), env=child_env(**env), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("unit", [DAEMON, PROXY], ids=lambda u: u.stem)
+def test_exec_start_reports_ready_and_feeds_the_watchdog(
+        unit: Path, tmp_path: Path, listener: NotifyListener) -> None:
+    port = free_port()
+    proc = _start_unit(unit, tmp_path, listener, port)
+    try:
+        def alive() -> bool:
+            return proc.poll() is None
+
+        wait_notification(listener, proc.pid, "READY", "1", READY_TIMEOUT_S[unit.name], alive)
+        # WATCHDOG_USEC is 1 s: pings every 0.5 s, so two arrive well within 3 s.
+        for _ in range(2):
+            wait_notification(listener, proc.pid, "WATCHDOG", "1", 3.0, alive)
+        if unit == PROXY:
+            # No daemon behind it: the proxy is up and says so with a 503, not a refused port.
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10.0,
+                           json={"model": Settings().model, "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 503, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log = (tmp_path / f"{unit.stem}.log").read_text(errors="replace")
+        print(log[-4000:])
