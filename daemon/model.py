@@ -235,7 +235,10 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """float32 logits for the rows given (only the rows that are sampled)."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.norm(hidden), head).float()
-        if self.vocab_limit is not None:
-            logits[:, self.vocab_limit :] = float("-inf")
+        if self.vocab_limit is None:
+            return F.linear(self.norm(hidden), head).float()
+        # Skipping the rows that are never sampled saves reading most of a padded head.
+        logits = hidden.new_full((hidden.shape[0], head.shape[0]), float("-inf"),
+                                 dtype=torch.float32)
+        logits[:, : self.vocab_limit] = F.linear(self.norm(hidden), head[: self.vocab_limit])
         return logits

@@ -5,8 +5,10 @@
 In one run, on the same cores and with the same client:
   bare   a Starlette StreamingResponse on uvicorn (h11, asyncio) yielding pre-made chat chunks
   tether `tether serve --model builtin:tiny`, completions streams with ignore_eos
-at 1 and 100 concurrent streams (events/s, every SSE event counted, [DONE] included), then the
-proxy's RSS idle and while --held streams are open (per-stream KB).
+at 1 and 100 concurrent streams (events/s, every SSE event counted, [DONE] included; streams
+of 500 events/tokens, back to back), with the proxy's and the daemon's CPU per 1k events (the
+engine's decode rate can be what limits tether's events/s), then the proxy's RSS idle and
+while --held streams are open (per-stream KB; most of them queued in the daemon).
 Goals: tether >= 50% of bare; <= 20 KB per held stream. Anchor (this machine class): bare 30k
 events/s on one stream, 61k over 100.
 Writes proxy.json under results/bench-proxy-<timestamp>/ (or --out).
@@ -111,51 +113,55 @@ def body_maker(model: str, tokens: int) -> Callable[[], dict[str, Any]]:
 # --- memory ----------------------------------------------------------------------------------
 
 
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
 def rss_kb(proc: psutil.Process) -> float:
     return float(proc.memory_info().rss) / 1024
 
 
 async def held_streams_rss(url: str, model: str, proxy: psutil.Process, held: int,
-                           pair_busy: Callable[[], float]) -> dict[str, Any]:
+                           metric: Callable[[str], float]) -> dict[str, Any]:
+    """Proxy RSS idle, then with `held` streams open (most of them queued in the daemon)."""
     idle = rss_kb(proxy)
     gate = asyncio.Semaphore(100)
     opened: list[sse_client.Response] = []
-    failures = 0
 
     async def open_one() -> None:
-        nonlocal failures
         async with gate:
-            try:
-                resp = await sse_client.request(url, "POST", "/v1/completions",
+            # Queued streams get their headers only when they start: do not wait for them.
+            opened.append(await sse_client.send(url, "POST", "/v1/completions",
                                                 body_maker(model, 1500)(),
-                                                {"Accept": "text/event-stream"})
-            except OSError:
-                failures += 1
-                return
-        if resp.status != 200:
-            failures += 1
-            resp.close()
-            return
-        opened.append(resp)
+                                                {"Accept": "text/event-stream"}))
 
     await asyncio.gather(*(open_one() for _ in range(held)))
     readers = [asyncio.create_task(r.count_events()) for r in opened]
-    await asyncio.sleep(2.0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if metric("tether_proxy_sessions") >= held:
+            break
+        await asyncio.sleep(0.1)
+    sessions = metric("tether_proxy_sessions")
+    await asyncio.sleep(1.0)
     with_held = rss_kb(proxy)
     for r in opened:
         r.close()
     for t in readers:
         t.cancel()
-    await asyncio.gather(*readers, return_exceptions=True)
+    results = await asyncio.gather(*readers, return_exceptions=True)
+    failed = sum(1 for r in results if isinstance(r, Exception))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if pair_busy() <= 0:
+        if metric("tether_requests_running") + metric("tether_requests_waiting") <= 0:
             break
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.5)
-    return {"held": len(opened), "failed": failures, "rss_idle_kb": idle,
-            "rss_held_kb": with_held, "rss_after_release_kb": rss_kb(proxy),
-            "kb_per_held_stream": (with_held - idle) / max(1, len(opened))}
+    return {"held": len(opened), "proxy_sessions_seen": sessions, "reader_errors": failed,
+            "rss_idle_kb": idle, "rss_held_kb": with_held,
+            "rss_after_release_kb": rss_kb(proxy),
+            "kb_per_held_stream": (with_held - idle) / max(1.0, sessions)}
 
 
 # --- driver ----------------------------------------------------------------------------------
@@ -164,19 +170,25 @@ async def held_streams_rss(url: str, model: str, proxy: psutil.Process, held: in
 async def run(args: argparse.Namespace, bare_url: str, pair: common.ServerPair) -> dict[str, Any]:
     model = common.served_model(pair.base_url) or "default"
     out: dict[str, Any] = {"model": model, "seconds": args.seconds}
-    for streams, tokens in ((1, 2000), (100, 200)):
+    procs = pair.processes()
+    for streams, tokens in ((1, 500), (100, 500)):
         out[f"bare_{streams}"] = await events_per_s(bare_url, body_maker("bare", tokens),
                                                     streams, args.seconds)
-        out[f"tether_{streams}"] = await events_per_s(pair.base_url, body_maker(model, tokens),
-                                                      streams, args.seconds)
+        cpu0 = {name: cpu_s(p) for name, p in procs.items()}
+        cell = await events_per_s(pair.base_url, body_maker(model, tokens), streams,
+                                  args.seconds)
+        # The engine may be what limits events/s; CPU per event shows what the proxy costs.
+        for name, p in procs.items():
+            cell[f"{name}_cpu_ms_per_1k_events"] = (
+                (cpu_s(p) - cpu0[name]) * 1e6 / max(1, cell["events"]))
+        out[f"tether_{streams}"] = cell
         await asyncio.sleep(0.5)
-    proxy = pair.processes()["proxy"]
+    proxy = procs["proxy"]
 
-    def busy() -> float:
-        m = common.scrape(pair.base_url)
-        return m.total("tether_requests_running") + m.total("tether_requests_waiting")
+    def metric(name: str) -> float:
+        return common.scrape(pair.base_url).total(name)
 
-    out["memory"] = await held_streams_rss(pair.base_url, model, proxy, args.held, busy)
+    out["memory"] = await held_streams_rss(pair.base_url, model, proxy, args.held, metric)
     return out
 
 
@@ -191,8 +203,12 @@ def report(res: dict[str, Any]) -> None:
               f"{ANCHOR[f'bare_{streams}']:>6}")
         print(common.goal_line(f"tether / bare at {streams} stream(s)", ratio, ">= 0.5",
                                ratio >= 0.5))
+        cell = res[f"tether_{streams}"]
+        print(f"           proxy CPU {cell['proxy_cpu_ms_per_1k_events']:.0f} ms per 1k events, "
+              f"daemon {cell['daemon_cpu_ms_per_1k_events']:.0f} ms")
     mem = res["memory"]
-    print(f"  proxy RSS idle {mem['rss_idle_kb'] / 1024:.1f} MiB, with {mem['held']} held "
+    print(f"  proxy RSS idle {mem['rss_idle_kb'] / 1024:.1f} MiB, with "
+          f"{mem['proxy_sessions_seen']:.0f} held "
           f"streams {mem['rss_held_kb'] / 1024:.1f} MiB, after release "
           f"{mem['rss_after_release_kb'] / 1024:.1f} MiB")
     print(common.goal_line("KB per held stream", mem["kb_per_held_stream"], "<= 20",

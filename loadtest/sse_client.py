@@ -62,6 +62,8 @@ class Response:
         """The body as it arrives (transfer decoding undone)."""
         if self._ended:
             return
+        if not self.status:
+            await self.read_head()
         if self.headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
                 size = int((await self.reader.readline()).split(b";", 1)[0], 16)
@@ -105,9 +107,10 @@ class Response:
             self.writer.close()
 
 
-async def request(base_url: str, method: str, path: str, body: dict[str, Any] | None = None,
-                  headers: dict[str, str] | None = None) -> Response:
-    """Send one request and read the status line and headers; the body is left to the caller."""
+async def send(base_url: str, method: str, path: str, body: dict[str, Any] | None = None,
+               headers: dict[str, str] | None = None) -> Response:
+    """Send one request without waiting for the answer (a server may hold back its headers
+    until the first token, e.g. while the request is queued); call `read_head()` later."""
     ep = Endpoint.from_url(base_url)
     reader, writer = await asyncio.open_connection(ep.host, ep.port)
     payload = orjson.dumps(body) if body is not None else b""
@@ -117,7 +120,14 @@ async def request(base_url: str, method: str, path: str, body: dict[str, Any] | 
         head.append("Content-Type: application/json")
     head += [f"{k}: {v}" for k, v in (headers or {}).items()]
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
-    resp = Response(reader, writer)
+    await writer.drain()
+    return Response(reader, writer)
+
+
+async def request(base_url: str, method: str, path: str, body: dict[str, Any] | None = None,
+                  headers: dict[str, str] | None = None) -> Response:
+    """Send one request and read the status line and headers; the body is left to the caller."""
+    resp = await send(base_url, method, path, body, headers)
     try:
         await resp.read_head()
     except BaseException:
