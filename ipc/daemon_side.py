@@ -26,15 +26,26 @@ from ipc.fifo import (
     open_reader,
     try_open_writer,
 )
-from ipc.framing import FrameDecoder, daemon_decoder, encode
-from ipc.records import Abort, Goodbye, Heartbeat, Hello, ResponseOp, Submit, ToDaemon, ToProxy
+from ipc.framing import FrameDecoder, daemon_decoder, encode_many
+from ipc.records import (
+    SILENCE_TIMEOUT_S,
+    Abort,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    ResponseOp,
+    Submit,
+    ToDaemon,
+    ToProxy,
+)
 
 log = logging.getLogger("tether.ipc")
 
 MAX_BACKLOG_BYTES = 8 * 1024 * 1024
 MAX_UNFLUSHED_S = 2.0
 TOKENS_RETRY_S = 0.05
-READ_CHUNK = 1024 * 1024
+# Control frames are small and read every tick: a smaller buffer is cheaper to allocate.
+READ_CHUNK = {CONTROL: 64 * 1024, REQUESTS: 1024 * 1024}
 # Caps one read_* call so a writer flooding the pipe cannot hold the tick loop forever.
 MAX_READS_PER_CALL = 16
 
@@ -51,11 +62,15 @@ class _Reader:
         self.name = name
         self.path = path
         self.inherited = inherited_fd is not None
+        self.chunk = READ_CHUNK[name]
         self.fd: int = inherited_fd if inherited_fd is not None else self._open()
         self.decoder: FrameDecoder[ToDaemon] = daemon_decoder(name)
 
     def _open(self) -> int:
-        fd = open_reader(self.path)
+        try:
+            fd = open_reader(self.path)
+        except OSError as exc:
+            raise PipeError(f"{self.path}: cannot open: {exc.strerror}") from None
         grow_pipe(fd)
         return fd
 
@@ -64,7 +79,7 @@ class _Reader:
         records: list[ToDaemon] = []
         for _ in range(MAX_READS_PER_CALL):
             try:
-                data = os.read(self.fd, READ_CHUNK)
+                data = os.read(self.fd, self.chunk)
             except BlockingIOError:
                 return records, False
             if not data:
@@ -164,7 +179,7 @@ class DaemonPipes:
 
     def __init__(self, runtime_dir: Path, group: str | None = None,
                  inherited: dict[str, int] | None = None, *,
-                 heartbeat_timeout: float | None = 2.0) -> None:
+                 heartbeat_timeout: float | None = SILENCE_TIMEOUT_S) -> None:
         inherited = dict(inherited or {})
         for fd in inherited.values():
             os.set_blocking(fd, False)
@@ -174,7 +189,7 @@ class DaemonPipes:
         self._control = _Reader(CONTROL, paths[CONTROL], inherited.get(CONTROL))
         self._requests = _Reader(REQUESTS, paths[REQUESTS], inherited.get(REQUESTS))
         self._tokens = _TokensWriter(paths[TOKENS], inherited.get(TOKENS))
-        self._heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self._last_control: float | None = None
         self._lost: str | None = None
         # A systemd-held tokens pipe never tells us whether a proxy reads it: wait for a Hello.
@@ -193,9 +208,9 @@ class DaemonPipes:
                 self._await_hello = False
                 self._proxy_seen = True
                 self._tokens.next_try = 0.0  # a proxy is there now: the Welcome must not wait
-        elif (self._heartbeat_timeout is not None and self._last_control is not None
-              and now - self._last_control > self._heartbeat_timeout):
-            self._lose(f"no heartbeat from the proxy for {self._heartbeat_timeout:g} s")
+        elif (self.heartbeat_timeout is not None and self._last_control is not None
+              and now - self._last_control > self.heartbeat_timeout):
+            self._lose(f"no heartbeat from the proxy for {self.heartbeat_timeout:g} s")
         if eof:
             self._lose("proxy closed the control pipe (EOF)", reopen=True)
         return records
@@ -218,13 +233,14 @@ class DaemonPipes:
         Meanwhile keeps flushing the tokens backlog as the proxy drains it.
         """
         deadline = time.monotonic() + timeout
+        already_lost = self._lost is not None
         while True:
             now = time.monotonic()
             if self._open_tokens(now):
                 self._flush(now)
             remaining = deadline - now
-            if remaining <= 0 or self._lost is not None:
-                return
+            if remaining <= 0 or (self._lost is not None and not already_lost):
+                return  # a loss found while flushing is news for the caller's take_lost()
             poller = select.poll()
             poller.register(self._control.fd, select.POLLIN)
             poller.register(self._requests.fd, select.POLLIN)
@@ -247,7 +263,7 @@ class DaemonPipes:
         if records:
             if not self._tokens.buf:
                 self._tokens.dirty_since = now
-            self._tokens.buf += b"".join([encode(r) for r in records])
+            self._tokens.buf += encode_many(records)
         self._flush(now)
 
     def _open_tokens(self, now: float) -> bool:

@@ -19,7 +19,9 @@ from pathlib import Path
 from ipc.fifo import CONTROL, REQUESTS, TOKENS, PipeError, grow_pipe, open_reader, try_open_writer
 from ipc.framing import encode, encode_control, proxy_decoder
 from ipc.records import (
+    HEARTBEAT_INTERVAL_S,
     PROTOCOL_VERSION,
+    SILENCE_TIMEOUT_S,
     Abort,
     Goodbye,
     Heartbeat,
@@ -34,9 +36,9 @@ log = logging.getLogger("tether.ipc")
 
 RETRY_S = 0.1
 VERSION_RETRY_S = 5.0  # a mismatched daemon will not change its mind in 100 ms
-HEARTBEAT_S = 0.25
+HEARTBEAT_S = HEARTBEAT_INTERVAL_S
 HELLO_REPEAT_S = 1.0
-SILENCE_S = 1.0
+SILENCE_S = SILENCE_TIMEOUT_S
 TICK_S = 0.05
 READ_CHUNK = 256 * 1024
 READS_PER_CALLBACK = 8  # then yield to the loop so HTTP work is not starved by a token flood
@@ -109,21 +111,28 @@ class ProxyPipes:
     async def _supervise(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            now = time.monotonic()
-            if self._tokens_fd is None:
-                self._open_tokens()
-            if not self.connected:
-                if now >= self._retry_at:
-                    self._retry_at = now + RETRY_S
-                    self._try_connect()
-                continue
-            if not self.up and now >= self._next_hello:
-                self._say_hello(now)
-            if now >= self._next_heartbeat:
-                self._next_heartbeat = now + HEARTBEAT_S
-                self._send_control(encode_control(Heartbeat(self.epoch, now)), droppable=True)
-            if self.up and now - self._last_record > SILENCE_S:
-                self._lose(f"no record from the daemon for {SILENCE_S:g} s")
+            try:
+                self._check(time.monotonic())
+            except Exception:
+                # Reconnecting must outlive any surprise, or the proxy stays 503 for good.
+                log.exception("ipc: supervisor step failed")
+
+    def _check(self, now: float) -> None:
+        """Reconnect, greet, heartbeat and watch for silence: every TICK_S."""
+        if self._tokens_fd is None:
+            self._open_tokens()
+        if not self.connected:
+            if now >= self._retry_at:
+                self._retry_at = now + RETRY_S
+                self._try_connect()
+            return
+        if not self.up and now >= self._next_hello:
+            self._say_hello(now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + HEARTBEAT_S
+            self._send_control(encode_control(Heartbeat(self.epoch, now)), droppable=True)
+        if self.up and now - self._last_record > SILENCE_S:
+            self._lose(f"no record from the daemon for {SILENCE_S:g} s")
 
     # -- opening ---------------------------------------------------------------------------
 

@@ -20,6 +20,12 @@ PROTOCOL_VERSION = 1
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
 
+# Liveness. A process that dies is noticed at once (EOF, EPIPE, ENXIO); silence only catches one
+# that hangs alive. The bound is seconds, not one: on a busy 2-core machine a long prefill tick
+# or a starved event loop can go quiet for over a second, and a false "lost" aborts every session.
+HEARTBEAT_INTERVAL_S = 0.25  # proxy -> daemon on control; the daemon sends Stats every 100 ms
+SILENCE_TIMEOUT_S = 3.0
+
 
 class Kind(enum.StrEnum):
     SUBMIT = "submit"

@@ -33,7 +33,7 @@ import common
 import sse_client
 
 DEFAULT_DIR = Path("/tmp/tether-bench-smollm135m")
-SMOLLM_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+SMOLLM_135M: dict[str, Any] = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
@@ -48,7 +48,7 @@ def write_checkpoint(path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM_135M)).to(torch.float32)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM_135M)).float()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     alphabet = pre_tokenizers.ByteLevel.alphabet()

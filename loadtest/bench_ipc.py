@@ -19,6 +19,7 @@ import os
 import random
 import select
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -112,17 +113,17 @@ def bench_tokens(run: Path, total: int) -> dict[str, float]:
 
 
 def _bare_writer(path: Path, total: int, batched: bool) -> None:
+    """The anchor: dicts -> orjson lines -> FIFO, with no framing layer or records around it."""
     fd = os.open(path, os.O_WRONLY)
-    line = [orjson.dumps({"k": "delta", "rid": f"cmpl-{i % 64:032x}", "index": i % 4,
-                          "text": " tok", "token_ids": [1000 + i]}) + b"\n"
-            for i in range(BATCH)]
-    chunk = b"".join(line)
+    batch = [{"k": "delta", "rid": f"cmpl-{i % 64:032x}", "index": i % 4, "text": " tok",
+              "token_ids": [1000 + i]} for i in range(BATCH)]
+    dumps = orjson.dumps
     for _ in range(total // BATCH):
         if batched:
-            os.write(fd, chunk)
+            os.write(fd, b"".join([dumps(d) + b"\n" for d in batch]))
         else:
-            for frame in line:
-                os.write(fd, frame)
+            for d in batch:
+                os.write(fd, dumps(d) + b"\n")
     os.close(fd)
 
 
@@ -202,6 +203,38 @@ def bench_control(run: Path, count: int) -> dict[str, dict[str, float]]:
     return {name: _percentiles(values) for name, values in latencies.items()}
 
 
+def _bare_stamp_writer(path: Path, count: int) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    rng = random.Random(0)
+    for _ in range(count):
+        time.sleep(rng.uniform(0.0005, 0.002))
+        os.write(fd, struct.pack("d", time.monotonic()))
+    os.close(fd)
+
+
+def bench_bare_latency(path: Path, count: int) -> dict[str, float]:
+    """The anchor: 8-byte timestamps over a FIFO to a reader asleep in poll(); no Python
+    framing, asyncio or records: what this machine's wake-ups cost right now."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    writer = FORK.Process(target=_bare_stamp_writer, args=(path, count), daemon=True)
+    writer.start()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    latencies: list[float] = []
+    deadline = time.monotonic() + 10 + count * 0.002
+    while len(latencies) < count and time.monotonic() < deadline:
+        poller.poll(100)
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            continue
+        now = time.monotonic()
+        latencies += [now - t for (t,) in struct.iter_unpack("d", data)]
+    os.close(fd)
+    writer.join(5)
+    return _percentiles(latencies)
+
+
 def _percentiles(values: list[float]) -> dict[str, float]:
     cuts = statistics.quantiles(values, n=100)
     return {"n": len(values), "p50_us": cuts[49] * 1e6, "p99_us": cuts[98] * 1e6,
@@ -225,6 +258,8 @@ def main() -> None:
         tokens["bare_orjson_one_write_per_s"] = bench_bare(bare_path, args.records, False)
         tokens["bare_orjson_batched_per_s"] = bench_bare(bare_path, args.records, True)
         control = bench_control(run / "control", args.aborts)
+        control["bare_fifo"] = bench_bare_latency(ensure_fifos(run / "stamps")["control"],
+                                                  args.aborts)
 
     print(f"token records/s over one FIFO ({args.records} records, {BATCH} per send):")
     print(f"  tether  DaemonPipes.send (encode+write)    {tokens['daemon_send_records_per_s']:>12,.0f}")
@@ -233,7 +268,8 @@ def main() -> None:
     print(f"  bare    orjson lines, one write each      {tokens['bare_orjson_one_write_per_s']:>12,.0f}")
     print(f"  bare    orjson lines, batched writes      {tokens['bare_orjson_batched_per_s']:>12,.0f}")
     print("control latency, ProxyPipes.control -> DaemonPipes.read_control:")
-    for name, label in (("idle", "idle in wait_readable"), ("tick", "5 ms ticks, then drain")):
+    for name, label in (("idle", "idle in wait_readable"), ("tick", "5 ms ticks, then drain"),
+                        ("bare_fifo", "bare FIFO, poll() reader")):
         c = control[name]
         print(f"  {label:<24} p50 {c['p50_us']:>8.1f} us   p99 {c['p99_us']:>8.1f} us   "
               f"max {c['max_us']:>8.1f} us   (n={c['n']})")

@@ -91,7 +91,8 @@ async def events_per_s(url: str, body: Callable[[], dict[str, Any]], streams: in
         while time.monotonic() < deadline:
             try:
                 async with sse_client.stream(url, "/v1/completions", body()) as resp:
-                    counts["events"] += await resp.count_events()
+                    got = await resp.count_events()
+                counts["events"] += got
                 counts["requests"] += 1
             except (OSError, sse_client.HttpError, asyncio.IncompleteReadError):
                 counts["errors"] += 1
@@ -204,8 +205,11 @@ def report(res: dict[str, Any]) -> None:
         print(common.goal_line(f"tether / bare at {streams} stream(s)", ratio, ">= 0.5",
                                ratio >= 0.5))
         cell = res[f"tether_{streams}"]
-        print(f"           proxy CPU {cell['proxy_cpu_ms_per_1k_events']:.0f} ms per 1k events, "
-              f"daemon {cell['daemon_cpu_ms_per_1k_events']:.0f} ms")
+        per_1k = cell["proxy_cpu_ms_per_1k_events"]
+        ceiling = 1e6 / per_1k if per_1k else float("inf")
+        print(f"           CPU per 1k events: proxy {per_1k:.0f} ms, daemon "
+              f"{cell['daemon_cpu_ms_per_1k_events']:.0f} ms; proxy ceiling ~{ceiling:.0f} "
+              "events per CPU-second")
     mem = res["memory"]
     print(f"  proxy RSS idle {mem['rss_idle_kb'] / 1024:.1f} MiB, with "
           f"{mem['proxy_sessions_seen']:.0f} held "

@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -308,8 +308,8 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
-def plot_cdf(path: Path, series: dict[str, Sequence[float]], xlabel: str, title: str,
-             points: dict[str, Sequence[tuple[float, float]]] | None = None) -> Path:
+def plot_cdf(path: Path, series: Mapping[str, Sequence[float]], xlabel: str, title: str,
+             points: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> Path:
     """Empirical CDFs of `series`, plus already-cumulative (x, fraction) `points`."""
     import matplotlib
 
@@ -324,6 +324,8 @@ def plot_cdf(path: Path, series: dict[str, Sequence[float]], xlabel: str, title:
     for label, pts in (points or {}).items():
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], "o--", label=label)
+    if any(v > 0 for vs in series.values() for v in vs):
+        ax.set_xscale("log")  # latencies span ms to seconds
     ax.set_xlabel(xlabel)
     ax.set_ylabel("fraction")
     ax.set_title(title)
@@ -335,7 +337,7 @@ def plot_cdf(path: Path, series: dict[str, Sequence[float]], xlabel: str, title:
     return path
 
 
-def plot_lines(path: Path, xs: Sequence[float], series: dict[str, Sequence[float]],
+def plot_lines(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[float]],
                xlabel: str, ylabel: str, title: str) -> Path:
     import matplotlib
 

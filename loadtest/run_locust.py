@@ -50,8 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spawn-rate", type=float, default=None)
     parser.add_argument("--model", default=env("MODEL", "builtin:tiny"),
                         help="model our own pair loads")
-    parser.add_argument("--max-num-seqs", type=int,
-                        default=int(env("MAX_NUM_SEQS")) if env("MAX_NUM_SEQS") else None)
+    seqs = env("MAX_NUM_SEQS")
+    parser.add_argument("--max-num-seqs", type=int, default=int(seqs) if seqs else None)
     parser.add_argument("--base-url", default=None, help="test this server instead of our own")
     parser.add_argument("--out", default=None, help="results directory")
     parser.add_argument("locust_args", nargs="*", help="after --: passed to locust")

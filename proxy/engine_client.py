@@ -261,6 +261,9 @@ class EngineClient:
         if up:
             return
         self._welcomed = False
+        # The next Hello carries a new epoch: a daemon that only stalled then evicts the sessions
+        # we just failed here, instead of running them for nobody.
+        self.epoch = self._pipes.epoch = time.time_ns()
         self.down_reason = reason or "the daemon went away"
         error = unavailable(self.down_reason)
         for session in self._sessions.values():

@@ -189,12 +189,17 @@ def test_abort_from_control_ends_generation(daemon):
 
 
 def test_heartbeat_silence_aborts_with_proxy_lost(daemon):
-    _, proxy, _ = daemon
+    server, proxy, _ = daemon
+    server.pipes.heartbeat_timeout = 0.5
     hello(proxy)
     proxy.send(Heartbeat(1, time.monotonic()))
-    proxy.send(completion("a", max_tokens=490, ignore_eos=True))  # > 1 s of ticks
-    fin = proxy.wait_for(finish_of("a"), timeout=5)
-    assert isinstance(fin, Finish) and fin.cause is AbortCause.PROXY_LOST
+    proxy.send(completion("a", max_tokens=490, ignore_eos=True))  # > 0.5 s of ticks
+    proxy.wait_for(lambda r: isinstance(r, Stats) and r.running == 1)
+    # A silent proxy is a lost one: the daemon stops writing to it until it says hello again.
+    time.sleep(1.0)
+    hello(proxy)
+    stats = proxy.wait_for(lambda r: isinstance(r, Stats) and r.aborts.get("proxy_lost") == 1)
+    assert isinstance(stats, Stats) and (stats.running, stats.kv_blocks_used) == (0, 0)
 
 
 def test_new_epoch_aborts_the_old_proxys_requests(daemon):

@@ -1,7 +1,15 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ipc.framing import daemon_decoder, encode, encode_control, proxy_decoder
+from ipc.framing import (
+    FrameTooLarge,
+    daemon_decoder,
+    encode,
+    encode_control,
+    encode_many,
+    proxy_decoder,
+)
 from ipc.records import Abort, AbortCause, Delta, Finish, FinishReason, Usage
 
 
@@ -55,3 +63,11 @@ def test_large_frame_arriving_in_small_pieces() -> None:
         out.extend(decoder.feed(data[cut : cut + 1000]))
     assert out == [big, big]
     assert decoder.num_bad == 0
+
+
+def test_encode_many_equals_joined_encode() -> None:
+    records = [Delta("r", i, "t\n\u2028", [i]) for i in range(5)]
+    assert encode_many(records) == b"".join(encode(r) for r in records)
+    assert encode_many([]) == b""
+    with pytest.raises(FrameTooLarge, match="Delta frame is"):
+        encode_many([*records, Delta("r", 9, "x" * 500, [])], limit=200)

@@ -16,6 +16,7 @@ from ipc.framing import encode_control
 from ipc.pipes import DaemonPipes, ProxyPipes
 from ipc.records import (
     PROTOCOL_VERSION,
+    SILENCE_TIMEOUT_S,
     Delta,
     Hello,
     RequestKind,
@@ -116,9 +117,9 @@ def test_proxy_declares_a_silent_daemon_lost(tmp_path: Path) -> None:
         try:
             assert await proxy.state() == (True, "connected")
             t0 = time.monotonic()
-            up, why = await proxy.state(3.0)
+            up, why = await proxy.state(SILENCE_TIMEOUT_S + 3.0)
             assert not up and "no record from the daemon" in why
-            assert 0.9 < time.monotonic() - t0 < 2.0
+            assert SILENCE_TIMEOUT_S - 0.1 < time.monotonic() - t0 < SILENCE_TIMEOUT_S + 2.0
         finally:
             await proxy.pipes.close()
             _kill(daemon)

@@ -299,3 +299,38 @@ def test_inherited_fds_are_used_instead_of_paths(tmp_path: Path) -> None:
     os.close(writer)
     os.close(reader)
     pipes.close()
+
+
+def _abort_burst_child(run: Path, count: int, results: multiprocessing.Queue) -> None:
+    async def main() -> int:
+        up = asyncio.Event()
+        pipes = ProxyPipes(run, 7, lambda r: None, lambda is_up, _why: is_up and up.set())
+        await pipes.start()
+        await asyncio.wait_for(up.wait(), 5)
+        accepted = sum(pipes.control(Abort(f"r{i}", AbortCause.CLIENT_DISCONNECT, 7))
+                       for i in range(count))
+        await asyncio.sleep(0.8)  # the queue drains as the daemon reads
+        await pipes.close()
+        return accepted
+
+    results.put(asyncio.run(main()))
+
+
+def test_control_records_queue_in_order_while_the_pipe_is_full(tmp_path: Path) -> None:
+    pipes = DaemonPipes(tmp_path)
+    results: multiprocessing.Queue = FORK.Queue()
+    count = 3000  # ~150 KB: more than the 64 KiB control pipe holds
+    child = FORK.Process(target=_abort_burst_child, args=(tmp_path, count, results))
+    child.start()
+    try:
+        hello = next(r for r in _drain(pipes, time.monotonic() + 5, 1) if isinstance(r, Hello))
+        pipes.send([Welcome(PROTOCOL_VERSION, os.getpid(), "m", 64, hello.epoch)])
+        time.sleep(0.3)  # a long tick: the proxy's writes hit EAGAIN and queue up
+        got = _drain(pipes, time.monotonic() + 3, count)
+        assert results.get(timeout=3) == count
+    finally:
+        child.kill()
+    aborts = [r.rid for r in got if isinstance(r, Abort)]
+    assert aborts == [f"r{i}" for i in range(count)]
+    assert pipes.bad_records["control"] == 0
+    pipes.close()

@@ -362,6 +362,7 @@ def test_a_background_stream_survives_its_client(live: LiveProxy, oai: openai.Op
     with httpx.stream("POST", live.url + "/v1/responses", json=body, timeout=5) as r:
         first = next(r.iter_lines())
     assert first == "event: response.created"
+    peer.wait_for(lambda p: len(p.submits) >= 1)  # the background task submits on its own time
     rid = peer.submits[-1].rid
     peer.wait_for(lambda p: rid in p.finished)
     assert peer.aborts == []
