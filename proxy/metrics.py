@@ -19,6 +19,7 @@ from proxy.engine_client import EngineClient
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_TICK_BUCKETS = (0, 1, 2, 3, 5, 10, 25)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -35,6 +36,7 @@ _TOKEN_COUNTERS = (
     ("tether_generation_tokens", "Tokens generated", "generation_tokens"),
     ("tether_tokens_after_disconnect",
      "Tokens generated after the client's disconnect was written", "tokens_after_disconnect"),
+    ("tether_engine_ticks", "Forward passes the daemon has run", "ticks"),
 )
 
 
@@ -101,6 +103,10 @@ class ProxyMetrics:
             "tether_abort_latency_seconds",
             "From the proxy seeing a disconnect to the daemon evicting the session",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.abort_latency_ticks = Histogram(
+            "tether_abort_latency_ticks",
+            "Forward passes that started between the disconnect and the eviction",
+            buckets=_TICK_BUCKETS, registry=self.registry)
         self.time_to_first_token = Histogram(
             "tether_time_to_first_token_seconds", "From request arrival to the first token",
             buckets=_TTFT_BUCKETS, registry=self.registry)
@@ -112,6 +118,8 @@ class ProxyMetrics:
     def _on_stats(self, stats: Stats) -> None:
         for seconds in stats.abort_latency_obs:
             self.abort_latency.observe(seconds)
+        for ticks in stats.abort_latency_ticks_obs:
+            self.abort_latency_ticks.observe(ticks)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

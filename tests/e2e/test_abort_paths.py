@@ -59,6 +59,13 @@ def check_abort(server: Server, before: dict[str, float], cause: str, sequences:
     finished = m(after, "tether_requests_finished_total", reason="abort") - m(
         before, "tether_requests_finished_total", reason="abort")
     assert finished == aborts
+    # The tick that applies an abort is the first to start after the record was written: at most
+    # one tick can slip in between the proxy stamping the disconnect and writing the record.
+    observed = m(after, "tether_abort_latency_ticks_count") - m(
+        before, "tether_abort_latency_ticks_count")
+    within_one = m(after, "tether_abort_latency_ticks_bucket", le="1.0") - m(
+        before, "tether_abort_latency_ticks_bucket", le="1.0")
+    assert observed == aborts and within_one == aborts
     return after
 
 

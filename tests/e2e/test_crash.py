@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import assert_baseline, m, start_server, wait_for
+from tests.e2e.conftest import assert_baseline, m, start_server, wait_aborts, wait_for
 from tests.e2e.test_abort_paths import LONG, post_raw, read_events
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,7 +31,7 @@ def test_proxy_crash_evicts_its_sessions(tmp_path: Path) -> None:
         assert time.monotonic() - killed_at < 5.0  # generous: the bound asserted below is in ticks
         server.start_proxy()
         server.wait_health(200)
-        after = server.metrics()
+        after = wait_aborts(server, "proxy_lost", 3)  # the new proxy's first Stats
         assert m(after, "tether_aborts_total", cause="proxy_lost") == 3
         assert_baseline(after)
     finally:
