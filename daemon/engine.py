@@ -242,7 +242,9 @@ class Engine:
         for seq, token in zip(seqs, tokens, strict=True):
             text, reason = self._append(seq, token)
             seq.output_text += text
-            if text:
+            # Every sampled id reaches the client once (a stop token's too, though not its text),
+            # so token_ids summed over a stream equal usage.completion_tokens.
+            if text or (reason is not None and seq.pending_token_ids):
                 out.append(Delta(seq.rid, seq.index, text, seq.pending_token_ids))
                 seq.pending_token_ids = []
             if reason is not None:
@@ -253,11 +255,11 @@ class Engine:
     def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
         """Add a sampled token; return the text it releases and the finish reason, if any."""
         seq.token_ids.append(token)
+        seq.pending_token_ids.append(token)
         p = seq.params
         can_stop = seq.num_generated >= p.min_tokens
         if can_stop and (token in p.stop_token_ids or (token in self._eos and not p.ignore_eos)):
             return self._final_text(seq), FinishReason.STOP
-        seq.pending_token_ids.append(token)
         text = seq.stops.push(seq.detok.push(token), can_stop)
         if seq.stops.stopped:
             return text, FinishReason.STOP

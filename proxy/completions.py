@@ -99,8 +99,9 @@ class Exchange:
     """One request's rendering state and figures."""
 
     def __init__(self, request: Request, submit: Submit, shape: Shape, model: str,
-                 include_usage: bool) -> None:
+                 include_usage: bool, return_token_ids: bool) -> None:
         self.submit = submit
+        self.return_token_ids = return_token_ids
         self.shape = shape
         self.model = model
         self.include_usage = include_usage
@@ -138,17 +139,22 @@ async def _first(records: EngineStream) -> Delta | Finish | None:
 
 async def collect(ex: Exchange, first: Delta | Finish | None, records: EngineStream) -> Response:
     texts: dict[int, list[str]] = {}
+    token_ids: dict[int, list[int]] = {}
     finishes: dict[int, str] = {}
     record = first
     while record is not None:
         reason = ex.on_record(record)
         if isinstance(record, Delta):
             texts.setdefault(record.index, []).append(record.text)
+            token_ids.setdefault(record.index, []).extend(record.token_ids)
         elif reason is not None:
             finishes[record.index] = reason
         record = await anext(records, None)
     choices = [ex.shape.choice(i, "".join(texts.get(i, ())), finishes.get(i))
                for i in sorted(finishes)]
+    if ex.return_token_ids:
+        for choice in choices:
+            choice["token_ids"] = token_ids.get(choice["index"], [])
     body = {**ex.head(ex.shape.full_object), "choices": choices, "usage": ex.usage()}
     ex.done()
     return JSONResponse(body)
@@ -167,6 +173,8 @@ async def stream(ex: Exchange, first: Delta | Finish | None,
             is_first = record.index not in started
             started.add(record.index)
             choice = ex.shape.chunk_choice(record.index, text, reason, is_first)
+            if ex.return_token_ids and isinstance(record, Delta):
+                choice["token_ids"] = record.token_ids
             yield sse_event({**head, "choices": [choice], **usage_field})
             record = await anext(records, None)
         if ex.include_usage:
@@ -180,8 +188,8 @@ async def stream(ex: Exchange, first: Delta | Finish | None,
         await records.aclose()
 
 
-async def respond(request: Request, submit: Submit, shape: Shape, stream_it: bool,
-                  include_usage: bool) -> Response:
+async def respond(request: Request, submit: Submit, shape: Shape,
+                  req: CompletionRequest | ChatRequest) -> Response:
     engine: EngineClient = request.app.state.engine
     records = engine.generate(submit)
     try:
@@ -189,8 +197,9 @@ async def respond(request: Request, submit: Submit, shape: Shape, stream_it: boo
     except BaseException:
         await records.aclose()
         raise
-    ex = Exchange(request, submit, shape, served_model(request), include_usage)
-    if stream_it:
+    ex = Exchange(request, submit, shape, served_model(request), req.include_usage,
+                  req.return_token_ids)
+    if req.stream:
         return SSEResponse(stream(ex, first, records))
     try:
         return await run_until_disconnect(request, collect(ex, first, records))
@@ -227,7 +236,7 @@ async def completions(request: Request) -> Response:
     sampling = sampling_params(req, req.max_tokens, "max_tokens", engine.max_model_len)
     submit = Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.COMPLETION, sampling=sampling,
                     n=req.n, prompts=req.prompts, t_submit=t_start)
-    return await respond(request, submit, COMPLETION, req.stream, req.include_usage)
+    return await respond(request, submit, COMPLETION, req)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -242,7 +251,7 @@ async def chat_completions(request: Request) -> Response:
     sampling = sampling_params(req, max_tokens, param, engine.max_model_len)
     submit = Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.CHAT, sampling=sampling,
                     n=req.n, messages=[m.to_record() for m in req.messages], t_submit=t_start)
-    return await respond(request, submit, CHAT, req.stream, req.include_usage)
+    return await respond(request, submit, CHAT, req)
 
 
 routes = [

@@ -52,6 +52,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     seed: Seed | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # vLLM's extension: each choice also carries its token ids, so a client can count tokens.
+    return_token_ids: bool = False
     user: str | None = None
     # Accepted so that clients sending the neutral value work; anything else is refused
     # rather than silently ignored.

@@ -34,8 +34,8 @@ def big_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 async def one_stream(client: httpx.AsyncClient, i: int, drop_after: int | None) -> dict[str, object]:
     body = {"prompt": f"stream number {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    chunks, text, usage, finish = 0, "", None, None
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    chunks, text, usage, finish, tokens = 0, "", None, None, 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
@@ -47,10 +47,12 @@ async def one_stream(client: httpx.AsyncClient, i: int, drop_after: int | None) 
             for choice in event.get("choices", []):
                 chunks += 1
                 text += choice.get("text") or ""
+                tokens += len(choice.get("token_ids") or ())
                 finish = choice.get("finish_reason") or finish
             if drop_after is not None and chunks >= drop_after:
                 break  # leaving the context closes the connection mid-stream
-    return {"dropped": drop_after is not None, "usage": usage, "finish": finish, "text": text}
+    return {"dropped": drop_after is not None, "usage": usage, "finish": finish, "text": text,
+            "tokens": tokens}
 
 
 async def churn(server: Server) -> list[dict[str, object]]:
@@ -70,6 +72,7 @@ def test_churn_survivors_complete_and_nothing_leaks(big_server: Server) -> None:
     survivors = [r for r in results if not r["dropped"]]
     for r in survivors:
         assert r["finish"] == "length"
+        assert r["tokens"] == MAX_TOKENS  # the chunks carry exactly what usage reports
         assert r["usage"] == {"prompt_tokens": r["usage"]["prompt_tokens"],  # type: ignore[index]
                               "completion_tokens": MAX_TOKENS,
                               "total_tokens": r["usage"]["prompt_tokens"] + MAX_TOKENS}  # type: ignore[index]

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import Server, assert_baseline, wait_for
+from tests.e2e.conftest import Server, assert_baseline, sse_json, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,6 +30,28 @@ def test_completions_prompt_list_times_n(client: openai.OpenAI) -> None:
     assert sorted(c.index for c in r.choices) == list(range(6))
     assert all(c.finish_reason == "length" for c in r.choices)
     assert r.usage is not None and r.usage.completion_tokens == 36
+
+
+def test_token_ids_add_up_to_usage(server: Server) -> None:
+    body = {"prompt": ["x", "y"], "n": 2, "max_tokens": 9, "ignore_eos": True,
+            "return_token_ids": True}
+    with server.client() as c:
+        r = c.post("/v1/completions", json=body).json()
+        assert [len(choice["token_ids"]) for choice in r["choices"]] == [9, 9, 9, 9]
+        counted: dict[int, int] = {}
+        usage: dict[str, int] = {}
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "n": 2,
+                "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}) as s:
+            for line in s.iter_lines():
+                event = sse_json(line)
+                if event and event.get("usage"):
+                    usage = event["usage"]
+                for choice in (event or {}).get("choices", []):
+                    counted[choice["index"]] = (counted.get(choice["index"], 0)
+                                                + len(choice.get("token_ids", ())))
+        assert sum(counted.values()) == usage["completion_tokens"]
 
 
 def test_completions_stream_with_usage(client: openai.OpenAI) -> None:
