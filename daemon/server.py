@@ -221,6 +221,11 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
     from daemon.runner import ModelRunner
 
     t0 = time.monotonic()
+    # A core left to the proxy and the kernel keeps ticks short when everything shares a small
+    # machine: on 2 cores, 1 thread halved the mean abort latency (docs/benchmarks.md).
+    import torch
+
+    torch.set_num_threads(settings.threads or max(1, (os.cpu_count() or 1) - 1))
     try:
         loaded = load_model(settings.model, settings.device, settings.dtype)
     except (ValueError, OSError) as e:  # ModelLoadError and ConfigError are ValueErrors

@@ -33,6 +33,7 @@ class Settings:
     model: str = "builtin:tiny"
     dtype: str = "auto"
     device: str = "auto"
+    threads: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = dataclasses.field(default_factory=list)
@@ -56,6 +57,7 @@ _HELP: dict[str, str] = {
     "or a local HF-format checkpoint directory",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "auto | cpu | cuda (auto: CUDA when present)",
+    "threads": "CPU threads for the forward pass (0: one per core, less one left to the proxy)",
     "host": "HTTP listen address",
     "port": "HTTP listen port",
     "api_key": "accepted API key (repeatable; env: comma-separated); none = no auth",
@@ -134,6 +136,8 @@ def _check(s: Settings) -> None:
     for name in positive:
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+    if s.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {s.threads}")
     if not 0 < s.port < 65536 and s.port != 0:
         raise ValueError(f"--port must be in 0..65535, got {s.port}")
     if s.log_format not in ("auto", "json", "text"):
