@@ -34,6 +34,7 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
+	$(BIN)/mypy ipc proxy tether
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(VENV)/.installed-dev

@@ -13,14 +13,7 @@ from torch import Tensor
 
 from daemon.config import ModelConfig
 from daemon.model import AttentionMetadata, DecoderLM, PrefillSpan
-
-
-@dataclasses.dataclass(slots=True)
-class ScheduledChunk:
-    token_ids: list[int]  # tokens to compute this tick (a prefill chunk, or 1 decode token)
-    start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
-    block_table: list[int]  # physical block ids covering [0, start_pos + len(token_ids))
-    needs_logits: bool  # True when this chunk ends at the sequence's last known token
+from daemon.scheduler import ScheduledChunk  # the scheduler owns it: it must stay torch-free
 
 
 @dataclasses.dataclass(slots=True)

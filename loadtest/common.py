@@ -338,7 +338,9 @@ def plot_cdf(path: Path, series: Mapping[str, Sequence[float]], xlabel: str, tit
 
 
 def plot_lines(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[float]],
-               xlabel: str, ylabel: str, title: str) -> Path:
+               xlabel: str, ylabel: str, title: str, *, logx: bool = False,
+               logy: bool = False, marker: str = "") -> Path:
+    """One line per series over the shared `xs`; `marker` (e.g. "o") for sparse points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,7 +348,16 @@ def plot_lines(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[fl
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, ys in series.items():
-        ax.plot(xs[: len(ys)], ys, label=label)
+        ax.plot(xs[: len(ys)], ys, marker=marker or None, label=label)
+    if logx:
+        ax.set_xscale("log")
+        if len(xs) <= 12:  # few points (e.g. concurrency levels): label each one plainly
+            from matplotlib.ticker import NullLocator
+
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
+    if logy:
+        ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
