@@ -13,17 +13,21 @@ Phases (one client at a time unless stated, so counter deltas belong to one requ
   queued    fill --max-num-seqs with long streams, queue more, drop the queued ones:
             their prompts must never be prefilled (prompt-token counter unchanged)
   churn     100 concurrent streams, half of them leave after a random number of tokens;
-            goodput = tokens delivered / tokens generated
+            goodput = tokens delivered / tokens generated; every --sample-every seconds the
+            server's generated-token counter and the clients' delivered tokens are sampled
 Abort latency: the server's histogram (proxy saw the disconnect -> session evicted), and the
 client's view (socket closed -> running + waiting read 0 on /metrics, which also includes the
 daemon's Stats cadence, ~0.1 s once it is idle).
-Writes abort.json and abort_latency_cdf.png under results/bench-abort-<timestamp>/ (or --out).
+Writes abort.json, abort_latency_cdf.png and churn_tokens.png (generated vs delivered over time)
+under results/bench-abort-<timestamp>/ (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import random
 import sys
 import time
@@ -114,6 +118,13 @@ class Server:
         return {**body, **extra}
 
 
+@dataclasses.dataclass(slots=True)
+class Tally:
+    """Tokens delivered so far, over every client stream, counted as they arrive."""
+
+    tokens: int = 0
+
+
 def delta(srv: Server, before: common.Metrics | None, after: common.Metrics | None,
           key: str) -> float | None:
     a, b = srv.value(after, key), srv.value(before, key)
@@ -126,10 +137,12 @@ def _has_token_ids(obj: dict[str, Any]) -> bool:
 
 async def read_stream(resp: sse_client.Response, stop_after: int | None,
                       times: list[float] | None = None,
-                      srv: Server | None = None) -> tuple[int, int | None]:
+                      srv: Server | None = None,
+                      tally: Tally | None = None) -> tuple[int, int | None]:
     """Reads until the end or `stop_after` tokens: (tokens received, usage tokens if ended).
 
-    Given `srv`, records there whether the server sends token_ids (exact counts)."""
+    Given `srv`, records there whether the server sends token_ids (exact counts); given
+    `tally`, adds each event's tokens to it as they arrive."""
     got = 0
     async for data in resp.events():
         if data == b"[DONE]":
@@ -141,6 +154,8 @@ async def read_stream(resp: sse_client.Response, stop_after: int | None,
         if srv is not None and not srv.exact:
             srv.exact = _has_token_ids(obj)
         got += n
+        if tally is not None:
+            tally.tokens += n
         if times is not None and n:
             times.append(time.monotonic())
         if stop_after is not None and got >= stop_after:
@@ -271,11 +286,33 @@ async def phase_queued(srv: Server, max_num_seqs: int | None, queued: int) -> di
             "queued_abort_latency_s": drained}
 
 
+async def sample_tokens(srv: Server, gen0: float | None, tally: Tally, accuracy: float,
+                        every: float, stop: asyncio.Event) -> dict[str, Any]:
+    """Cumulative generated (server counter) and delivered (clients) tokens over time, until
+    `stop` is set, plus one last sample then."""
+    t0 = time.monotonic()
+    series: dict[str, Any] = {"every_s": every, "t_s": [], "generated": [], "delivered": []}
+    while True:
+        t, delivered = time.monotonic() - t0, tally.tokens * accuracy
+        # Off the loop: the clients sharing it must not stall while /metrics is parsed.
+        gen = srv.value(await asyncio.to_thread(srv.scrape), "gen")
+        series["t_s"].append(round(t, 4))
+        series["generated"].append(None if gen is None or gen0 is None else gen - gen0)
+        series["delivered"].append(delivered)
+        if stop.is_set():
+            return series
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.0, t0 + t + every - time.monotonic()))
+
+
 async def phase_churn(srv: Server, streams: int, seconds: float, churn: float,
-                      accuracy: float) -> dict[str, Any]:
+                      accuracy: float, sample_every: float) -> dict[str, Any]:
     before = srv.scrape()
     totals = {"delivered_completed": 0, "delivered_dropped": 0, "counted_completed": 0,
               "completed": 0, "dropped": 0, "errors": 0}
+    tally, stop = Tally(), asyncio.Event()
+    sampler = asyncio.create_task(sample_tokens(srv, srv.value(before, "gen"), tally, accuracy,
+                                                sample_every, stop))
     stop_at = time.monotonic() + seconds
 
     async def client() -> None:
@@ -285,7 +322,7 @@ async def phase_churn(srv: Server, streams: int, seconds: float, churn: float,
             try:
                 async with sse_client.stream(srv.base, "/v1/completions",
                                              srv.body(max_tokens, True)) as resp:
-                    got, usage = await read_stream(resp, leave)
+                    got, usage = await read_stream(resp, leave, tally=tally)
             except (OSError, sse_client.HttpError, asyncio.IncompleteReadError):
                 totals["errors"] += 1
                 continue
@@ -297,13 +334,18 @@ async def phase_churn(srv: Server, streams: int, seconds: float, churn: float,
                 totals["delivered_completed"] += usage if usage is not None else got
                 totals["counted_completed"] += got
 
-    await asyncio.gather(*(client() for _ in range(streams)))
-    await srv.wait_idle(60)
+    try:
+        await asyncio.gather(*(client() for _ in range(streams)))
+        await srv.wait_idle(60)
+    finally:
+        stop.set()
+        series = await sampler
     generated = delta(srv, before, srv.scrape(), "gen")
     delivered = totals["delivered_completed"] + totals["delivered_dropped"] * accuracy
     out: dict[str, Any] = {"streams": streams, "seconds": seconds, "churn": churn, **totals,
                            "generated": generated,
-                           "goodput": delivered / generated if generated else None}
+                           "goodput": delivered / generated if generated else None,
+                           "series": series}
     if totals["counted_completed"]:
         # Usage tokens / counted tokens on streams that ran to the end, for comparison with
         # the calibration's figure.
@@ -370,6 +412,24 @@ def plot(path: Path, results: dict[str, Any], hist: common.Histogram | None) -> 
     common.plot_cdf(path, series, "abort latency (ms)", "Abort latency CDF", points)
 
 
+def plot_churn(path: Path, churn: dict[str, Any], exact: bool) -> Path | None:
+    series = churn["series"]
+    if any(g is None for g in series["generated"]):
+        return None  # no generation counter on this server
+    goodput, generated = churn["goodput"], churn["generated"]
+    shown = "n/a" if goodput is None else f"{goodput:.3f}"
+    if goodput is not None and generated:
+        shown += f", {generated * (1 - goodput):.0f} of {generated:.0f} tokens undelivered"
+    return common.plot_lines(
+        path, series["t_s"],
+        {"generated (server counter)": series["generated"],
+         "delivered (clients" + (", token_ids)" if exact else ", estimated)"):
+             series["delivered"]},
+        "seconds since the churn phase started", "tokens (cumulative)",
+        f"Tokens generated vs delivered under churn\n{churn['streams']} streams, "
+        f"{churn['churn']:.0%} leave; goodput {shown}")
+
+
 async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
     model = args.model or common.served_model(base) or "default"
     srv = Server(base, model)
@@ -389,7 +449,8 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
     results["nonstream"] = await phase_nonstream(srv, max(5, args.trials // 3), args.max_tokens)
     results["queued"] = await phase_queued(srv, args.max_num_seqs, args.queued)
     h2 = _hist(srv)
-    results["churn"] = await phase_churn(srv, args.streams, args.churn_seconds, 0.5, accuracy)
+    results["churn"] = await phase_churn(srv, args.streams, args.churn_seconds, 0.5, accuracy,
+                                         args.sample_every)
     h3 = _hist(srv)
     hists["churn"] = h3.minus(h2) if h2 and h3 else None
     for phase, hist in hists.items():
@@ -417,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--queued", type=int, default=4)
     parser.add_argument("--streams", type=int, default=100)
     parser.add_argument("--churn-seconds", type=float, default=15.0)
+    parser.add_argument("--sample-every", type=float, default=0.25,
+                        help="seconds between churn samples of generated/delivered tokens")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not args.base_url and args.max_num_seqs is None:
@@ -428,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = asyncio.run(run(args, base))
     hist = results.pop("_hist")
     plot(out / "abort_latency_cdf.png", results, hist)
+    plot_churn(out / "churn_tokens.png", results["churn"], results["calibration"]["exact"])
     report(results, hist)
     common.write_json(out / "abort.json", results)
     print(f"  results in {out}")

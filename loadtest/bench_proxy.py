@@ -1,17 +1,18 @@
 """SSE throughput of the whole proxy + pipe path, beside a bare Starlette stream; proxy memory.
 
-    python loadtest/bench_proxy.py [--seconds 5] [--held 1000] [--out DIR]
+    python loadtest/bench_proxy.py [--seconds 4] [--levels 1,10,50,100] [--held 1000] [--out DIR]
 
 In one run, on the same cores and with the same client:
   bare   a Starlette StreamingResponse on uvicorn (h11, asyncio) yielding pre-made chat chunks
   tether `tether serve --model builtin:tiny`, completions streams with ignore_eos
-at 1 and 100 concurrent streams (events/s, every SSE event counted, [DONE] included; streams
-of 500 events/tokens, back to back), with the proxy's and the daemon's CPU per 1k events (the
+at each of --levels concurrent streams (events/s, every SSE event counted, [DONE] included;
+streams of 500 events/tokens, back to back), with the proxy's and the daemon's CPU per 1k events (the
 engine's decode rate can be what limits tether's events/s), then the proxy's RSS idle and
 while --held streams are open (per-stream KB; most of them queued in the daemon).
-Goals: tether >= 50% of bare; <= 20 KB per held stream. Anchor (this machine class): bare 30k
-events/s on one stream, 61k over 100.
-Writes proxy.json under results/bench-proxy-<timestamp>/ (or --out).
+Goals (at 1 and 100 streams): tether >= 50% of bare; <= 20 KB per held stream. Anchor (this
+machine class): bare 30k events/s on one stream, 61k over 100.
+Writes proxy.json and throughput_vs_concurrency.png under results/bench-proxy-<timestamp>/
+(or --out).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import common
@@ -35,6 +37,7 @@ BARE_EVENT = b"data: " + orjson.dumps({
                  "finish_reason": None}]}) + b"\n\n"
 DONE = b"data: [DONE]\n\n"
 ANCHOR = {"bare_1": 30000, "bare_100": 61000}
+GOAL_LEVELS = (1, 100)
 
 
 # --- the bare reference server (runs in its own process) -------------------------------------
@@ -170,13 +173,13 @@ async def held_streams_rss(url: str, model: str, proxy: psutil.Process, held: in
 
 async def run(args: argparse.Namespace, bare_url: str, pair: common.ServerPair) -> dict[str, Any]:
     model = common.served_model(pair.base_url) or "default"
-    out: dict[str, Any] = {"model": model, "seconds": args.seconds}
+    out: dict[str, Any] = {"model": model, "seconds": args.seconds, "levels": args.levels}
     procs = pair.processes()
-    for streams, tokens in ((1, 500), (100, 500)):
-        out[f"bare_{streams}"] = await events_per_s(bare_url, body_maker("bare", tokens),
+    for streams in args.levels:
+        out[f"bare_{streams}"] = await events_per_s(bare_url, body_maker("bare", 500),
                                                     streams, args.seconds)
         cpu0 = {name: cpu_s(p) for name, p in procs.items()}
-        cell = await events_per_s(pair.base_url, body_maker(model, tokens), streams,
+        cell = await events_per_s(pair.base_url, body_maker(model, 500), streams,
                                   args.seconds)
         # The engine may be what limits events/s; CPU per event shows what the proxy costs.
         for name, p in procs.items():
@@ -196,12 +199,15 @@ async def run(args: argparse.Namespace, bare_url: str, pair: common.ServerPair) 
 def report(res: dict[str, Any]) -> None:
     print(f"\n=== proxy benchmark (model {res['model']}, {res['seconds']:g} s per cell) ===")
     print(f"  {'streams':>8} {'bare ev/s':>12} {'tether ev/s':>12} {'ratio':>7}   anchor bare")
-    for streams in (1, 100):
+    for streams in res["levels"]:
         bare = res[f"bare_{streams}"]["events_per_s"]
         ours = res[f"tether_{streams}"]["events_per_s"]
         ratio = ours / bare if bare else 0.0
+        anchor = ANCHOR.get(f"bare_{streams}")
         print(f"  {streams:>8} {bare:>12.0f} {ours:>12.0f} {ratio:>7.2f}   "
-              f"{ANCHOR[f'bare_{streams}']:>6}")
+              f"{'-' if anchor is None else anchor:>6}")
+        if streams not in GOAL_LEVELS:
+            continue
         print(common.goal_line(f"tether / bare at {streams} stream(s)", ratio, ">= 0.5",
                                ratio >= 0.5))
         cell = res[f"tether_{streams}"]
@@ -219,9 +225,27 @@ def report(res: dict[str, Any]) -> None:
                            mem["kb_per_held_stream"] <= 20, " KB"))
 
 
+def plot(path: Path, res: dict[str, Any]) -> Path:
+    levels = res["levels"]
+    series = {name: [res[f"{name}_{n}"]["events_per_s"] for n in levels]
+              for name in ("bare", "tether")}
+    return common.plot_lines(path, levels, series, "concurrent streams", "SSE events/s",
+                             f"Throughput vs concurrency (model {res['model']})",
+                             logx=True, logy=True, marker="o")
+
+
+def levels_arg(text: str) -> list[int]:
+    levels = sorted({int(v) for v in text.split(",") if v.strip()})
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError("want comma-separated stream counts >= 1")
+    return levels
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=5.0, help="per throughput cell")
+    parser.add_argument("--seconds", type=float, default=4.0, help="per throughput cell")
+    parser.add_argument("--levels", type=levels_arg, default=[1, 10, 50, 100],
+                        help="concurrent streams per cell, comma-separated")
     parser.add_argument("--held", type=int, default=1000)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--out", default=None)
@@ -241,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bare.wait(10)
     report(res)
     common.write_json(out / "proxy.json", res)
+    plot(out / "throughput_vs_concurrency.png", res)
     print(f"  results in {out}")
     return 0
 
