@@ -217,7 +217,8 @@ class DaemonServer:
 
 def run(settings: Settings, notify: Notify | None = None) -> int:
     """Entry point of `tether daemon`; returns the process exit code."""
-    from daemon.loader import load_model
+    from daemon.config import ConfigError
+    from daemon.loader import ModelLoadError, load_model
     from daemon.runner import ModelRunner
 
     t0 = time.monotonic()
@@ -228,7 +229,7 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
     torch.set_num_threads(settings.threads or max(1, (os.cpu_count() or 1) - 1))
     try:
         loaded = load_model(settings.model, settings.device, settings.dtype)
-    except (ValueError, OSError) as e:  # ModelLoadError and ConfigError are ValueErrors
+    except (ModelLoadError, ConfigError, ValueError, OSError) as e:
         log.error("daemon: cannot load model %s: %s", settings.model, e)
         return 1
     runner = ModelRunner(loaded.model, loaded.config, settings.kv_cache_blocks)

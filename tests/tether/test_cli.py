@@ -105,3 +105,14 @@ def test_cli_and_launcher_do_not_import_the_engine() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, env=child_env())
     assert proc.returncode == 0, proc.stderr
+
+
+def test_daemon_with_a_missing_model_exits_1_naming_it(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "daemon", "--model", str(tmp_path / "nope"),
+         "--runtime-dir", str(tmp_path / "run"), "--state-dir", str(tmp_path / "state"),
+         "--log-format", "text"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1
+    assert str(tmp_path / "nope") in proc.stderr
+    assert "Traceback" not in proc.stderr
