@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     parser.add_argument("--users", type=int, default=200)
     parser.add_argument("--churn", type=float, default=0.5)
-    parser.add_argument("--warmup", type=float, default=60.0, help="seconds before the baseline")
+    parser.add_argument("--warmup", type=float, default=180.0,
+                        help="seconds before the baseline (the allocator grows to its peak batch first)")
     parser.add_argument("--sample-every", type=float, default=5.0)
     parser.add_argument("--max-growth", type=float, default=0.10)
     parser.add_argument("--model", default="builtin:tiny")
