@@ -39,6 +39,15 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, device=self.device, dtype=self.dtype)
                           for _ in range(config.num_layers)]
 
+    @staticmethod
+    def blocks_for_budget(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
+                          block_size: int = 16) -> int:
+        """How many KV blocks (K and V of every layer) fit in `budget_bytes`."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_block = (2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim
+                     * itemsize)
+        return budget_bytes // per_block
+
     def run(self, chunks: list[ScheduledChunk]) -> Tensor:
         """float32 logits [number of chunks with needs_logits, vocab], in chunk order."""
         with torch.inference_mode():

@@ -232,7 +232,15 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
     except (ModelLoadError, ConfigError, ValueError, OSError) as e:
         log.error("daemon: cannot load model %s: %s", settings.model, e)
         return 1
-    runner = ModelRunner(loaded.model, loaded.config, settings.kv_cache_blocks)
+    num_blocks = settings.kv_cache_blocks
+    if settings.kv_cache_mib:
+        dtype = next(loaded.model.parameters()).dtype
+        num_blocks = ModelRunner.blocks_for_budget(loaded.config, settings.kv_cache_mib << 20, dtype)
+        if num_blocks < 1:
+            log.error("daemon: --kv-cache-mib %d holds no KV block of this model",
+                      settings.kv_cache_mib)
+            return 1
+    runner = ModelRunner(loaded.model, loaded.config, num_blocks)
     try:
         store = ResponseStore(settings.state_dir / "responses.sqlite3",
                               settings.response_store_max, settings.response_store_max_age_s)

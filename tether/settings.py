@@ -40,6 +40,7 @@ class Settings:
     max_num_seqs: int = 64
     max_tokens_per_tick: int = 512
     kv_cache_blocks: int = 2048
+    kv_cache_mib: int = 0
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
     response_store_max: int = 10000
@@ -64,6 +65,7 @@ _HELP: dict[str, str] = {
     "max_num_seqs": "most sequences running at once",
     "max_tokens_per_tick": "token budget of one forward pass (prefill chunks + decodes)",
     "kv_cache_blocks": "KV cache pool size in blocks of 16 tokens",
+    "kv_cache_mib": "KV cache pool as a memory budget in MiB; when > 0 it sets the block count",
     "max_waiting": "most requests waiting in the proxy before it answers 429",
     "max_body_bytes": "largest accepted HTTP request body (413 above)",
     "response_store_max": "most stored responses kept (oldest pruned)",
@@ -136,6 +138,8 @@ def _check(s: Settings) -> None:
     for name in positive:
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+    if s.kv_cache_mib < 0:
+        raise ValueError(f"--kv-cache-mib must be >= 0, got {s.kv_cache_mib}")
     if s.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {s.threads}")
     if not 0 < s.port < 65536 and s.port != 0:

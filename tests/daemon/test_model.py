@@ -201,3 +201,12 @@ def test_builtin_tiny_is_deterministic_and_varied() -> None:
         seq.ids.append(token)
     assert len(set(sampled)) >= 10
     assert max(sampled) < first.tokenizer.vocab_size
+
+
+def test_blocks_for_budget_matches_the_allocated_cache() -> None:
+    loaded = load_model("builtin:tiny", "cpu", "float32")
+    blocks = ModelRunner.blocks_for_budget(loaded.config, 64 << 20, torch.float32)
+    runner = ModelRunner(loaded.model, loaded.config, blocks)
+    used = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    assert used <= 64 << 20
+    assert used + used // blocks > 64 << 20  # one more block would not fit
