@@ -70,7 +70,7 @@ class DaemonServer:
         """First call: stop admitting and drain; a forced (second) call aborts what is left."""
         now = self.clock()
         if self.stop_deadline is None:
-            log.info("daemon: stopping; draining for up to %.1f s", self.drain_timeout_s)
+            log.info("stopping; draining for up to %.1f s", self.drain_timeout_s)
             self.stop_deadline = now + self.drain_timeout_s
         elif force:
             self.stop_deadline = now
@@ -108,7 +108,7 @@ class DaemonServer:
     def _check_proxy(self, now: float) -> None:
         reason = self.pipes.take_lost()  # EOF, EPIPE, a stalled reader or heartbeat silence
         if reason is not None:
-            log.warning("daemon: proxy lost (%s); aborting its requests", reason)
+            log.warning("proxy lost (%s); aborting its requests", reason)
             self._out += self.engine.abort_all(AbortCause.PROXY_LOST)
 
     def _step(self) -> bool:
@@ -117,7 +117,7 @@ class DaemonServer:
         try:
             self._out += self.engine.step()
         except Exception as e:  # a failed forward pass must not take the daemon down
-            log.exception("daemon: engine step failed; failing every running request")
+            log.exception("engine step failed; failing every running request")
             self._out += self.engine.fail_all(f"internal error: {type(e).__name__}: {e}")
         return True
 
@@ -160,7 +160,7 @@ class DaemonServer:
         elif isinstance(rec, Hello):
             self._hello(rec, now)
         elif isinstance(rec, Goodbye):
-            log.info("daemon: proxy (epoch %d) said goodbye", rec.epoch)
+            log.info("proxy (epoch %d) said goodbye", rec.epoch)
             self._out += self.engine.abort_epoch_older_than(rec.epoch + 1, AbortCause.PROXY_LOST)
         elif isinstance(rec, ResponseOp):
             self._response_op(rec)
@@ -175,12 +175,12 @@ class DaemonServer:
         if rec.version != PROTOCOL_VERSION:
             message = (f"protocol version mismatch: proxy (pid {rec.pid}) speaks version "
                        f"{rec.version}, this daemon speaks version {PROTOCOL_VERSION}")
-            log.error("daemon: %s", message)
+            log.error("%s", message)
             self._out.append(Error(None, message, status=500, code="version_mismatch"))
             return
         if self.epoch is None or rec.epoch > self.epoch:
             if self.epoch is not None:
-                log.info("daemon: new proxy epoch %d (was %d)", rec.epoch, self.epoch)
+                log.info("new proxy epoch %d (was %d)", rec.epoch, self.epoch)
             self._out += self.engine.abort_epoch_older_than(rec.epoch, AbortCause.PROXY_LOST)
             self.epoch = rec.epoch
         self._out.append(Welcome(PROTOCOL_VERSION, os.getpid(), self.engine.model_name,
@@ -191,7 +191,7 @@ class DaemonServer:
         try:
             reply = self.store.handle_op(op, running)
         except Exception as e:  # a broken store answers 500 rather than hang the client
-            log.exception("daemon: response store failed on %s %s", op.op, op.response_id)
+            log.exception("response store failed on %s %s", op.op, op.response_id)
             reply = ResponseReply(op.op_id, 500, message=f"response store error: {e}")
         if op.op is ResponseOpKind.CANCEL and reply.status == 200 and running:
             self._out += self.engine.abort(op.response_id, AbortCause.CANCEL)
@@ -212,7 +212,7 @@ class DaemonServer:
         while self.pipes.proxy_connected and self.pipes.tokens_backlog \
                 and self.clock() < deadline:
             self.pipes.wait_readable(0.01)
-        log.info("daemon: stopped")
+        log.info("stopped")
 
 
 def run(settings: Settings, notify: Notify | None = None) -> int:
@@ -230,14 +230,14 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
     try:
         loaded = load_model(settings.model, settings.device, settings.dtype)
     except (ModelLoadError, ConfigError, ValueError, OSError) as e:
-        log.error("daemon: cannot load model %s: %s", settings.model, e)
+        log.error("cannot load model %s: %s", settings.model, e)
         return 1
     num_blocks = settings.kv_cache_blocks
     if settings.kv_cache_mib:
         dtype = next(loaded.model.parameters()).dtype
         num_blocks = ModelRunner.blocks_for_budget(loaded.config, settings.kv_cache_mib << 20, dtype)
         if num_blocks < 1:
-            log.error("daemon: --kv-cache-mib %d holds no KV block of this model",
+            log.error("--kv-cache-mib %d holds no KV block of this model",
                       settings.kv_cache_mib)
             return 1
     runner = ModelRunner(loaded.model, loaded.config, num_blocks)
@@ -246,20 +246,20 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
                               settings.response_store_max, settings.response_store_max_age_s)
         pipes = DaemonPipes(settings.runtime_dir, settings.pipe_group, inherited_fifos())
     except (StoreError, PipeError, ValueError) as e:
-        log.error("daemon: %s", e)
+        log.error("%s", e)
         return 1
     crashed = store.cleanup_crashed()
     if crashed:
-        log.warning("daemon: ended %d responses left unfinished by a previous run", crashed)
+        log.warning("ended %d responses left unfinished by a previous run", crashed)
     try:
         engine = Engine(runner, loaded.tokenizer, store, settings.max_num_seqs,
                         settings.max_tokens_per_tick, loaded.max_model_len, loaded.name)
     except ValueError as e:
-        log.error("daemon: %s", e)
+        log.error("%s", e)
         pipes.close()
         store.close()
         return 1
-    log.info("daemon: model %s loaded in %.1f s; %d KV blocks of %d tokens; pipes in %s",
+    log.info("model %s loaded in %.1f s; %d KV blocks of %d tokens; pipes in %s",
              loaded.name, time.monotonic() - t0, runner.num_blocks, runner.block_size,
              settings.runtime_dir)
     server = DaemonServer(engine, pipes, store, settings.drain_timeout_s, notify)
