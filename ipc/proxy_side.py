@@ -40,6 +40,7 @@ HEARTBEAT_S = HEARTBEAT_INTERVAL_S
 HELLO_REPEAT_S = 1.0
 SILENCE_S = SILENCE_TIMEOUT_S
 TICK_S = 0.05
+CLOCK_SLACK_S = 0.002
 READ_CHUNK = 256 * 1024
 READS_PER_CALLBACK = 8  # then yield to the loop so HTTP work is not starved by a token flood
 MAX_CONTROL_QUEUE = 4096
@@ -71,6 +72,7 @@ class ProxyPipes:
         self._submit_lock = asyncio.Lock()
         self._write_waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._nudge: asyncio.Future[None] | None = None  # wakes the supervisor early
         self._loop: asyncio.AbstractEventLoop | None = None
         self._warned: str | None = None
 
@@ -109,23 +111,35 @@ class ProxyPipes:
         self._close_tokens()
 
     async def _supervise(self) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        delay = TICK_S
         while True:
-            await asyncio.sleep(TICK_S)
+            # A timer, or _lose, wakes us: while up nothing is due for up to a heartbeat
+            # interval, so the loop is not woken 20 times a second for nothing.
+            nudge = self._nudge = loop.create_future()
+            timer = loop.call_later(delay, _wake, nudge)
             try:
-                self._check(time.monotonic())
+                await nudge
+            finally:
+                timer.cancel()
+                self._nudge = None
+            try:
+                delay = self._check(time.monotonic())
             except Exception:
                 # Reconnecting must outlive any surprise, or the proxy stays 503 for good.
                 log.exception("ipc: supervisor step failed")
+                delay = TICK_S
 
-    def _check(self, now: float) -> None:
-        """Reconnect, greet, heartbeat and watch for silence: every TICK_S."""
+    def _check(self, now: float) -> float:
+        """Reconnect, greet, heartbeat and watch for silence; returns when to look again."""
         if self._tokens_fd is None:
             self._open_tokens()
         if not self.connected:
             if now >= self._retry_at:
                 self._retry_at = now + RETRY_S
                 self._try_connect()
-            return
+            return TICK_S
         if not self.up and now >= self._next_hello:
             self._say_hello(now)
         if now >= self._next_heartbeat:
@@ -133,6 +147,12 @@ class ProxyPipes:
             self._send_control(encode_control(Heartbeat(self.epoch, now)), droppable=True)
         if self.up and now - self._last_record > SILENCE_S:
             self._lose(f"no record from the daemon for {SILENCE_S:g} s")
+        if not self.up:
+            return TICK_S
+        # Records only move the silence deadline later, so waking at the earlier of the two
+        # deadlines misses nothing (the slack covers a loop clock of millisecond resolution).
+        due = min(self._next_heartbeat, self._last_record + SILENCE_S)
+        return max(due - now, 0.0) + CLOCK_SLACK_S
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -210,6 +230,10 @@ class ProxyPipes:
             else:
                 for record in records:
                     self._dispatch(record)
+            if len(data) < READ_CHUNK:
+                # The pipe was drained: skip the read that would only say EAGAIN. The reader
+                # is level-triggered, so bytes written since wake us again.
+                return
 
     def _on_tokens_eof(self) -> None:
         # Reopen even when nothing is lost: after EOF, poll reports HUP forever on this fd.
@@ -365,6 +389,8 @@ class ProxyPipes:
         self._close_tokens()
         self._open_tokens()
         self._retry_at = time.monotonic() + retry_in
+        if self._nudge is not None:
+            _wake(self._nudge)  # back to ticking at once, to reconnect on time
         if was_up or notify:
             self._on_state(False, reason)
 

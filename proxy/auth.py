@@ -7,6 +7,7 @@ server's own ``receive``: wrapping it in a task-and-queue layer delays or loses 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -21,14 +22,15 @@ class ApiKeyMiddleware:
         self.app = app
         self.keys = [key.encode() for key in keys]
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    # A plain function returning the inner app's awaitable: no frame of ours stays alive for
+    # the request's lifetime (thousands of requests can be held open at once).
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         if (scope["type"] != "http" or not self.keys
                 or not scope["path"].startswith(PROTECTED_PREFIX) or self._allowed(scope)):
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         exc = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await error_response(exc)(scope, receive, send)
+        return error_response(exc)(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
         offered = b""

@@ -11,12 +11,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, Usage
-from proxy.cancellation import run_until_disconnect
+from proxy.cancellation import DisconnectWatch
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.metrics import ProxyMetrics
@@ -133,10 +134,6 @@ class Exchange:
             time.monotonic() - self.t_start)
 
 
-async def _first(records: EngineStream) -> Delta | Finish | None:
-    return await anext(records, None)
-
-
 async def collect(ex: Exchange, first: Delta | Finish | None, records: EngineStream) -> Response:
     texts: dict[int, list[str]] = {}
     token_ids: dict[int, list[int]] = {}
@@ -164,18 +161,25 @@ async def stream(ex: Exchange, first: Delta | Finish | None,
                  records: EngineStream) -> AsyncIterator[bytes]:
     started: set[int] = set()
     head = ex.head(ex.shape.chunk_object)
-    usage_field = {"usage": None} if ex.include_usage else {}
+    # Every chunk is {**head, "choices": [choice], **usage}: its constant bytes are encoded
+    # once, and only the choice per event (byte for byte what dumping the whole dict gives).
+    before = b"data: " + orjson.dumps(head)[:-1] + b',"choices":['
+    after = b'],"usage":null}\n\n' if ex.include_usage else b"]}\n\n"
+    shape, token_ids = ex.shape, ex.return_token_ids
     try:
         record = first
         while record is not None:
             reason = ex.on_record(record)
-            text = record.text if isinstance(record, Delta) else ""
-            is_first = record.index not in started
-            started.add(record.index)
-            choice = ex.shape.chunk_choice(record.index, text, reason, is_first)
-            if ex.return_token_ids and isinstance(record, Delta):
-                choice["token_ids"] = record.token_ids
-            yield sse_event({**head, "choices": [choice], **usage_field})
+            delta = record if isinstance(record, Delta) else None
+            index = record.index
+            is_first = index not in started
+            if is_first:
+                started.add(index)
+            choice = shape.chunk_choice(index, "" if delta is None else delta.text, reason,
+                                        is_first)
+            if token_ids and delta is not None:
+                choice["token_ids"] = delta.token_ids
+            yield before + orjson.dumps(choice) + after
             record = await anext(records, None)
         if ex.include_usage:
             yield sse_event({**head, "choices": [], "usage": ex.usage()})
@@ -192,19 +196,23 @@ async def respond(request: Request, submit: Submit, shape: Shape,
                   req: CompletionRequest | ChatRequest) -> Response:
     engine: EngineClient = request.app.state.engine
     records = engine.generate(submit)
+    # One watcher for the whole request: while queued, while collecting, while streaming.
+    watch = DisconnectWatch(request.receive)
+    streaming = False
     try:
-        first = await run_until_disconnect(request, _first(records))
-    except BaseException:
-        await records.aclose()
-        raise
-    ex = Exchange(request, submit, shape, served_model(request), req.include_usage,
-                  req.return_token_ids)
-    if req.stream:
-        return SSEResponse(stream(ex, first, records))
-    try:
-        return await run_until_disconnect(request, collect(ex, first, records))
+        with watch:
+            first = await anext(records, None)
+        ex = Exchange(request, submit, shape, served_model(request), req.include_usage,
+                      req.return_token_ids)
+        if req.stream:
+            streaming = True  # from here the response closes the watch and the records
+            return SSEResponse(stream(ex, first, records), watch=watch, source=records)
+        with watch:
+            return await collect(ex, first, records)
     finally:
-        await records.aclose()
+        if not streaming:
+            watch.close()
+            await records.aclose()
 
 
 def served_model(request: Request) -> str:

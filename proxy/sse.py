@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+from proxy.cancellation import DisconnectWatch
+from proxy.errors import ClientDisconnected
 
 DONE = b"data: [DONE]\n\n"
 
@@ -21,25 +24,51 @@ def sse_event(data: dict[str, Any] | str, event: str | None = None) -> bytes:
 
 
 class SSEResponse(StreamingResponse):
-    """A StreamingResponse that closes its body iterator however the response ends.
+    """A StreamingResponse that stops at a disconnect and closes its body however it ends.
 
-    Starlette cancels the task streaming the body when the client disconnects. If the body
-    generator was suspended at a ``yield`` (the task was inside ``send``), nothing resumes it and
-    its ``finally`` would only run when the garbage collector finds it. Closing it here runs
-    that ``finally`` (which writes the Abort) at once.
+    The body is streamed in the handler's own task under a `DisconnectWatch` (the handler's
+    own, passed in, or a new one): no task group and no second streaming task per response.
+    A disconnect cancels the streaming where it waits. If the body generator was suspended at a
+    ``yield`` (the task was inside ``send``), nothing resumes it and its ``finally`` would only
+    run when the garbage collector finds it: closing it here runs that ``finally`` (which writes
+    the Abort) at once.
     """
 
     def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 status_code: int = 200) -> None:
+                 status_code: int = 200, watch: DisconnectWatch | None = None,
+                 source: AsyncGenerator[Any, None] | None = None) -> None:
         super().__init__(content, status_code=status_code, media_type="text/event-stream",
                          headers={**SSE_HEADERS, **(headers or {})})
+        self.watch = watch
+        # What the body reads from, closed after it: a body stopped before its first step
+        # never runs its own ``finally``.
+        self.source = source
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = self.watch or DisconnectWatch(receive)
         try:
-            await super().__call__(scope, receive, send)
+            with watch:
+                await self._stream(send)
+        except ClientDisconnected:
+            pass  # nobody is left to answer
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                # A body whose cleanup is synchronous finishes without suspending, so the
-                # pending cancellation cannot interrupt it.
-                await aclose()
+            watch.close()
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    # A body whose cleanup is synchronous finishes without suspending, so a
+                    # pending cancellation cannot interrupt it.
+                    await aclose()
+            finally:
+                if self.source is not None:
+                    await self.source.aclose()
+        if self.background is not None:
+            await self.background()
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            body = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
