@@ -93,7 +93,11 @@ def _chat_text(tokenizer: Tokenizer, messages: list[Message]) -> str:
 
 
 def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
-                 max_num_seqs: int, block_manager: BlockManager) -> None:
+                 max_num_seqs: int, block_manager: BlockManager, vocab_size: int) -> None:
+    bad = [t for t in submit.sampling.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise Rejected(f"stop_token_ids {bad} are outside the vocabulary (0..{vocab_size - 1})",
+                       param="stop_token_ids")
     if submit.n > max_num_seqs:
         raise Rejected(f"n ({submit.n}) exceeds the server's limit of {max_num_seqs}",
                        param="n")

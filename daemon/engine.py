@@ -130,7 +130,7 @@ class Engine:
         try:
             prompts = render_prompts(rec, self.tokenizer, self.store)
             check_limits(rec, prompts, self.max_model_len, self.max_num_seqs,
-                         self.block_manager)
+                         self.block_manager, self.tokenizer.vocab_size)
             session = self._open_session(rec, prompts)
         except Rejected as e:
             return [e.to_error(rec.rid)]

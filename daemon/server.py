@@ -169,7 +169,12 @@ class DaemonServer:
         if self.stop_deadline is not None:
             self._out.append(Error(rec.rid, "the server is shutting down", status=503))
             return
-        self._out += self.engine.submit(rec)
+        try:
+            self._out += self.engine.submit(rec)
+        except Exception as e:  # one bad request (or a store failure) must not end the daemon
+            log.exception("admitting %s failed", rec.rid)
+            self._out.append(Error(rec.rid, f"internal error: {type(e).__name__}: {e}",
+                                   status=500, code="internal_error"))
 
     def _hello(self, rec: Hello, now: float) -> None:
         if rec.version != PROTOCOL_VERSION:

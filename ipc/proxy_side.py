@@ -2,7 +2,8 @@
 
 The proxy reads ``tokens`` and writes ``requests`` and ``control``. The daemon is "up" once the
 write ends are open and its Welcome has arrived; it is lost on EOF on tokens, EPIPE on a write,
-a second of silence (it sends Stats at least every 100 ms) or a protocol version mismatch.
+SILENCE_TIMEOUT_S (3 s) of silence (it sends Stats at least every 100 ms) or a protocol version
+mismatch.
 After a loss everything is reopened and the connection retried every 100 ms.
 """
 

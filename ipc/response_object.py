@@ -157,7 +157,7 @@ def _item_message(item: Any, where: str) -> Message:
         raise InputError(f"{where}.type", f"unsupported item type {kind!r}; only 'message' items "
                          "are accepted")
     role = item.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise InputError(f"{where}.role", f"must be one of {', '.join(_ROLES)}; got {role!r}")
     if "content" not in item:
         raise InputError(f"{where}.content", "is required")

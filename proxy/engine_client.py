@@ -21,6 +21,7 @@ from ipc.records import (
     Delta,
     Error,
     Finish,
+    FinishReason,
     RequestKind,
     ResponseOp,
     ResponseOpKind,
@@ -35,6 +36,8 @@ from proxy.errors import ApiError
 log = logging.getLogger("tether.proxy")
 
 StatsListener = Callable[[Stats], None]
+
+_ENDED_BY_DAEMON = (FinishReason.ABORT, FinishReason.ERROR)
 
 
 def num_sequences(submit: Submit) -> int:
@@ -163,6 +166,9 @@ class EngineClient:
                                            record.code)
                         if isinstance(record, Finish):
                             session.complete = self._finish(session, record)
+                            if record.reason in _ENDED_BY_DAEMON:
+                                # The daemon evicts a session whole: nothing left to abort.
+                                session.rejected = True
                         yield record
                         if session.complete:
                             return

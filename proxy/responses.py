@@ -100,7 +100,7 @@ async def _foreground(request: Request, engine: EngineClient, events: ResponseEv
         await records.aclose()
         raise
     if stream:
-        return SSEResponse(_sse(_foreground_events(events, first, records)))
+        return SSEResponse(_sse(_foreground_events(events, first, records)), source=records)
     try:
         return JSONResponse(await run_until_disconnect(request, _collect(events, first, records)))
     finally:

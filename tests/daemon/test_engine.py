@@ -229,6 +229,7 @@ def test_tokens_after_disconnect_counts_ticks_started_after_it():
     (completion("a", "x" * 500, max_tokens=20), "max_tokens", 400),
     (completion("a", "", max_tokens=20), "prompt", 400),
     (completion("a", n=9), "n", 400),
+    (completion("a", stop_token_ids=[10**6], min_tokens=2), "stop_token_ids", 400),
     (Submit("a", 1, RequestKind.CHAT, SamplingParams()), "messages", 400),
 ])
 def test_invalid_requests_are_rejected_naming_the_field(submit, param, status):

@@ -110,6 +110,7 @@ def test_message_items_with_string_and_part_content() -> None:
         ([], "input"),
         ([{"role": "user"}], "input[0].content"),
         ([{"role": "tool", "content": "x"}], "input[0].role"),
+        ([{"role": ["user"], "content": "x"}], "input[0].role"),
         ([{"role": "user", "content": "x"}, "hello"], "input[1]"),
         ([{"type": "function_call", "name": "f"}], "input[0].type"),
         ([{"role": "user", "content": 7}], "input[0].content"),
