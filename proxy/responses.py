@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from ipc.records import AbortCause, Delta, Finish, ResponseOpKind, ResponseReply, Submit
 from ipc.response_object import ResponseStatus
-from proxy.cancellation import run_until_disconnect
+from proxy.cancellation import DisconnectWatch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable
 from proxy.errors import ApiError
@@ -94,21 +94,21 @@ async def _foreground(request: Request, engine: EngineClient, events: ResponseEv
     """Waits for the engine's first record (a rejected request is still an HTTP error), then
     answers. Leaving early closes the engine stream, whose ``finally`` writes the Abort."""
     records = engine.generate(submit)
+    watch = DisconnectWatch(request.receive)  # one watcher: while queued, collecting, streaming
+    streaming = False
     try:
-        first = await run_until_disconnect(request, _first(records))
-    except BaseException:
-        await records.aclose()
-        raise
-    if stream:
-        return SSEResponse(_sse(_foreground_events(events, first, records)), source=records)
-    try:
-        return JSONResponse(await run_until_disconnect(request, _collect(events, first, records)))
+        with watch:
+            first = await anext(records, None)
+        if stream:
+            streaming = True  # from here the response closes the watch and the records
+            return SSEResponse(_sse(_foreground_events(events, first, records)), watch=watch,
+                               source=records)
+        with watch:
+            return JSONResponse(await _collect(events, first, records))
     finally:
-        await records.aclose()
-
-
-async def _first(records: EngineStream) -> Delta | Finish | None:
-    return await anext(records, None)
+        if not streaming:
+            watch.close()
+            await records.aclose()
 
 
 async def _collect(events: ResponseEvents, first: Delta | Finish | None,
