@@ -229,7 +229,7 @@ class Engine:
         seqs = [seq for _, seq in to_sample]
         sampled: Counter[str] = Counter(seq.rid for seq in seqs)
         for rid in rids:
-            self.sessions[rid].ticks.append((t_start, sampled[rid]))
+            self.sessions[rid].ticks.append(t_start, sampled[rid])
         if not to_sample:
             return []
         rows = [row for row, _ in to_sample]
