@@ -226,10 +226,12 @@ def test_stop_drains_then_aborts_with_shutdown(daemon):
     proxy.send(completion("short", max_tokens=3))
     proxy.send(completion("long", max_tokens=400, ignore_eos=True))
     proxy.wait_for(finish_of("short"))
+    server.drain_timeout_s = 60.0  # the drain must outlast the late submit on a busy machine
     server.request_stop()
     proxy.send(completion("late"))
     err = proxy.wait_for(lambda r: isinstance(r, Error) and r.rid == "late")
     assert isinstance(err, Error) and err.status == 503
+    server.request_stop(force=True)  # the second signal: abort what is left
     fin = proxy.wait_for(finish_of("long"))
     assert isinstance(fin, Finish) and fin.cause is AbortCause.SHUTDOWN
 
