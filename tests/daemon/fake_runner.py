@@ -14,6 +14,8 @@ import torch
 
 from daemon.scheduler import ScheduledChunk
 
+SPECIAL_IDS = 256  # the byte tokenizer: ids 0..255 are bytes, the rest are special
+
 Script = Callable[[list[int]], int]
 
 
@@ -55,8 +57,10 @@ class FakeRunner:
         return torch.stack(rows)
 
     def logits(self, ctx: list[int]) -> torch.Tensor:
-        # The scripted token gets the top logit; the rest a smooth spread, so sampling varies.
+        # The scripted token gets the top logit; the rest a smooth spread, so sampling varies,
+        # but never into the special ids (EOS among them): a test that wants EOS scripts it.
         out = torch.linspace(0.0, 2.0, self.vocab)
+        out[SPECIAL_IDS:] = float("-inf")
         out[self.script(ctx)] = 4.0
         return out
 
