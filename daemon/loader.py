@@ -7,7 +7,6 @@ download, identical on every machine, varied (if meaningless) output.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,13 @@ from safetensors import safe_open
 from daemon.config import ConfigError, ModelConfig
 from daemon.device import pick_device, pick_dtype
 from daemon.model import DecoderLM
-from daemon.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerLoadError
+from daemon.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    TokenizerLoadError,
+    read_json_object,
+)
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "pick_device", "pick_dtype"]
 
@@ -114,17 +119,12 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype) -> Loaded
 
 
 def _read_json(file: Path, required: bool = True) -> dict[str, Any]:
-    if not file.is_file():
-        if required:
-            raise ModelLoadError(f"{file}: missing")
-        return {}
+    if required and not file.is_file():
+        raise ModelLoadError(f"{file}: missing")
     try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{file}: cannot be read: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{file}: expected a JSON object")
-    return data
+        return read_json_object(file)
+    except TokenizerLoadError as e:
+        raise ModelLoadError(str(e)) from e
 
 
 def weight_files(path: Path) -> dict[str, Path]:

@@ -88,7 +88,7 @@ class DaemonServer:
         """One turn of the loop; returns whether a forward pass ran."""
         now = self.clock()
         self._drain_control(now)
-        self._check_proxy(now)
+        self._check_proxy()
         self._drain_requests()
         ran = self._step()
         self._flush_records(now)
@@ -105,7 +105,7 @@ class DaemonServer:
         for rec in self.pipes.read_requests():
             self._handle(rec, self.clock())
 
-    def _check_proxy(self, now: float) -> None:
+    def _check_proxy(self) -> None:
         reason = self.pipes.take_lost()  # EOF, EPIPE, a stalled reader or heartbeat silence
         if reason is not None:
             log.warning("proxy lost (%s); aborting its requests", reason)

@@ -151,7 +151,7 @@ class HFTokenizer:
             tok = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as e:
             raise TokenizerLoadError(f"{tok_file}: cannot be read: {e}") from e
-        cfg = _read_json(path / "tokenizer_config.json")
+        cfg = read_json_object(path / "tokenizer_config.json")
         template_file = path / "chat_template.jinja"
         template = (template_file.read_text() if template_file.is_file()
                     else _pick_template(cfg.get("chat_template")))
@@ -173,7 +173,8 @@ class HFTokenizer:
                                     bos_token=self.bos_token, eos_token=self.eos_token)
 
 
-def _read_json(file: Path) -> dict[str, Any]:
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON object file; {} when the file is absent."""
     if not file.is_file():
         return {}
     try:
