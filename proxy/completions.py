@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -31,7 +30,7 @@ from proxy.schemas import (
     request_id,
     sampling_params,
 )
-from proxy.sse import DONE, SSEResponse, sse_event
+from proxy.sse import DONE, SSEResponse, sse_event, sse_json
 
 EngineStream = AsyncGenerator[Delta | Finish, None]
 
@@ -163,7 +162,7 @@ async def stream(ex: Exchange, first: Delta | Finish | None,
     head = ex.head(ex.shape.chunk_object)
     # Every chunk is {**head, "choices": [choice], **usage}: its constant bytes are encoded
     # once, and only the choice per event (byte for byte what dumping the whole dict gives).
-    before = b"data: " + orjson.dumps(head)[:-1] + b',"choices":['
+    before = b"data: " + sse_json(head)[:-1] + b',"choices":['
     after = b'],"usage":null}\n\n' if ex.include_usage else b"]}\n\n"
     shape, token_ids = ex.shape, ex.return_token_ids
     try:
@@ -179,7 +178,7 @@ async def stream(ex: Exchange, first: Delta | Finish | None,
                                         is_first)
             if token_ids and delta is not None:
                 choice["token_ids"] = delta.token_ids
-            yield before + orjson.dumps(choice) + after
+            yield before + sse_json(choice) + after
             record = await anext(records, None)
         if ex.include_usage:
             yield sse_event({**head, "choices": [], "usage": ex.usage()})

@@ -17,10 +17,26 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse_event(data: dict[str, Any] | str, event: str | None = None) -> bytes:
-    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
+# U+0085, U+2028 and U+2029 are legal raw in JSON strings, and orjson leaves them raw, but
+# clients that split a stream with str.splitlines() (httpx's iter_lines among them) end an SSE
+# line there and get half an event. In UTF-8 these byte strings can only be those characters,
+# and in JSON text they can only be inside a string, so escaping them is always safe.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"),
+                (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_json(data: Any) -> bytes:
+    """`data` as JSON for one SSE data line: no byte of it that any client reads as a line end."""
+    payload = orjson.dumps(data)
+    if b"\xc2\x85" in payload or b"\xe2\x80" in payload:
+        for raw, escaped in _LINE_BREAKS:
+            payload = payload.replace(raw, escaped)
+    return payload
+
+
+def sse_event(data: dict[str, Any], event: str | None = None) -> bytes:
     head = b"event: " + event.encode() + b"\n" if event else b""
-    return head + b"data: " + payload + b"\n\n"
+    return head + b"data: " + sse_json(data) + b"\n\n"
 
 
 class SSEResponse(StreamingResponse):

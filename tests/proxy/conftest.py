@@ -2,8 +2,9 @@
 
 `Peer` is the daemon's side of the real `ipc.pipes.DaemonPipes`, run in a thread: it answers
 Hello with Welcome, plays every Submit as a fixed script (one token per sequence per step,
-"tok<k> ", until max_tokens), applies Aborts, and sends Stats. Prompts containing
-"TOO LONG" are rejected with a context-length Error record, as the real daemon does.
+"tok<k> ", until max_tokens; a prompt "echo:<text>" makes every token "<text>"), applies
+Aborts, and sends Stats. Prompts containing "TOO LONG" are rejected with a context-length Error
+record, as the real daemon does.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Session:
     submit: Submit
     unfinished: set[int]
     produced: dict[int, int] = field(default_factory=dict)
+    echo: str | None = None
 
 
 class Peer:
@@ -115,13 +117,16 @@ class Peer:
         if isinstance(record, Submit):
             self.submits.append(record)
             text = " ".join(record.prompts) + " ".join(m.content for m in record.messages)
+            if record.response is not None:
+                text += " ".join(str(item.get("content")) for item in record.response.input_items)
             if "TOO LONG" in text:
                 return [Error(record.rid, f"the prompt is longer than {MAX_MODEL_LEN} tokens",
                               status=400, param="messages" if record.messages else "prompt",
                               code="context_length_exceeded")]
             count = len(record.prompts) * record.n if record.kind is RequestKind.COMPLETION \
                 else record.n
-            self._sessions[record.rid] = Session(record, set(range(count)))
+            echo = text[5:] if text.startswith("echo:") else None
+            self._sessions[record.rid] = Session(record, set(range(count)), echo=echo)
         return []
 
     def _step(self) -> list[ToProxy]:
@@ -129,7 +134,8 @@ class Peer:
         for rid, session in list(self._sessions.items()):
             for index in sorted(session.unfinished):
                 k = session.produced.get(index, 0)
-                out.append(Delta(rid, index, f"tok{k} ", [k]))
+                text = f"tok{k} " if session.echo is None else session.echo
+                out.append(Delta(rid, index, text, [k]))
                 session.produced[index] = k + 1
                 if k + 1 >= session.submit.sampling.max_tokens:
                     session.unfinished.discard(index)

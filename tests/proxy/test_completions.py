@@ -126,3 +126,35 @@ async def test_too_many_waiting_is_429(settings: Settings, peer: Peer) -> None:
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             peer.hold = False
             assert (await queued).status_code == 200
+
+
+LINE_BREAKS = "a\u2028b\x85c\u2029d\r\ne\x1cf"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+async def test_text_with_unicode_line_breaks_streams_one_event_per_line(
+        client: httpx.AsyncClient, path: str) -> None:
+    # Clients that split with str.splitlines() (httpx's aiter_lines) must still see whole events.
+    prompt = "echo:" + LINE_BREAKS
+    body: dict[str, object] = {"stream": True}
+    if path == "/v1/completions":
+        body |= {"prompt": prompt, "max_tokens": 2}
+    elif path == "/v1/chat/completions":
+        body |= {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    else:
+        body |= {"input": prompt, "max_output_tokens": 2, "store": False}
+    texts = []
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = orjson.loads(line[6:])
+                if path == "/v1/completions":
+                    texts += [c["text"] for c in event["choices"]]
+                elif path == "/v1/chat/completions":
+                    texts += [c["delta"].get("content", "") for c in event["choices"]]
+                elif event["type"] == "response.output_text.delta":
+                    texts.append(event["delta"])
+            else:
+                assert line == "" or line.startswith("event: ") or line == "data: [DONE]", line
+    assert "".join(texts) == LINE_BREAKS * 2
