@@ -42,19 +42,6 @@ class BlockManager:
 
     # --- allocation -----------------------------------------------------------------------------
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.num_blocks_for(num_tokens) <= len(self._free)
-
-    def allocate(self, num_tokens: int) -> list[int]:
-        """A fresh block table holding `num_tokens` positions."""
-        table: list[int] = []
-        self.may_append(table, num_tokens)
-        return table
-
-    def can_append(self, table: list[int], num_tokens: int) -> bool:
-        """Whether `table` can grow to hold `num_tokens` positions."""
-        return self.num_blocks_for(num_tokens) - len(table) <= len(self._free)
-
     def may_append(self, table: list[int], num_tokens: int) -> None:
         """Grow `table` in place until it holds `num_tokens` positions (a no-op if it does)."""
         missing = self.num_blocks_for(num_tokens) - len(table)

@@ -171,6 +171,9 @@ class ResponseStore:
         # Rows this process began and has not ended: counted here so Stats costs no query.
         self._placeholders: set[str] = set()
         self._num_begun = 0
+        # The turn `conversation` built, kept for the `begin` of the same submit that follows it
+        # in admission: one history lookup per response, not two.
+        self._last_turn: tuple[Submit, list[Message]] | None = None
 
     # --- the engine's side: one session's life ------------------------------------------------
 
@@ -184,6 +187,7 @@ class ResponseStore:
         turn = self._turn(fields)
         if turn is None:
             return None
+        self._last_turn = (submit, turn)
         head = [Message("system", fields.instructions)] if fields.instructions else []
         return head + turn
 
@@ -192,7 +196,8 @@ class ResponseStore:
         fields = _fields(submit)
         if not (fields.store or fields.background):
             return
-        turn = self._turn(fields)
+        last, self._last_turn = self._last_turn, None
+        turn = last[1] if last is not None and last[0] is submit else self._turn(fields)
         if turn is None:
             raise ValueError(previous_not_found(fields.previous_response_id or ""))
         now = self._clock()

@@ -195,6 +195,20 @@ def test_chained_history_of_three_turns(store: ResponseStore) -> None:
     assert get(store, "resp_3")[1]["previous_response_id"] == "resp_2"  # type: ignore[index]
 
 
+def test_admission_then_begin_reads_the_history_once(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", "one"))
+    store.complete("resp_1", "ONE", Usage(1, 1))
+    reads: list[str] = []
+    store._db.set_trace_callback(lambda sql: reads.append(sql) if sql.startswith("SELECT") else None)
+    second = submit("resp_2", "two", previous="resp_1")
+    store.conversation(second)
+    store.begin(second)
+    assert len(reads) == 1
+    store.complete("resp_2", "TWO", Usage(1, 1))
+    history = store.history("resp_2")
+    assert history is not None and [m.content for m in history] == ["one", "ONE", "two", "TWO"]
+
+
 def test_unknown_or_running_previous_gives_none(store: ResponseStore) -> None:
     assert store.conversation(submit("resp_2", previous="resp_missing")) is None
     store.begin(submit("resp_1"))
