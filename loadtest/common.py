@@ -198,6 +198,17 @@ class Histogram:
         return Histogram([(le, c - old.get(le, 0.0)) for le, c in self.buckets],
                          self.sum - before.sum, self.count - before.count)
 
+    def bucket(self, q: float) -> tuple[float, float] | None:
+        """(lower, upper] bounds of the bucket holding the q-th observation: what is exact."""
+        if self.count <= 0:
+            return None
+        lower = 0.0
+        for le, cum in self.buckets:
+            if cum >= q * self.count:
+                return lower, le
+            lower = le
+        return lower, math.inf
+
     def quantile(self, q: float) -> float | None:
         """Linear interpolation inside the bucket holding the q-th observation."""
         if self.count <= 0:
