@@ -59,6 +59,7 @@ class Runner(Protocol):
 class Store(Protocol):
     def conversation(self, submit: Submit) -> Any: ...
     def begin(self, submit: Submit) -> None: ...
+    def start(self, rid: str) -> None: ...
     def complete(self, rid: str, output_text: str, usage: Usage, *,
                  incomplete_reason: str | None = None) -> None: ...
     def remove(self, rid: str) -> None: ...
@@ -153,6 +154,7 @@ class Engine:
                 except ValueError as e:
                     raise Rejected(str(e)) from None
                 session.placeholder = True
+                session.queued = fields.background
         return session
 
     # --- aborts ---------------------------------------------------------------------------------
@@ -229,7 +231,11 @@ class Engine:
         seqs = [seq for _, seq in to_sample]
         sampled: Counter[str] = Counter(seq.rid for seq in seqs)
         for rid in rids:
-            self.sessions[rid].ticks.append(t_start, sampled[rid])
+            session = self.sessions[rid]
+            session.ticks.append(t_start, sampled[rid])
+            if session.queued and self.store is not None:
+                session.queued = False
+                self.store.start(rid)
         if not to_sample:
             return []
         rows = [row for row, _ in to_sample]

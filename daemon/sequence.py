@@ -120,6 +120,7 @@ class Session:
     # Set when the response store holds an in_progress/queued object for this rid.
     placeholder: bool = False
     background: bool = False
+    queued: bool = False  # a background response's row says queued until its first tick
     t_disconnect: float | None = None
     # (tick start, tokens sampled for this session in that tick), newest last.
     ticks: TickHistory = field(default_factory=TickHistory)

@@ -219,6 +219,11 @@ class ResponseStore:
         if self._num_begun % PRUNE_EVERY == 0:
             self.prune()
 
+    def start(self, rid: str) -> None:
+        """A queued (background) response got its first tick: in progress."""
+        self._db.execute("UPDATE responses SET status = ? WHERE id = ? AND status = ?",
+                         (ResponseStatus.IN_PROGRESS.value, rid, ResponseStatus.QUEUED.value))
+
     def history(self, previous_response_id: str) -> list[Message] | None:
         """The whole conversation up to and including that response's output.
 

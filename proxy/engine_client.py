@@ -51,11 +51,12 @@ def unavailable(reason: str) -> ApiError:
 
 
 class _Session:
-    __slots__ = ("complete", "failure", "finished", "records", "rejected", "rid", "started",
-                 "unfinished", "waiter")
+    __slots__ = ("complete", "detached", "failure", "finished", "records", "rejected", "rid",
+                 "started", "unfinished", "waiter")
 
-    def __init__(self, rid: str, sequences: int) -> None:
+    def __init__(self, rid: str, sequences: int, detached: bool) -> None:
         self.rid = rid
+        self.detached = detached  # a background response: the daemon runs it without a client
         # A list, not a deque: an empty deque is 760 bytes, and thousands of sessions wait
         # with nothing buffered. The reader takes the whole list at once.
         self.records: list[Delta | Finish | Error] = []
@@ -113,9 +114,12 @@ class EngineClient:
         await self._pipes.close()
 
     def abort_all(self, cause: AbortCause) -> int:
-        """Aborts every open session; their readers get a 503. Returns how many."""
+        """Aborts every open session but background ones (the daemon goes on with those, and a
+        new proxy serves them from the store); their readers get a 503. Returns how many."""
         count = 0
         for session in list(self._sessions.values()):
+            if session.detached:
+                continue
             if session.needs_abort():
                 self.abort(session.rid, cause)
                 count += 1
@@ -131,6 +135,11 @@ class EngineClient:
     @property
     def num_sessions(self) -> int:
         return len(self._sessions)
+
+    @property
+    def num_attached(self) -> int:
+        """Sessions a client waits on: what a graceful stop drains."""
+        return sum(not s.detached for s in self._sessions.values())
 
     @property
     def num_waiting(self) -> int:
@@ -150,7 +159,7 @@ class EngineClient:
         Leaving early (close, cancellation, an exception in the consumer) writes the Abort in
         the ``finally``, synchronously, before anything else can run on the loop.
         """
-        session = self._open(submit)
+        session = self._open(submit, detached=not abort_on_exit)
         try:
             try:
                 await self._pipes.submit(submit, timeout=self.submit_timeout)
@@ -204,7 +213,7 @@ class EngineClient:
         finally:
             self._ops.pop(op_id, None)
 
-    def _open(self, submit: Submit) -> _Session:
+    def _open(self, submit: Submit, detached: bool) -> _Session:
         if not self.up:
             raise unavailable(self.down_reason)
         if submit.rid in self._sessions:
@@ -213,7 +222,7 @@ class EngineClient:
         if self._num_unstarted >= self.max_waiting:
             raise ApiError(429, f"too many requests waiting (limit {self.max_waiting})",
                            code="too_many_waiting", headers={"Retry-After": "1"})
-        session = _Session(submit.rid, num_sequences(submit))
+        session = _Session(submit.rid, num_sequences(submit), detached)
         self._sessions[submit.rid] = session
         self._num_unstarted += 1
         return session

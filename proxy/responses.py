@@ -45,8 +45,15 @@ def background_registry(app: Starlette) -> BackgroundRegistry:
     return registry
 
 
+def release_background(app: Starlette) -> None:
+    """The proxy stops: background responses go on in the daemon; their readers here are let go."""
+    registry: BackgroundRegistry | None = getattr(app.state, "background_responses", None)
+    if registry is not None:
+        registry.release_all()
+
+
 async def close_background(app: Starlette) -> None:
-    """For the app's shutdown: every background response still running ends as failed."""
+    """For the app's shutdown: every background run released, and its task awaited."""
     registry: BackgroundRegistry | None = getattr(app.state, "background_responses", None)
     if registry is not None:
         await registry.close()

@@ -3,8 +3,10 @@
 A `BackgroundRun` drives one engine session in its own task (``abort_on_exit=False``: a client
 leaving does not stop it) and keeps every event it produced, so a background stream, a later
 ``GET ?stream=true`` and a cancel all see the same sequence. Whatever happens (finish, engine
-error, daemon lost, cancel, proxy shutdown) the run publishes exactly one terminal event, so
-no reader ever waits forever.
+error, daemon lost, cancel) the run publishes exactly one terminal event, so no reader ever
+waits forever. When the proxy stops, a run is *released*: the daemon goes on with the response
+(the next proxy serves it from the store), and readers here get an ``error`` event saying so
+before their stream ends.
 
 `BackgroundRegistry` bounds how many runs the proxy holds: finished runs are kept a while for
 late readers, then dropped oldest first.
@@ -19,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator
 
-from ipc.records import AbortCause, Submit
+from ipc.records import Submit
 from ipc.response_object import ResponseStatus
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
@@ -34,6 +36,7 @@ class BackgroundRun:
         self.history: list[Event] = []
         self.task: asyncio.Task[None] | None = None
         self.finished_at: float | None = None
+        self.released = False
         self._wake = asyncio.Event()
         self.publish(events.created())
 
@@ -58,6 +61,17 @@ class BackgroundRun:
         self._wake.set()
         self._wake = asyncio.Event()
 
+    def release(self) -> None:
+        """The proxy stops; the response does not. Ends every reader's stream, stops the task."""
+        if self.finished or self.released:
+            return
+        self.released = True
+        self.publish(self.events.error(
+            f"this server is restarting, so this stream ends here; the response goes on: "
+            f"GET /v1/responses/{self.id} shows it", "server_restarting", None))
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
+
     def end(self, outcome: Outcome) -> None:
         """Finish now (cancel, shutdown) unless the run already finished; stops the task."""
         self.publish(self.events.finish(outcome))
@@ -71,7 +85,7 @@ class BackgroundRun:
             while i < len(self.history):
                 yield self.history[i]
                 i += 1
-            if self.finished:
+            if self.finished or self.released:
                 return
             await self._wake.wait()
 
@@ -84,18 +98,17 @@ class BackgroundRun:
             self.publish(self.events.error(exc.message, exc.code, exc.param))
             self.publish(self.events.finish(Outcome(ResponseStatus.FAILED, error=exc.message)))
         except asyncio.CancelledError:
-            if not self.finished:  # not a cancel (that ends the run first): the proxy stops
-                engine.abort(self.id, AbortCause.SHUTDOWN)
-                self.publish(self.events.finish(Outcome(ResponseStatus.FAILED,
-                                                        error="the server is shutting down")))
+            # A cancel ends the run before it stops the task; otherwise the proxy is stopping.
+            self.release()
             raise
         except Exception as exc:
             log.exception("background response %s failed", self.id)
             self.publish(self.events.finish(Outcome(ResponseStatus.FAILED, error=str(exc))))
         finally:
-            # The engine ended the stream without a Finish: still give readers their ending.
-            self.publish(self.events.finish(Outcome(ResponseStatus.FAILED,
-                                                    error="generation ended without a result")))
+            if not self.released:
+                # The engine ended the stream without a Finish: still give readers their ending.
+                self.publish(self.events.finish(Outcome(
+                    ResponseStatus.FAILED, error="generation ended without a result")))
 
 
 class BackgroundRegistry:
@@ -132,11 +145,14 @@ class BackgroundRegistry:
         for run in [r for r in finished if r not in expired][:max(excess, 0)]:
             del self._runs[run.id]
 
+    def release_all(self) -> None:
+        for run in self._runs.values():
+            run.release()
+
     async def close(self) -> None:
-        """Proxy shutdown: every unfinished run ends as failed, and its task is awaited."""
+        """Proxy shutdown: every unfinished run released, and its task awaited."""
         tasks = [r.task for r in self._runs.values() if r.task is not None and not r.task.done()]
-        for task in tasks:
-            task.cancel()
+        self.release_all()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -2,7 +2,9 @@
 
 On SIGTERM the listener closes first, open sessions get `drain_timeout_s` to finish, then the
 rest are aborted with cause ``shutdown`` (their clients get a 503 or a final error event) before
-uvicorn closes the connections.
+uvicorn closes the connections. Background responses are not waited for nor aborted: the daemon
+goes on with them and the next proxy serves them from the store; their readers here get an
+error event that says so.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.applications import Starlette
 from ipc.records import AbortCause
 from proxy.app import create_app
 from proxy.engine_client import EngineClient
+from proxy.responses import release_background
 from tether.settings import Settings
 
 log = logging.getLogger("tether.proxy")
@@ -86,8 +89,9 @@ class ProxyServer(uvicorn.Server):
     async def _drain(self, engine: EngineClient) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
         # Polling, not an event: a second signal (force_exit) must cut the wait short too.
-        while engine.num_sessions and time.monotonic() < deadline and not self.force_exit:  # noqa: ASYNC110
+        while engine.num_attached and time.monotonic() < deadline and not self.force_exit:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
+        release_background(self.app)
         aborted = engine.abort_all(AbortCause.SHUTDOWN)
         if aborted:
             log.info("shutdown: aborted %d session(s) still running after %.1f s", aborted,

@@ -305,6 +305,17 @@ def test_foreground_abort_removes_the_placeholder_background_cancel_keeps_it():
     assert store.num_placeholders() == 0
 
 
+def test_background_response_is_queued_until_its_first_tick():
+    store = ResponseStore(None, 100, 3600.0)
+    engine, _ = make_engine(lambda ctx: ord("a"), store=store)
+    engine.submit(response("resp_bg", "y", background=True))
+    assert get(store, "resp_bg")[1]["status"] == "queued"  # type: ignore[index]
+    engine.step()
+    assert get(store, "resp_bg")[1]["status"] == "in_progress"  # type: ignore[index]
+    run(engine)
+    assert get(store, "resp_bg")[1]["status"] == "incomplete"  # type: ignore[index]
+
+
 def test_proxy_loss_keeps_background_responses_running():
     store = ResponseStore(None, 100, 3600.0)
     engine, _ = make_engine(lambda ctx: ord("a"), store=store)

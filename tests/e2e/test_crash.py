@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -66,5 +67,43 @@ def test_daemon_crash_fails_clients_and_proxy_recovers(tmp_path: Path) -> None:
             r = c.post("/v1/completions", json={"prompt": "back", "max_tokens": 3,
                                                 "ignore_eos": True})
             assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
+def test_background_response_outlives_a_proxy_restart(tmp_path: Path, stop: str) -> None:
+    """Neither a graceful stop nor a crash of the proxy aborts a background response: the daemon
+    goes on with it and stores the result, which the next proxy serves. (A short drain: the
+    stop must not wait for the response either.)"""
+    server = start_server(tmp_path, ["--drain-timeout-s", "0.2"])
+    try:
+        with server.client() as c:
+            rid = c.post("/v1/responses", json={"input": "keep going", "background": True,
+                                                "max_output_tokens": 1500, "ignore_eos": True,
+                                                "temperature": 0}).json()["id"]
+            wait_for(lambda: c.get(f"/v1/responses/{rid}").json()["status"] == "in_progress", 30,
+                     "the background response runs")
+        if stop == "sigkill":
+            server.kill("proxy")
+        else:
+            assert server.proxy is not None
+            stopping = time.monotonic()
+            server.proxy.send_signal(signal.SIGTERM)
+            assert server.proxy.wait(30) == 0
+            assert time.monotonic() - stopping < 5.0  # generous; the response needs longer
+        server.start_proxy()
+        server.wait_health(200)
+        with server.client() as c:
+            assert c.get(f"/v1/responses/{rid}").json()["status"] in ("in_progress", "incomplete")
+            wait_for(lambda: c.get(f"/v1/responses/{rid}").json()["status"] != "in_progress", 60,
+                     "the background response ends")
+            body = c.get(f"/v1/responses/{rid}").json()
+        assert body["status"] == "incomplete", body
+        assert body["usage"]["output_tokens"] == 1500 and body["output"][0]["content"][0]["text"]
+        after = server.metrics()
+        assert sum(m(after, "tether_aborts_total", cause=cause)
+                   for cause in ("client_disconnect", "cancel", "proxy_lost", "shutdown")) == 0
+        assert_baseline(after)
     finally:
         server.stop()
