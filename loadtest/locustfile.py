@@ -24,7 +24,6 @@ the tallies live in this process.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
@@ -39,29 +38,13 @@ import gevent
 from locust import HttpUser, between, events, task
 from locust.env import Environment
 from locust.runners import WorkerRunner
+from lt_tally import Tally, checks
 
 DEFAULT_WEIGHTS = "stream_chat=4,chat=2,completions=2,conversation=1,background=1"
 TERMINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.cancelled",
                             "response.failed")
 WORDS = ("tether", "stream", "token", "cache", "block", "abort", "pipe", "daemon", "proxy",
          "client", "session", "signal", "queue", "tick", "batch", "prompt")
-
-
-class Tally:
-    """What the clients saw, summed over every user of this process."""
-
-    def __init__(self) -> None:
-        self.dropped_requests: collections.Counter[str] = collections.Counter()
-        self.dropped_sequences = 0
-        self.completed: collections.Counter[str] = collections.Counter()
-        self.status_5xx = 0
-        self.usage_mismatch = 0
-        self.baseline: common.Metrics | None = None
-        self.settle: dict[str, Any] = {}
-
-    def drop(self, kind: str, sequences: int) -> None:
-        self.dropped_requests[kind] += 1
-        self.dropped_sequences += sequences
 
 
 TALLY = Tally()
@@ -416,7 +399,7 @@ def _on_quitting(environment: Environment, **_kw: Any) -> None:
     if TALLY.baseline is None or isinstance(environment.runner, WorkerRunner):
         return
     assert environment.host and environment.parsed_options
-    report, problems = checks(common.scrape(environment.host))
+    report, problems = checks(TALLY, common.scrape(environment.host))
     print("\n=== tether load test checks ===")
     for key, value in report.items():
         print(f"  {key:<34} {value}")
@@ -428,41 +411,3 @@ def _on_quitting(environment: Environment, **_kw: Any) -> None:
                           {"figures": report, "problems": problems})
     if problems:
         environment.process_exit_code = 1
-
-
-def checks(final: common.Metrics) -> tuple[dict[str, Any], list[str]]:
-    assert TALLY.baseline is not None
-    base = TALLY.baseline
-
-    def delta(name: str) -> float:
-        return final.total(name) - base.total(name)
-
-    after_disconnect = delta("tether_tokens_after_disconnect_total")
-    dropped = TALLY.dropped_sequences
-    report: dict[str, Any] = {
-        "dropped_requests": dict(TALLY.dropped_requests),
-        "dropped_sequences": dropped,
-        "completed_requests": dict(TALLY.completed),
-        "responses_5xx": TALLY.status_5xx,
-        "tokens_after_disconnect": after_disconnect,
-        "tokens_after_disconnect_per_drop": after_disconnect / dropped if dropped else None,
-        "generation_tokens": delta("tether_generation_tokens_total"),
-        "prompt_tokens": delta("tether_prompt_tokens_total"),
-        "aborts_by_cause": {k: v - base.by_label("tether_aborts_total", "cause").get(k, 0.0)
-                            for k, v in final.by_label("tether_aborts_total", "cause").items()},
-        "stream_usage_mismatches": TALLY.usage_mismatch,
-        "settle": TALLY.settle,
-    }
-    problems: list[str] = []
-    if not TALLY.settle.get("settled", False):
-        problems.append(f"gauges not back to baseline {TALLY.settle.get('baseline')} within "
-                        f"{TALLY.settle.get('waited_s', 0):.2f} s: {TALLY.settle.get('after')}")
-    if TALLY.status_5xx:
-        problems.append(f"{TALLY.status_5xx} responses with a 5xx status")
-    if after_disconnect > dropped:
-        problems.append(f"{after_disconnect:.0f} tokens generated after disconnect for "
-                        f"{dropped} dropped sequences (limit 1 each)")
-    bad_ipc = delta("tether_ipc_bad_records_total")
-    if bad_ipc:
-        problems.append(f"{bad_ipc:.0f} bad IPC records")
-    return report, problems
