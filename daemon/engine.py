@@ -25,7 +25,7 @@ from daemon.admission import (
     render_prompts,
 )
 from daemon.block_manager import BlockManager
-from daemon.sampler import Sampler
+from daemon.sampler import Sampler, sampled_logprobs
 from daemon.scheduler import ScheduledChunk, Scheduler
 from daemon.sequence import Detokenizer, Sequence, Session
 from daemon.tokenizer import Tokenizer
@@ -38,6 +38,7 @@ from ipc.records import (
     RequestKind,
     Stats,
     Submit,
+    TokenLogprob,
     ToProxy,
     Usage,
 )
@@ -241,22 +242,32 @@ class Engine:
         rows = [row for row, _ in to_sample]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        return self._emit(seqs, self.sampler(logits, seqs))
+        tokens = self.sampler(logits, seqs)
+        return self._emit(seqs, tokens, sampled_logprobs(logits, seqs, tokens))
 
-    def _emit(self, seqs: list[Sequence], tokens: list[int]) -> list[ToProxy]:
+    def _emit(self, seqs: list[Sequence], tokens: list[int],
+              logprobs: list[tuple[float, list[tuple[int, float]]] | None]) -> list[ToProxy]:
         out: list[ToProxy] = []
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            if lp is not None:
+                seq.pending_logprobs.append(self._token_logprob(token, lp))
             text, reason = self._append(seq, token)
             seq.output_text += text
             # Every sampled id reaches the client once (a stop token's too, though not its text),
             # so token_ids summed over a stream equal usage.completion_tokens.
             if text or (reason is not None and seq.pending_token_ids):
-                out.append(Delta(seq.rid, seq.index, text, seq.pending_token_ids))
+                out.append(Delta(seq.rid, seq.index, text, seq.pending_token_ids,
+                                 seq.pending_logprobs if lp is not None else None))
                 seq.pending_token_ids = []
+                seq.pending_logprobs = []
             if reason is not None:
                 out += self._finish(seq, reason)
         self.num_generation_tokens += len(tokens)
         return out
+
+    def _token_logprob(self, token: int, lp: tuple[float, list[tuple[int, float]]]) -> TokenLogprob:
+        text = self.tokenizer.token_text
+        return TokenLogprob(text(token), lp[0], [(text(t), v) for t, v in lp[1]])
 
     def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
         """Add a sampled token; return the text it releases and the finish reason, if any."""

@@ -90,3 +90,29 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     drop |= mass_before >= ps
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, ordered)
+
+
+def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence],
+                     tokens: list[int]) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Per row: the sampled token's log-probability and the top `params.logprobs` (id, logprob)
+    pairs, most likely first; None for rows that did not ask.
+
+    Under the model's own distribution (the logits before temperature, top-k/top-p and the
+    min_tokens mask), as vLLM reports them by default."""
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    # Floored at -9999.0 as OpenAI reports "impossible": JSON has no -inf.
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1).clamp(min=-9999.0)
+    chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    k = max(seqs[i].params.logprobs or 0 for i in rows)
+    top_lp, top_ids = (logprobs.topk(min(k, logprobs.shape[-1]), dim=-1) if k else
+                       (logprobs[:, :0], logprobs[:, :0].long()))
+    top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
+    for j, row in enumerate(rows):
+        n = seqs[row].params.logprobs or 0
+        out[row] = (chosen_lp[j], list(zip(top_id_rows[j][:n], top_lp_rows[j][:n], strict=True)))
+    return out

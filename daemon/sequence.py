@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from daemon.stops import StopMatcher
-from ipc.records import AbortCause, FinishReason, RequestKind, SamplingParams, Usage
+from ipc.records import (
+    AbortCause,
+    FinishReason,
+    RequestKind,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from daemon.scheduler import Scheduler
@@ -83,6 +90,7 @@ class Sequence:
     fork_children: list[Sequence] = field(default_factory=list)
     output_text: str = ""
     pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs
     rng: Any = None  # the sampler's torch.Generator, created lazily from `seed`
 
     def __post_init__(self) -> None:

@@ -40,6 +40,10 @@ class Tokenizer(Protocol):
         """Special tokens are skipped; invalid UTF-8 becomes U+FFFD."""
         ...
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included (for logprobs)."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str: ...
 
@@ -120,6 +124,11 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
+    def token_text(self, token_id: int) -> str:
+        if 256 <= token_id < self.vocab_size:
+            return BYTE_SPECIALS[token_id - 256]
+        return self.decode([token_id])
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
         return render_chat_template(BYTE_CHAT_TEMPLATE, messages, add_generation_prompt,
@@ -163,6 +172,9 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:

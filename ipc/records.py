@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -71,6 +71,7 @@ class ResponseOpKind(enum.StrEnum):
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows
 
 
 class Message(msgspec.Struct, frozen=True):
@@ -88,6 +89,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
+    # Log-probabilities of the sampled tokens with this many alternatives each; None: none.
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class ResponseFields(msgspec.Struct, frozen=True):
@@ -172,11 +175,23 @@ class Welcome(msgspec.Struct, tag=Kind.WELCOME.value, tag_field="k"):
     epoch: int  # the proxy epoch this daemon has accepted
 
 
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """A sampled token's log-probability under the model, and the most likely tokens there.
+
+    ``token`` is the token's own text, decoded alone (a partial UTF-8 character shows as
+    U+FFFD); ``top`` holds (text, logprob) pairs, most likely first."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = []
+
+
 class Delta(msgspec.Struct, tag=Kind.DELTA.value, tag_field="k"):
     rid: str
     index: int
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
 
 
 class Usage(msgspec.Struct, frozen=True):

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, Usage
+from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, TokenLogprob, Usage
 from proxy.cancellation import DisconnectWatch
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
@@ -51,6 +51,15 @@ class Shape:
                      first: bool) -> dict[str, Any]:
         return self.choice(index, text, finish)
 
+    def logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        """The legacy completions shape; `offset` is where the first token starts in the text."""
+        offsets = []
+        for lp in lps:
+            offsets.append(offset)
+            offset += len(lp.token)
+        return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [dict(lp.top) for lp in lps], "text_offset": offsets}
+
 
 class ChatShape(Shape):
     kind = RequestKind.CHAT
@@ -69,6 +78,15 @@ class ChatShape(Shape):
         if text or (first and finish is None):
             delta["content"] = text
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        return {"content": [{**_token(lp.token, lp.logprob),
+                             "top_logprobs": [_token(t, v) for t, v in lp.top]} for lp in lps],
+                "refusal": None}
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 COMPLETION = Shape()
@@ -110,6 +128,7 @@ class Exchange:
         self.t_start = submit.t_submit
         self.first_token_seen = False
         self.usages: dict[int, Usage] = {}
+        self.wants_logprobs = submit.sampling.logprobs is not None
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.submit.rid, "object": obj, "created": self.created,
@@ -136,6 +155,7 @@ class Exchange:
 async def collect(ex: Exchange, first: Delta | Finish | None, records: EngineStream) -> Response:
     texts: dict[int, list[str]] = {}
     token_ids: dict[int, list[int]] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
     finishes: dict[int, str] = {}
     record = first
     while record is not None:
@@ -143,14 +163,17 @@ async def collect(ex: Exchange, first: Delta | Finish | None, records: EngineStr
         if isinstance(record, Delta):
             texts.setdefault(record.index, []).append(record.text)
             token_ids.setdefault(record.index, []).extend(record.token_ids)
+            logprobs.setdefault(record.index, []).extend(record.logprobs or ())
         elif reason is not None:
             finishes[record.index] = reason
         record = await anext(records, None)
     choices = [ex.shape.choice(i, "".join(texts.get(i, ())), finishes.get(i))
                for i in sorted(finishes)]
-    if ex.return_token_ids:
-        for choice in choices:
+    for choice in choices:
+        if ex.return_token_ids:
             choice["token_ids"] = token_ids.get(choice["index"], [])
+        if ex.wants_logprobs:
+            choice["logprobs"] = ex.shape.logprobs(logprobs.get(choice["index"], []), 0)
     body = {**ex.head(ex.shape.full_object), "choices": choices, "usage": ex.usage()}
     ex.done()
     return JSONResponse(body)
@@ -165,6 +188,7 @@ async def stream(ex: Exchange, first: Delta | Finish | None,
     before = b"data: " + sse_json(head)[:-1] + b',"choices":['
     after = b'],"usage":null}\n\n' if ex.include_usage else b"]}\n\n"
     shape, token_ids = ex.shape, ex.return_token_ids
+    offsets: dict[int, int] = {}  # per choice, where its next delta starts in its text
     try:
         record = first
         while record is not None:
@@ -178,6 +202,10 @@ async def stream(ex: Exchange, first: Delta | Finish | None,
                                         is_first)
             if token_ids and delta is not None:
                 choice["token_ids"] = delta.token_ids
+            if delta is not None and delta.logprobs is not None:
+                offset = offsets.get(index, 0)
+                choice["logprobs"] = shape.logprobs(delta.logprobs, offset)
+                offsets[index] = offset + len(delta.text)
             yield before + sse_json(choice) + after
             record = await anext(records, None)
         if ex.include_usage:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from ipc.records import Message, SamplingParams
+from ipc.records import MAX_LOGPROBS, Message, SamplingParams
 from proxy.errors import ApiError
 
 T = TypeVar("T")
@@ -70,7 +70,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: PositiveInt | None = None
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -100,6 +100,7 @@ class ChatRequest(_Sampling, kw_only=True):
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
 
 
@@ -156,8 +157,6 @@ def check_completion(req: CompletionRequest) -> None:
     _check_unsupported(req)
     if req.echo:
         raise _refuse("echo", "is not supported")
-    if req.logprobs is not None:
-        raise _refuse("logprobs", "is not supported")
     if req.suffix:
         raise _refuse("suffix", "is not supported")
     if req.best_of not in (None, 1):
@@ -166,8 +165,9 @@ def check_completion(req: CompletionRequest) -> None:
 
 def check_chat(req: ChatRequest) -> None:
     _check_unsupported(req)
-    if req.logprobs:
-        raise _refuse("logprobs", "is not supported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs",
+                       code="invalid_value")
     if req.tools:
         raise _refuse("tools", "is not supported")
 
@@ -187,6 +187,10 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
         raise ApiError(400, f"'min_tokens' ({req.min_tokens}) must be <= '{param}' "
                        f"({max_tokens})", param="min_tokens", code="invalid_value")
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if isinstance(req, CompletionRequest):
+        logprobs = req.logprobs
+    else:
+        logprobs = (req.top_logprobs or 0) if isinstance(req, ChatRequest) and req.logprobs else None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -196,6 +200,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
         stop=[s for s in stop if s],
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
+        logprobs=logprobs,
     )
 
 

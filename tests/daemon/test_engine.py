@@ -422,3 +422,34 @@ def test_builtin_tiny_end_to_end_with_forks_and_preemption(tiny):
     assert engine.scheduler.num_preemptions > 0 and engine.block_manager.num_used == 0
     assert tight == roomy
     assert all(got[0] == got[1] for got in roomy.values())  # greedy forks agree
+
+
+def test_logprobs_follow_the_model_distribution_token_by_token():
+    engine, runner = make_engine(writer("héllo", "p"))
+    engine.submit(completion("lp", "p", temperature=0.0, max_tokens=50, logprobs=3))
+    engine.submit(completion("plain", "p", temperature=0.0, max_tokens=50))
+    out = run(engine)
+    deltas = [r for r in out if isinstance(r, Delta) and r.rid == "lp"]
+    assert all(r.logprobs is None for r in out if isinstance(r, Delta) and r.rid == "plain")
+    ids = [t for d in deltas for t in d.token_ids]
+    lps = [lp for d in deltas for lp in (d.logprobs or [])]
+    assert len(lps) == len(ids) and all(len(d.logprobs or []) == len(d.token_ids) for d in deltas)
+    ctx = TOK.encode("p")
+    for token, lp in zip(ids, lps, strict=True):
+        expected = torch.log_softmax(runner.logits(ctx), dim=-1)
+        assert lp.logprob == pytest.approx(float(expected[token]), abs=1e-5)
+        assert [v for _, v in lp.top] == pytest.approx(expected.topk(3).values.tolist(), abs=1e-5)
+        # Greedy: the sampled token is the most likely one; its text is the token alone.
+        assert lp.top[0] == (lp.token, pytest.approx(lp.logprob))
+        assert lp.token == TOK.token_text(token)
+        ctx.append(token)
+    # "é" is two byte tokens: each alone is half a character; the EOS token shows its name.
+    assert [lp.token for lp in lps][1:3] == ["\ufffd", "\ufffd"]
+    assert lps[-1].token == "<eos>" and ids[-1] == EOS
+
+
+def test_logprobs_zero_gives_the_sampled_token_only():
+    engine, _ = make_engine(writer("ok", "p"))
+    engine.submit(completion("lp", "p", max_tokens=50, logprobs=0, seed=3))
+    lps = [lp for r in run(engine) if isinstance(r, Delta) for lp in (r.logprobs or [])]
+    assert lps and all(lp.top == [] and lp.logprob <= 0.0 for lp in lps)

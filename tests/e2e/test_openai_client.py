@@ -54,6 +54,25 @@ def test_token_ids_add_up_to_usage(server: Server) -> None:
         assert sum(counted.values()) == usage["completion_tokens"]
 
 
+def test_chat_logprobs_of_the_real_model(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=model_name(client), max_tokens=12, temperature=0,
+                                       messages=[{"role": "user", "content": "hi"}],
+                                       logprobs=True, top_logprobs=3,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert r.usage is not None and len(content or []) == r.usage.completion_tokens == 12
+    for token in content or []:
+        top = [t.logprob for t in token.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True) and top[0] <= 0.0
+        # Greedy: the chosen token is the most likely one.
+        assert token.logprob == pytest.approx(top[0], abs=1e-5)
+    stream = client.completions.create(model=model_name(client), prompt="hello", max_tokens=8,
+                                       logprobs=2, stream=True, extra_body={"ignore_eos": True})
+    tokens = [t for chunk in stream for c in chunk.choices if c.logprobs is not None
+              for t in c.logprobs.tokens or ()]
+    assert len(tokens) == 8
+
+
 def test_completions_stream_with_usage(client: openai.OpenAI) -> None:
     stream = client.completions.create(model=model_name(client), prompt="hello", max_tokens=7,
                                        stream=True, stream_options={"include_usage": True},

@@ -2,9 +2,9 @@
 
 `Peer` is the daemon's side of the real `ipc.pipes.DaemonPipes`, run in a thread: it answers
 Hello with Welcome, plays every Submit as a fixed script (one token per sequence per step,
-"tok<k> ", until max_tokens; a prompt "echo:<text>" makes every token "<text>"), applies
-Aborts, and sends Stats. Prompts containing "TOO LONG" are rejected with a context-length Error
-record, as the real daemon does.
+"tok<k> " with logprob -0.25 when asked, until max_tokens; a prompt "echo:<text>" makes every
+token "<text>"), applies Aborts, and sends Stats. Prompts containing "TOO LONG" are rejected
+with a context-length Error record, as the real daemon does.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 
 from ipc.pipes import DaemonPipes
 from ipc.records import (
+    PROTOCOL_VERSION,
     Abort,
     Delta,
     Error,
@@ -31,6 +32,7 @@ from ipc.records import (
     Stats,
     Submit,
     ToDaemon,
+    TokenLogprob,
     ToProxy,
     Usage,
     Welcome,
@@ -106,7 +108,7 @@ class Peer:
 
     def _handle(self, record: ToDaemon) -> list[ToProxy]:
         if isinstance(record, Hello):
-            return [Welcome(1, os.getpid(), MODEL, MAX_MODEL_LEN, record.epoch)]
+            return [Welcome(PROTOCOL_VERSION, os.getpid(), MODEL, MAX_MODEL_LEN, record.epoch)]
         if isinstance(record, Abort):
             self.aborts.append(record)
             session = self._sessions.pop(record.rid, None)
@@ -135,7 +137,10 @@ class Peer:
             for index in sorted(session.unfinished):
                 k = session.produced.get(index, 0)
                 text = f"tok{k} " if session.echo is None else session.echo
-                out.append(Delta(rid, index, text, [k]))
+                n = session.submit.sampling.logprobs
+                logprobs = None if n is None else [
+                    TokenLogprob(text, -0.25, [(text, -0.25), ("alt", -1.5)][:n])]
+                out.append(Delta(rid, index, text, [k], logprobs))
                 session.produced[index] = k + 1
                 if k + 1 >= session.submit.sampling.max_tokens:
                     session.unfinished.discard(index)

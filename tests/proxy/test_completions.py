@@ -7,6 +7,8 @@ import asyncio
 import httpx
 import orjson
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from ipc.records import RequestKind
 from proxy.app import create_app
@@ -158,3 +160,57 @@ async def test_text_with_unicode_line_breaks_streams_one_event_per_line(
             else:
                 assert line == "" or line.startswith("event: ") or line == "data: [DONE]", line
     assert "".join(texts) == LINE_BREAKS * 2
+
+
+async def test_chat_logprobs_in_openai_shape(client: httpx.AsyncClient, peer: Peer) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 2}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert peer.submits[-1].sampling.logprobs == 2
+    parsed = ChatCompletion.model_validate(r.json())
+    content = parsed.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [c.token for c in content] == ["tok0 ", "tok1 "]
+    assert content[0].logprob == -0.25 and content[0].bytes == list(b"tok0 ")
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("tok0 ", -0.25),
+                                                                        ("alt", -1.5)]
+    r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events(r.text) if isinstance(e, dict)]
+    streamed = [c.token for chunk in chunks for choice in chunk.choices
+                if choice.logprobs is not None for c in choice.logprobs.content or ()]
+    assert streamed == ["tok0 ", "tok1 "]
+    # Without logprobs the field stays null and nothing is asked of the daemon.
+    r = await client.post("/v1/chat/completions", json={**body, "logprobs": False,
+                                                        "top_logprobs": None})
+    assert r.json()["choices"][0]["logprobs"] is None and peer.submits[-1].sampling.logprobs is None
+
+
+async def test_completion_logprobs_in_legacy_shape(client: httpx.AsyncClient,
+                                                   peer: Peer) -> None:
+    r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    assert peer.submits[-1].sampling.logprobs == 1
+    lp = Completion.model_validate(r.json()).choices[0].logprobs
+    assert lp is not None and lp.tokens == ["tok0 ", "tok1 "]
+    assert lp.token_logprobs == [-0.25, -0.25] and lp.text_offset == [0, 5]
+    assert lp.top_logprobs == [{"tok0 ": -0.25}, {"tok1 ": -0.25}]
+    r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2, "logprobs": 0,
+                                                   "stream": True})
+    got = [e["choices"][0]["logprobs"] for e in events(r.text) if isinstance(e, dict)]
+    assert [g["text_offset"] for g in got if g] == [[0], [5]]
+    assert all(g["top_logprobs"] == [{}] for g in got if g)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+])
+async def test_bad_logprobs_are_400_naming_the_field(client: httpx.AsyncClient, path: str,
+                                                     body: dict[str, object], param: str) -> None:
+    r = await client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

@@ -77,8 +77,8 @@ def test_sampling_defaults_and_limits() -> None:
 
 def test_unsupported_options_are_refused_not_ignored() -> None:
     with pytest.raises(ApiError) as info:
-        check_completion(decode_body(b'{"prompt": "a", "logprobs": 3}', CompletionRequest))
-    assert info.value.param == "logprobs"
+        check_completion(decode_body(b'{"prompt": "a", "echo": true}', CompletionRequest))
+    assert info.value.param == "echo"
     with pytest.raises(ApiError) as info:
         check_chat(decode_body(b'{"messages": [{"role": "user", "content": "a"}], '
                                b'"presence_penalty": 1.5}', ChatRequest))
