@@ -186,7 +186,7 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
     top: list[tuple[str, float]] = []
 
 
-class Delta(msgspec.Struct, tag=Kind.DELTA.value, tag_field="k"):
+class Delta(msgspec.Struct, tag=Kind.DELTA.value, tag_field="k", omit_defaults=True):
     rid: str
     index: int
     text: str
