@@ -39,6 +39,7 @@ from ipc.response_object import (
     PLACEHOLDER_STATUSES,
     ResponseStatus,
     build_response,
+    input_item_objects,
     input_items_to_messages,
 )
 
@@ -296,6 +297,9 @@ class ResponseStore:
                                  message=f"No response found with id '{op.response_id}'.")
         if op.op is ResponseOpKind.GET:
             return ResponseReply(op.op_id, 200, body=_body(row))
+        if op.op is ResponseOpKind.INPUT_ITEMS:
+            items = input_item_objects(op.response_id, msgspec.json.decode(row["input_items"]))
+            return ResponseReply(op.op_id, 200, body={"data": items})
         if op.op is ResponseOpKind.DELETE:
             return self._delete(op, row, running)
         return self._cancel_op(op, row)

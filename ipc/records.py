@@ -67,6 +67,7 @@ class ResponseOpKind(enum.StrEnum):
     GET = "get"
     DELETE = "delete"
     CANCEL = "cancel"
+    INPUT_ITEMS = "input_items"
 
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]

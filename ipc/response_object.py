@@ -178,3 +178,19 @@ def input_items_to_messages(
         raise InputError("input", "must not be an empty list")
     messages.extend(_item_message(item, f"input[{i}]") for i, item in enumerate(input))
     return messages
+
+
+def input_item_objects(response_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stored response's input items as the API lists them: every item a message with an id
+    (the client's, or one derived from the response id and the position) and typed parts."""
+    stem = response_id.removeprefix("resp_")
+    out = []
+    for i, item in enumerate(items):
+        content = item.get("content")
+        if isinstance(content, str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = [{"type": kind, "text": content}]
+        out.append({"id": item.get("id") or f"msg_{stem}_{i}", "type": "message",
+                    "role": item.get("role"), "status": item.get("status", "completed"),
+                    "content": content})
+    return out

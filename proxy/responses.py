@@ -228,9 +228,51 @@ async def cancel_response(request: Request) -> Response:
     return _reply(reply)
 
 
+async def list_input_items(request: Request) -> Response:
+    """A stored response's input items, paged like OpenAI's lists (newest first by default)."""
+    rid = request.path_params["response_id"]
+    query = request.query_params
+    limit = _int_param(query.get("limit"), "limit", default=20, low=1, high=100)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"'order' must be 'asc' or 'desc', got {order!r}", param="order")
+    reply = await _engine(request).response_op(ResponseOpKind.INPUT_ITEMS, rid)
+    if reply.status != 200 or reply.body is None:
+        return _reply(reply)
+    items: list[dict[str, Any]] = reply.body["data"]
+    if order == "desc":
+        items = items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(400, f"'after' names no input item of response {rid!r}: {after!r}",
+                           param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page,
+                         "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None,
+                         "has_more": len(items) > limit})
+
+
+def _int_param(raw: str | None, name: str, default: int, low: int, high: int) -> int:
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be an integer from {low} to {high}, got {raw!r}",
+                       param=name)
+    return value
+
+
 routes = [
     Route("/v1/responses", create_response, methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
 ]

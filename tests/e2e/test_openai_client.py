@@ -113,6 +113,9 @@ def test_responses_chain_and_crud(client: openai.OpenAI, server: Server) -> None
     assert second.usage is not None and first.usage is not None
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert client.responses.retrieve(first.id).id == first.id
+    # A response's own input, not the conversation's.
+    [item] = client.responses.input_items.list(second.id).data
+    assert item.content[0].text == "what is my name?"  # type: ignore[union-attr]
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)

@@ -188,6 +188,40 @@ def test_store_false_is_not_retrievable(oai: openai.OpenAI) -> None:
         oai.responses.retrieve(response.id)
 
 
+def test_input_items_list_with_the_openai_client(oai: openai.OpenAI) -> None:
+    items = [{"role": "system", "content": "be brief"},
+             {"type": "message", "role": "user", "id": "msg_mine",
+              "content": [{"type": "input_text", "text": "one"}]},
+             {"role": "assistant", "content": "ONE"},
+             {"role": "user", "content": "two"}]
+    response = oai.responses.create(input=items, max_output_tokens=1)  # type: ignore[arg-type]
+    page = oai.responses.input_items.list(response.id, order="asc")
+    assert [item.role for item in page.data] == ["system", "user", "assistant", "user"]  # type: ignore[union-attr]
+    assert page.data[1].id == "msg_mine" and page.data[0].id != page.data[2].id
+    assert page.data[2].content[0].type == "output_text"  # type: ignore[union-attr]
+    assert page.data[3].content[0].text == "two"  # type: ignore[union-attr]
+    newest = oai.responses.input_items.list(response.id, limit=2)
+    assert [i.id for i in newest.data] == [page.data[3].id, page.data[2].id]
+    assert newest.has_more and newest.last_id == page.data[2].id
+    rest = oai.responses.input_items.list(response.id, limit=2, after=newest.last_id)
+    assert [i.id for i in rest.data] == [page.data[1].id, page.data[0].id] and not rest.has_more
+    first = oai.responses.create(input="just text", max_output_tokens=1)
+    [only] = oai.responses.input_items.list(first.id).data
+    assert only.content[0].text == "just text"  # type: ignore[union-attr]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("query", "param"), [("limit=0", "limit"), ("limit=101", "limit"),
+                                               ("limit=x", "limit"), ("order=up", "order"),
+                                               ("after=msg_none", "after")])
+async def test_input_items_bad_query_is_400(client: httpx.AsyncClient, query: str,
+                                            param: str) -> None:
+    created = (await client.post("/v1/responses", json={"input": "hi",
+                                                        "max_output_tokens": 1})).json()
+    r = await client.get(f"/v1/responses/{created['id']}/input_items?{query}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # --- validation -----------------------------------------------------------------------------
 
 
@@ -227,7 +261,8 @@ async def test_metadata_and_user_are_tolerated(client: httpx.AsyncClient) -> Non
 async def test_unknown_ids_are_404(client: httpx.AsyncClient) -> None:
     for method, path in (("GET", "/v1/responses/resp_nope"),
                          ("DELETE", "/v1/responses/resp_nope"),
-                         ("POST", "/v1/responses/resp_nope/cancel")):
+                         ("POST", "/v1/responses/resp_nope/cancel"),
+                         ("GET", "/v1/responses/resp_nope/input_items")):
         r = await client.request(method, path)
         assert r.status_code == 404, (method, r.text)
         assert r.json()["error"]["code"] == "not_found"
