@@ -73,7 +73,7 @@ class BackgroundRun:
             self.task.cancel()
 
     def end(self, outcome: Outcome) -> None:
-        """Finish now (cancel, shutdown) unless the run already finished; stops the task."""
+        """Finish now (a cancel) unless the run already finished; stops the task."""
         self.publish(self.events.finish(outcome))
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
