@@ -71,6 +71,20 @@ async def phase_calibrate(srv: Server, streams: int = 3, tokens: int = 128) -> d
             "accuracy": reported / counted if counted else 1.0}
 
 
+async def after_drop(srv: Server, before: common.Metrics | None, t_close: float,
+                     latency: list[float], after_disconnect: list[float]) -> float | None:
+    """Once the server is idle again: appends the client-view abort latency and the tokens
+    generated after the disconnect; returns the tokens generated since `before`."""
+    idle = await srv.wait_idle()
+    after = srv.scrape()
+    if idle is not None:
+        latency.append(idle - t_close)
+    late = delta(srv, before, after, "after")
+    if late is not None:
+        after_disconnect.append(late)
+    return delta(srv, before, after, "gen")
+
+
 async def phase_stream(srv: Server, trials: int, max_tokens: int,
                        accuracy: float) -> dict[str, Any]:
     """`accuracy` rescales event counts to tokens (1.0 when the server sends token_ids)."""
@@ -84,16 +98,9 @@ async def phase_stream(srv: Server, trials: int, max_tokens: int,
                                      srv.body(max_tokens, True)) as resp:
             received, _ = await read_stream(resp, k)
         assert resp.closed_at is not None
-        idle = await srv.wait_idle()
-        after = srv.scrape()
-        if idle is not None:
-            latency.append(idle - resp.closed_at)
-        gen = delta(srv, before, after, "gen")
+        gen = await after_drop(srv, before, resp.closed_at, latency, after_disconnect)
         if gen is not None:
             waste.append(gen - received * accuracy)
-        late = delta(srv, before, after, "after")
-        if late is not None:
-            after_disconnect.append(late)
     return {"trials": trials, "waste_tokens": common.summary(waste),
             "server_tokens_after_disconnect": common.summary(after_disconnect),
             "client_abort_latency_s": common.summary(latency), "latency_samples_s": latency}
@@ -112,17 +119,9 @@ async def phase_nonstream(srv: Server, trials: int, max_tokens: int) -> dict[str
             await asyncio.wait_for(call, timeout)
         except TimeoutError:
             pass
-        t_close = time.monotonic()
-        idle = await srv.wait_idle()
-        after = srv.scrape()
-        if idle is not None:
-            latency.append(idle - t_close)
-        gen = delta(srv, before, after, "gen")
+        gen = await after_drop(srv, before, time.monotonic(), latency, after_disconnect)
         if gen is not None:
             generated.append(gen)
-        late = delta(srv, before, after, "after")
-        if late is not None:
-            after_disconnect.append(late)
     return {"trials": trials, "generated_tokens_all_wasted": common.summary(generated),
             "server_tokens_after_disconnect": common.summary(after_disconnect),
             "client_abort_latency_s": common.summary(latency), "latency_samples_s": latency}

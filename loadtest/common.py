@@ -337,15 +337,7 @@ def plot_cdf(path: Path, series: Mapping[str, Sequence[float]], xlabel: str, tit
             ax.plot([x for x, _ in pts], [y for _, y in pts], "o--", label=label)
     if any(v > 0 for vs in series.values() for v in vs):
         ax.set_xscale("log")  # latencies span ms to seconds
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("fraction")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, xlabel, "fraction", title)
 
 
 def plot_lines(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[float]],
@@ -369,6 +361,12 @@ def plot_lines(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[fl
             ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
     if logy:
         ax.set_yscale("log")
+    return _save(fig, ax, path, xlabel, ylabel, title)
+
+
+def _save(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -7,10 +7,18 @@ import socket
 import time
 from typing import Any
 
-import orjson
 import pytest
 
-from tests.e2e.conftest import Server, assert_baseline, m, wait_aborts, wait_for
+from tests import raw_http
+from tests.e2e.conftest import (
+    Server,
+    assert_baseline,
+    m,
+    start_server,
+    wait_aborts,
+    wait_for,
+)
+from tests.raw_http import read_events
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -18,25 +26,7 @@ LONG = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
 
 
 def post_raw(server: Server, path: str, body: dict[str, Any]) -> socket.socket:
-    """A client that sends one request on its own TCP connection and can vanish at any moment."""
-    data = orjson.dumps(body)
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n")
-    if server.api_key:
-        head += f"Authorization: Bearer {server.api_key}\r\n"
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-    sock.sendall(head.encode() + b"\r\n" + data)
-    return sock
-
-
-def read_events(sock: socket.socket, count: int) -> bytes:
-    """Reads the SSE stream until `count` data events arrived (chunk framing never holds 'data: ')."""
-    got = b""
-    while got.count(b"data: ") < count:
-        chunk = sock.recv(65536)
-        assert chunk, f"stream ended early: {got[-500:]!r}"
-        got += chunk
-    return got
+    return raw_http.post_raw(server.port, path, body, key=server.api_key)
 
 
 def drop(sock: socket.socket) -> None:
@@ -109,8 +99,6 @@ def test_prompt_list_and_n_evict_every_sequence(server: Server) -> None:
 
 
 def test_queued_request_is_never_prefilled(tmp_path: Any) -> None:
-    from tests.e2e.conftest import start_server
-
     server = start_server(tmp_path, ["--max-num-seqs", "1"])
     try:
         busy = post_raw(server, "/v1/completions", {"prompt": "hold the slot", "stream": True, **LONG})

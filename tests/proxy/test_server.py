@@ -20,7 +20,9 @@ import psutil
 import pytest
 
 from ipc.records import AbortCause
+from tests import raw_http
 from tests.proxy.conftest import LiveProxy, Peer, start_live, stop_live
+from tests.raw_http import read_events
 from tether.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,23 +33,7 @@ CHAT = {"messages": [{"role": "user", "content": "go on"}], **ENDLESS}
 
 def post_raw(port: int, path: str, body: dict[str, Any], rid: str,
              key: str | None = None) -> socket.socket:
-    data = orjson.dumps(body)
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nX-Request-Id: {rid}\r\n")
-    if key:
-        head += f"Authorization: Bearer {key}\r\n"
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(head.encode() + b"\r\n" + data)
-    return sock
-
-
-def read_events(sock: socket.socket, count: int) -> bytes:
-    got = b""
-    while got.count(b"data: ") < count:
-        chunk = sock.recv(65536)
-        assert chunk, f"stream ended early: {got[-300:]!r}"
-        got += chunk
-    return got
+    return raw_http.post_raw(port, path, body, rid, key, timeout=10)
 
 
 def read_to_end(sock: socket.socket) -> bytes:
