@@ -3,64 +3,27 @@ state (running, waiting, KV blocks, placeholders) is back to baseline in the tic
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
 import pytest
 
-from tests import raw_http
-from tests.e2e.conftest import (
+from tests.support.metrics import m
+from tests.support.pair import (
+    CHAT,
+    LONG,
     Server,
     assert_baseline,
-    m,
+    check_abort,
+    drop,
+    post_raw,
     start_server,
     wait_aborts,
-    wait_for,
+    wait_running,
 )
-from tests.raw_http import read_events
+from tests.support.raw_http import read_events
 
 pytestmark = pytest.mark.timeout(180)
-
-LONG = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
-
-
-def post_raw(server: Server, path: str, body: dict[str, Any]) -> socket.socket:
-    return raw_http.post_raw(server.port, path, body, key=server.api_key)
-
-
-def drop(sock: socket.socket) -> None:
-    sock.close()
-
-
-def wait_running(server: Server, at_least: int = 1, gauge: str = "tether_requests_running") -> None:
-    wait_for(lambda: m(server.metrics(), gauge) >= at_least, 60, f"{gauge} >= {at_least}")
-
-
-def check_abort(server: Server, before: dict[str, float], cause: str, sequences: int,
-                aborts: int = 1) -> dict[str, float]:
-    after = wait_aborts(server, cause, m(before, "tether_aborts_total", cause=cause) + aborts)
-    assert_baseline(after)
-    assert m(after, "tether_aborts_total", cause=cause) == m(
-        before, "tether_aborts_total", cause=cause) + aborts
-    wasted = (m(after, "tether_tokens_after_disconnect_total")
-              - m(before, "tether_tokens_after_disconnect_total"))
-    assert wasted <= sequences, f"{wasted} tokens generated after the disconnect"
-    finished = m(after, "tether_requests_finished_total", reason="abort") - m(
-        before, "tether_requests_finished_total", reason="abort")
-    assert finished == aborts
-    # The tick that applies an abort is the first to start after the record was written: at most
-    # one tick can slip in between the proxy stamping the disconnect and writing the record.
-    observed = m(after, "tether_abort_latency_ticks_count") - m(
-        before, "tether_abort_latency_ticks_count")
-    within_one = m(after, "tether_abort_latency_ticks_bucket", le="1.0") - m(
-        before, "tether_abort_latency_ticks_bucket", le="1.0")
-    assert observed == aborts and within_one == aborts
-    return after
-
-
-CHAT = {"messages": [{"role": "user", "content": "tell me everything"}], **LONG}
-
 
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {**CHAT, "stream": True}),

@@ -9,19 +9,22 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import Server, assert_baseline, m, wait_aborts, wait_for
-from tests.e2e.test_abort_paths import check_abort, drop, post_raw, read_events, wait_running
+from tests.support.metrics import m
+from tests.support.pair import (
+    Server,
+    assert_baseline,
+    check_abort,
+    drop,
+    post_raw,
+    wait_aborts,
+    wait_running,
+)
+from tests.support.raw_http import read_events, response_id_from_stream
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
 LONG = {"max_output_tokens": 1500, "ignore_eos": True, "temperature": 0}
-
-
-def response_id_from_stream(raw: bytes) -> str:
-    for line in raw.split(b"\n"):
-        if line.startswith(b"data: ") and b'"response.created"' in line:
-            return str(orjson.loads(line[6:])["response"]["id"])
-    raise AssertionError(f"no response.created event in {raw[:500]!r}")
 
 
 def test_streaming_response_disconnect_removes_placeholder(server: Server) -> None:

@@ -8,17 +8,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, start_server
-from tests.e2e.test_abort_paths import (
+from tests.support.pair import (
     CHAT,
     LONG,
+    Server,
     check_abort,
     drop,
     post_raw,
-    read_events,
+    start_server,
     wait_running,
 )
-from tests.e2e.test_abort_responses import response_id_from_stream
+from tests.support.raw_http import read_events, response_id_from_stream
 
 pytestmark = pytest.mark.timeout(180)
 

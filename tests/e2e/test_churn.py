@@ -10,14 +10,9 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.conftest import (
-    BASELINE_GAUGES,
-    Server,
-    assert_baseline,
-    m,
-    start_server,
-    wait_for,
-)
+from tests.support.metrics import m
+from tests.support.pair import BASELINE_GAUGES, Server, assert_baseline, start_server
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import assert_baseline, m, start_server, wait_aborts, wait_for
-from tests.e2e.test_abort_paths import LONG, post_raw, read_events
+from tests.support.metrics import m
+from tests.support.pair import LONG, assert_baseline, post_raw, start_server, wait_aborts
+from tests.support.raw_http import read_events
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -6,7 +6,9 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import Server, assert_baseline, sse_json, wait_for
+from tests.support.pair import Server, assert_baseline
+from tests.support.raw_http import sse_json
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,8 +10,8 @@ import pytest
 from starlette.types import Message
 
 from proxy.app import create_app
-from tests.e2e.conftest import parse_metrics
 from tests.proxy.conftest import MODEL, Peer, wait_until
+from tests.support.metrics import parse_metrics
 from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio

@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from ipc.records import AbortCause
-from tests import raw_http
 from tests.proxy.conftest import LiveProxy, Peer, start_live, stop_live
-from tests.raw_http import read_events
+from tests.support import raw_http
+from tests.support.raw_http import read_events
 from tether.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)

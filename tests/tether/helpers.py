@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -15,20 +14,6 @@ from tether.sdnotify import Notification, NotifyListener
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "systemd"
 INSTALLED_TETHER = "/usr/local/bin/tether"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def wait_notification(listener: NotifyListener, pid: int, key: str, value: str,

@@ -16,7 +16,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.tether.helpers import child_env, free_port, wait_for
+from tests.support.wait import free_port, wait_for
+from tests.tether.helpers import child_env
 
 READY_TIMEOUT_S = 180.0
 DRAIN_S = 2.0

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.wait import free_port
 from tests.tether.helpers import (
     INSTALLED_TETHER,
     UNITS,
     child_env,
-    free_port,
     unit_command,
     unit_environment,
     unit_settings,

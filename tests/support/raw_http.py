@@ -1,4 +1,5 @@
-"""A client on its own TCP connection that can vanish at any moment: what the abort tests drop."""
+"""A client on its own TCP connection that can vanish at any moment (what the abort tests drop),
+and SSE parsing."""
 
 from __future__ import annotations
 
@@ -31,3 +32,18 @@ def read_events(sock: socket.socket, count: int) -> bytes:
         assert chunk, f"stream ended early: {got[-500:]!r}"
         got += chunk
     return got
+
+
+def sse_json(line: str) -> dict[str, Any] | None:
+    """The JSON of one SSE ``data:`` line; None for other lines and ``[DONE]``."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    return orjson.loads(line[6:])  # type: ignore[no-any-return]
+
+
+def response_id_from_stream(raw: bytes) -> str:
+    """The response id in a raw Responses stream's ``response.created`` event."""
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: ") and b'"response.created"' in line:
+            return str(orjson.loads(line[6:])["response"]["id"])
+    raise AssertionError(f"no response.created event in {raw[:500]!r}")
