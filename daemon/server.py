@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -100,6 +101,10 @@ class DaemonServer:
     def _drain_control(self, now: float) -> None:
         for rec in self.pipes.read_control():
             self._handle(rec, now)
+        # Cancels that reached another replica for a response this one runs (no I/O here: the
+        # store's watcher thread fetched them).
+        for rid in self.store.take_cancels():
+            self._out += self.engine.abort(rid, AbortCause.CANCEL, t_read=now)
 
     def _drain_requests(self) -> None:
         for rec in self.pipes.read_requests():
@@ -247,15 +252,22 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
             return 1
     runner = ModelRunner(loaded.model, loaded.config, num_blocks)
     try:
-        store = ResponseStore(settings.state_dir / "responses.sqlite3",
-                              settings.response_store_max, settings.response_store_max_age_s)
-        pipes = DaemonPipes(settings.runtime_dir, settings.pipe_group, inherited_fifos())
-    except (StoreError, PipeError, ValueError) as e:
+        store = ResponseStore(settings.state_url or settings.state_dir / "responses.sqlite3",
+                              settings.response_store_max, settings.response_store_max_age_s,
+                              replica_id=replica_id(settings), lease_s=settings.replica_lease_s)
+    except (StoreError, ValueError) as e:
         log.error("%s", e)
+        return 1
+    try:
+        pipes = DaemonPipes(settings.runtime_dir, settings.pipe_group, inherited_fifos())
+    except (PipeError, ValueError) as e:
+        log.error("%s", e)
+        store.close()
         return 1
     crashed = store.cleanup_crashed()
     if crashed:
         log.warning("ended %d responses left unfinished by a previous run", crashed)
+    store.start_watching()
     try:
         engine = Engine(runner, loaded.tokenizer, store, settings.max_num_seqs,
                         settings.max_tokens_per_tick, loaded.max_model_len, loaded.name)
@@ -276,6 +288,11 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
             signal.signal(signum, handler)
         pipes.close()
         store.close()
+
+
+def replica_id(settings: Settings) -> str:
+    """``--replica-id``, or host:port: unique per pair, and the same across its restarts."""
+    return settings.replica_id or f"{socket.gethostname()}:{settings.port}"
 
 
 def _install_signals(server: DaemonServer) -> dict[int, Callable[..., object] | int | None]:

@@ -1,4 +1,5 @@
-"""The Responses-API store: stored responses and their conversations, in SQLite.
+"""The Responses-API store: stored responses and their conversations, in a database chosen by
+URL (daemon/store_db.py: SQLite by default, PostgreSQL shared by replicas).
 
 The daemon owns it because only the daemon knows when a response ends. The lifecycle of a row:
 
@@ -13,12 +14,17 @@ The daemon owns it because only the daemon knows when a response ends. The lifec
 Rows keep the whole conversation (history included, instructions excluded, as OpenAI does not
 carry instructions over ``previous_response_id``), so a chain is one lookup however long it is,
 and pruning an old link does not break the responses that continued it.
+
+Replicas sharing one store: a row names its ``owner`` (the replica running it). Any replica can
+read, delete, continue or cancel any row; a cancel of a response that runs elsewhere is marked in
+the row and left as a request for its owner, whose watcher (daemon/store_watch.py) hands it to the
+tick through ``take_cancels``. A replica whose lease runs out has its unfinished rows ended by the
+next replica's watcher.
 """
 
 from __future__ import annotations
 
-import os
-import sqlite3
+import queue
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +32,9 @@ from typing import Any
 
 import msgspec
 
+from daemon.store_db import Database, StoreError, connect
+from daemon.store_schema import SCHEMA_VERSION
+from daemon.store_watch import PLACEHOLDERS_SQL, Watcher
 from ipc.records import (
     Message,
     ResponseFields,
@@ -43,46 +52,16 @@ from ipc.response_object import (
     input_items_to_messages,
 )
 
-SCHEMA_VERSION = 1
-
-# Pruning costs two indexed DELETEs; every this many stored begins is often enough to stay near
-# the bound without paying it per request.
-PRUNE_EVERY = 64
+__all__ = ["CRASHED_MESSAGE", "SCHEMA_VERSION", "ResponseStore", "StoreError",
+           "previous_not_found"]
 
 CRASHED_MESSAGE = "The server restarted before this response finished."
+DEFAULT_LEASE_S = 10.0
 
-_PLACEHOLDERS_SQL = "(" + ", ".join(sorted(f"'{s.value}'" for s in PLACEHOLDER_STATUSES)) + ")"
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS responses (
-    id TEXT PRIMARY KEY,
-    status TEXT NOT NULL,
-    created_at INTEGER NOT NULL,
-    stored_at REAL NOT NULL,
-    completed_at REAL,
-    model TEXT NOT NULL,
-    instructions TEXT,
-    previous_response_id TEXT,
-    background INTEGER NOT NULL,
-    input_items TEXT NOT NULL,
-    messages TEXT NOT NULL,
-    output_text TEXT,
-    usage TEXT,
-    error TEXT,
-    incomplete_reason TEXT,
-    temperature REAL,
-    top_p REAL,
-    max_output_tokens INTEGER
-);
-CREATE INDEX IF NOT EXISTS responses_stored_at ON responses (stored_at);
-"""
+_PLACEHOLDERS_SQL = PLACEHOLDERS_SQL
 
 _messages_decoder = msgspec.json.Decoder(list[Message])
 _usage_decoder = msgspec.json.Decoder(Usage)
-
-
-class StoreError(Exception):
-    """The store file cannot be used; the message names the path and the reason."""
 
 
 def previous_not_found(previous_response_id: str) -> str:
@@ -100,40 +79,7 @@ def _fields(submit: Submit) -> ResponseFields:
     return submit.response
 
 
-def _prepare_file(path: Path) -> None:
-    if not path.parent.exists():
-        path.parent.mkdir(mode=0o700, parents=True)
-    # Owner-only from the first byte: the store holds users' conversations. SQLite gives the
-    # -wal and -shm files the mode of the database file.
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
-
-
-def _connect(path: Path | None) -> sqlite3.Connection:
-    target = ":memory:" if path is None else str(path)
-    try:
-        if path is not None:
-            _prepare_file(path)
-        # Autocommit: each statement is its own transaction unless wrapped in BEGIN/COMMIT.
-        db = sqlite3.connect(target, isolation_level=None)
-        db.row_factory = sqlite3.Row
-        db.execute("PRAGMA journal_mode=WAL")
-        # WAL + NORMAL: no fsync per commit; a power cut may lose the last few responses, never
-        # corrupt the file.
-        db.execute("PRAGMA synchronous=NORMAL")
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            db.close()
-            raise StoreError(f"response store {target}: schema version {version} is newer than "
-                             f"this tether ({SCHEMA_VERSION}); use a newer tether or another "
-                             "--state-dir")
-        db.executescript(_SCHEMA)
-        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-    except (OSError, sqlite3.Error) as e:
-        raise StoreError(f"response store {target}: {e}") from e
-    return db
-
-
-def _body(row: sqlite3.Row) -> dict[str, Any]:
+def _body(row: Any) -> dict[str, Any]:
     return build_response(
         id=row["id"],
         status=row["status"],
@@ -155,23 +101,33 @@ def _body(row: sqlite3.Row) -> dict[str, Any]:
 
 
 class ResponseStore:
-    """One SQLite connection, used from the daemon's tick thread only."""
+    """The store's interface to the engine and the server; used from the tick thread only.
+
+    ``target``: None (SQLite in memory), a Path (a SQLite file) or a URL (``sqlite:///path``,
+    ``postgresql://…``). ``replica_id`` names this replica in the rows it owns.
+    """
 
     def __init__(
         self,
-        path: Path | None,
+        target: Path | str | None,
         max_count: int,
         max_age_s: float,
         clock: Callable[[], float] = time.time,
+        *,
+        replica_id: str = "local",
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
-        self.path = path
         self.max_count = max_count
         self.max_age_s = max_age_s
+        self.replica_id = replica_id
+        self.lease_s = lease_s
         self._clock = clock
-        self._db = _connect(path)
+        self.db: Database = connect(target)
+        self._db = self.db
+        self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._watcher: Watcher | None = None
         # Rows this process began and has not ended: counted here so Stats costs no query.
         self._placeholders: set[str] = set()
-        self._num_begun = 0
         # The turn `conversation` built, kept for the `begin` of the same submit that follows it
         # in admission: one history lookup per response, not two.
         self._last_turn: tuple[Submit, list[Message]] | None = None
@@ -203,22 +159,19 @@ class ResponseStore:
             raise ValueError(previous_not_found(fields.previous_response_id or ""))
         now = self._clock()
         status = ResponseStatus.QUEUED if fields.background else ResponseStatus.IN_PROGRESS
-        try:
-            self._db.execute(
-                "INSERT INTO responses (id, status, created_at, stored_at, model, instructions,"
-                " previous_response_id, background, input_items, messages, temperature, top_p,"
-                " max_output_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
-                 fields.instructions, fields.previous_response_id, int(fields.background),
-                 _json(fields.input_items), _json(turn), submit.sampling.temperature,
-                 submit.sampling.top_p, submit.sampling.max_tokens),
-            )
-        except sqlite3.IntegrityError as e:
-            raise ValueError(f"response id {submit.rid!r} is already stored") from e
+        inserted = self._db.execute(
+            "INSERT INTO responses (id, status, created_at, stored_at, model, instructions,"
+            " previous_response_id, background, input_items, messages, temperature, top_p,"
+            " max_output_tokens, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO NOTHING",
+            (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
+             fields.instructions, fields.previous_response_id, int(fields.background),
+             _json(fields.input_items), _json(turn), submit.sampling.temperature,
+             submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id),
+        ).rowcount
+        if inserted != 1:
+            raise ValueError(f"response id {submit.rid!r} is already stored")
         self._placeholders.add(submit.rid)
-        self._num_begun += 1
-        if self._num_begun % PRUNE_EVERY == 0:
-            self.prune()
 
     def start(self, rid: str) -> None:
         """A queued (background) response got its first tick: in progress."""
@@ -233,7 +186,7 @@ class ResponseStore:
         row = self._db.execute(
             "SELECT status, messages, output_text FROM responses WHERE id = ?",
             (previous_response_id,),
-        ).fetchone()
+        ).one()
         if row is None or row["status"] in PLACEHOLDER_STATUSES:
             return None
         messages = _messages_decoder.decode(row["messages"])
@@ -304,17 +257,24 @@ class ResponseStore:
             return self._delete(op, row, running)
         return self._cancel_op(op, row)
 
-    def _row(self, rid: str) -> sqlite3.Row | None:
-        row: sqlite3.Row | None = self._db.execute(
-            "SELECT * FROM responses WHERE id = ?", (rid,)
-        ).fetchone()
-        return row
+    def _row(self, rid: str) -> Any:
+        return self._db.execute("SELECT * FROM responses WHERE id = ?", (rid,)).one()
 
-    def _delete(self, op: ResponseOp, row: sqlite3.Row, running: bool) -> ResponseReply:
-        # Deleting a live response would leave the engine generating for nobody; a placeholder
-        # that no session owns is a crash leftover and may go.
-        live = running or op.response_id in self._placeholders
-        if live and row["status"] in PLACEHOLDER_STATUSES:
+    def _is_live(self, row: Any, running: bool) -> bool:
+        """Whether a session somewhere still runs this row (only placeholders can be live)."""
+        if row["status"] not in PLACEHOLDER_STATUSES:
+            return False
+        owner = row["owner"]
+        if owner is None or owner == self.replica_id:
+            # A placeholder that no session of ours owns is a crash leftover.
+            return running or row["id"] in self._placeholders
+        lease = self._db.execute("SELECT lease_until FROM replicas WHERE replica_id = ?",
+                                 (owner,)).one()
+        return lease is not None and lease["lease_until"] >= self._clock()
+
+    def _delete(self, op: ResponseOp, row: Any, running: bool) -> ResponseReply:
+        # Deleting a live response would leave an engine generating for nobody.
+        if self._is_live(row, running):
             return ResponseReply(
                 op.op_id, 400,
                 message=f"Cannot delete response '{op.response_id}' while it is "
@@ -324,7 +284,7 @@ class ResponseStore:
         body = {"id": op.response_id, "object": "response.deleted", "deleted": True}
         return ResponseReply(op.op_id, 200, body=body)
 
-    def _cancel_op(self, op: ResponseOp, row: sqlite3.Row) -> ResponseReply:
+    def _cancel_op(self, op: ResponseOp, row: Any) -> ResponseReply:
         if not row["background"]:
             return ResponseReply(
                 op.op_id, 400,
@@ -334,6 +294,9 @@ class ResponseStore:
         status = row["status"]
         if status in PLACEHOLDER_STATUSES:
             self.cancel(op.response_id)
+            owner = row["owner"]
+            if owner is not None and owner != self.replica_id:
+                self._request_cancel(op.response_id, owner)
             cancelled = self._row(op.response_id)
             assert cancelled is not None
             row = cancelled
@@ -342,17 +305,47 @@ class ResponseStore:
                                  message=f"Cannot cancel a response that is {status}.")
         return ResponseReply(op.op_id, 200, body=_body(row))
 
+    # --- replicas: the cancel channel and the lease ---------------------------------------------
+
+    def _request_cancel(self, rid: str, owner: str) -> None:
+        with self._db.transaction() as tx:
+            tx.execute("INSERT INTO cancel_requests (response_id, owner, requested_at) VALUES "
+                       "(?, ?, ?) ON CONFLICT (response_id) DO NOTHING",
+                       (rid, owner, self._clock()))
+            self._db.notify(tx, owner)
+
+    def take_cancels(self) -> list[str]:
+        """Responses of ours cancelled through another replica since the last call (no I/O)."""
+        out: list[str] = []
+        while True:
+            try:
+                out.append(self._cancels.get_nowait())
+            except queue.Empty:
+                return out
+
+    def watcher(self, db: Database | None = None) -> Watcher:
+        """This replica's housekeeping on ``db`` (default: this store's own connection)."""
+        return Watcher(db or self._db, self.replica_id, self.lease_s, self._cancels,
+                       max_count=self.max_count, max_age_s=self.max_age_s, clock=self._clock)
+
+    def start_watching(self) -> None:
+        """Take the lease and run the housekeeping in its own thread, on its own connection."""
+        self._watcher = self.watcher(self._db.for_thread())
+        self._watcher.start()
+
     # --- housekeeping -------------------------------------------------------------------------
 
     def cleanup_crashed(self) -> int:
-        """At startup: end placeholders that a previous run left behind. Returns how many.
+        """At startup: end the placeholders a previous run of this replica left behind.
 
         Foreground ones are deleted (their client is long gone); background ones become
-        ``failed`` so that a client polling them sees an end rather than a 404.
+        ``failed`` so that a client polling them sees an end rather than a 404. Rows of other
+        replicas are theirs (or their lease's) to end.
         """
         rows = self._db.execute(
-            f"SELECT id, background FROM responses WHERE status IN {_PLACEHOLDERS_SQL}"
-        ).fetchall()
+            f"SELECT id, background FROM responses WHERE status IN {_PLACEHOLDERS_SQL} "
+            "AND (owner = ? OR owner IS NULL)", (self.replica_id,)
+        ).rows
         orphans = [r for r in rows if r["id"] not in self._placeholders]
         for row in orphans:
             if row["background"]:
@@ -362,28 +355,21 @@ class ResponseStore:
         return len(orphans)
 
     def prune(self) -> int:
-        """Drop finished responses beyond ``max_age_s`` or ``max_count`` (oldest first)."""
-        cutoff = self._clock() - self.max_age_s
-        finished = f"status NOT IN {_PLACEHOLDERS_SQL}"
-        self._db.execute("BEGIN")
-        try:
-            by_age = self._db.execute(
-                f"DELETE FROM responses WHERE stored_at < ? AND {finished}", (cutoff,)
-            ).rowcount
-            by_count = self._db.execute(
-                "DELETE FROM responses WHERE rowid IN (SELECT rowid FROM responses WHERE "
-                f"{finished} ORDER BY stored_at DESC, rowid DESC LIMIT -1 OFFSET ?)",
-                (self.max_count,),
-            ).rowcount
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-        return by_age + by_count
+        """Drop finished responses beyond ``max_age_s`` or ``max_count`` (oldest first).
+
+        The watcher runs it every few seconds, off the tick."""
+        return self.watcher().prune()
 
     def num_stored(self) -> int:
-        count: int = self._db.execute("SELECT count(*) FROM responses").fetchone()[0]
-        return count
+        return int(self._db.execute("SELECT count(*) AS n FROM responses").one()["n"])
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            try:
+                self._watcher.release()
+            except Exception:  # a store already gone: the lease runs out by itself
+                pass
+            self._watcher.db.close()
+            self._watcher = None
         self._db.close()

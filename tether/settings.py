@@ -30,6 +30,9 @@ def default_state_dir() -> Path:
 class Settings:
     runtime_dir: Path = dataclasses.field(default_factory=default_runtime_dir)
     state_dir: Path = dataclasses.field(default_factory=default_state_dir)
+    state_url: str = ""
+    replica_id: str = ""
+    replica_lease_s: float = 10.0
     model: str = "builtin:tiny"
     dtype: str = "auto"
     device: str = "auto"
@@ -53,7 +56,12 @@ class Settings:
 
 _HELP: dict[str, str] = {
     "runtime_dir": "directory holding the FIFOs (requests, control, tokens)",
-    "state_dir": "directory holding the response store (SQLite)",
+    "state_dir": "directory holding the response store (SQLite) when --state-url is not set",
+    "state_url": "response store shared by replicas: postgresql://user:pass@host/db (or "
+    "sqlite:///path); empty = SQLite under --state-dir",
+    "replica_id": "this pair's name in a shared store (empty = hostname:port); unique per pair",
+    "replica_lease_s": "a replica silent this long in the shared store is taken for dead and its "
+    "unfinished responses are failed",
     "model": "'builtin:tiny' (default demo model), 'builtin:small' (135M, for benchmarks) "
     "or a local HF-format checkpoint directory",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)",
@@ -138,6 +146,12 @@ def _check(s: Settings) -> None:
     for name in positive:
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+    if s.state_url and not s.state_url.startswith(("postgresql://", "postgres://", "sqlite:///")):
+        scheme = s.state_url.split("://", 1)[0] if "://" in s.state_url else s.state_url[:20]
+        raise ValueError(f"--state-url must start with postgresql:// or sqlite:///, got "
+                         f"{scheme!r}")
+    if s.replica_lease_s <= 0:
+        raise ValueError(f"--replica-lease-s must be > 0, got {s.replica_lease_s}")
     if s.kv_cache_mib < 0:
         raise ValueError(f"--kv-cache-mib must be >= 0, got {s.kv_cache_mib}")
     if s.threads < 0:

@@ -1,0 +1,77 @@
+"""The response store's schema as numbered migrations, one statement list per SQL dialect.
+
+A store records the highest version applied (SQLite: ``PRAGMA user_version``; PostgreSQL: the
+``tether_schema`` table) and applies the missing ones at start, in one transaction. A store newer
+than this code is refused rather than guessed at. Add a migration; never edit a published one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    what: str
+    sqlite: tuple[str, ...]
+    postgresql: tuple[str, ...]
+
+    def statements(self, dialect: str) -> tuple[str, ...]:
+        return self.sqlite if dialect == "sqlite" else self.postgresql
+
+
+def _responses_table(real: str, big: str) -> str:
+    return f"""CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,
+    created_at {big} NOT NULL,
+    stored_at {real} NOT NULL,
+    completed_at {real},
+    model TEXT NOT NULL,
+    instructions TEXT,
+    previous_response_id TEXT,
+    background INTEGER NOT NULL,
+    input_items TEXT NOT NULL,
+    messages TEXT NOT NULL,
+    output_text TEXT,
+    usage TEXT,
+    error TEXT,
+    incomplete_reason TEXT,
+    temperature {real},
+    top_p {real},
+    max_output_tokens INTEGER
+)"""
+
+
+_STORED_AT_INDEX = "CREATE INDEX IF NOT EXISTS responses_stored_at ON responses (stored_at)"
+
+# Version 2: many replicas share one store. A row names the replica that runs it (`owner`); each
+# replica holds a lease it renews; a cancel for a response that another replica runs is left in
+# `cancel_requests` for that owner (and, on PostgreSQL, announced with NOTIFY).
+_SHARED = (
+    "ALTER TABLE responses ADD COLUMN owner TEXT",
+    "CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner, status)",
+)
+
+
+def _replica_tables(real: str) -> tuple[str, ...]:
+    return (
+        f"CREATE TABLE IF NOT EXISTS replicas (replica_id TEXT PRIMARY KEY, "
+        f"lease_until {real} NOT NULL)",
+        f"CREATE TABLE IF NOT EXISTS cancel_requests (response_id TEXT PRIMARY KEY, "
+        f"owner TEXT NOT NULL, requested_at {real} NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS cancel_requests_owner ON cancel_requests (owner)",
+    )
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "stored responses",
+              sqlite=(_responses_table("REAL", "INTEGER"), _STORED_AT_INDEX),
+              postgresql=(_responses_table("DOUBLE PRECISION", "BIGINT"), _STORED_AT_INDEX)),
+    Migration(2, "owners, replica leases and cancel requests",
+              sqlite=(*_SHARED, *_replica_tables("REAL")),
+              postgresql=(*_SHARED, *_replica_tables("DOUBLE PRECISION"))),
+)
+
+SCHEMA_VERSION = MIGRATIONS[-1].version
