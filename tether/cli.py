@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "serve": "run the daemon and the proxy together, restarting either if it crashes",
     "daemon": "run the engine alone (the tether-daemon systemd unit)",
     "proxy": "run the HTTP front end alone (the tether-proxy systemd unit)",
+    "cluster": "run N daemon+proxy pairs on this machine behind the smg router, one shared store",
 }
 
 
@@ -39,34 +40,61 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text,
                                   usage=f"tether {name} [options]")
         settings.add_arguments(sub)
+        if name == "cluster":
+            _add_cluster_arguments(sub)
         sub.set_defaults(subparser=sub)  # errors then show this command's usage line
     return parser
 
 
-def _serve(s: Settings) -> int | None:
+def _add_cluster_arguments(sub: argparse.ArgumentParser) -> None:
+    from tether.cluster import POLICIES
+
+    def replicas(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected int, got {text!r}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+        return n
+
+    sub.add_argument("--replicas", type=replicas, default=2,
+                     help="pairs to run; replica i listens on --port + 1 + i [default 2]")
+    sub.add_argument("--router-policy", choices=POLICIES, default="round_robin",
+                     help="smg's load-balancing policy [default round_robin]")
+
+
+def _serve(s: Settings, args: argparse.Namespace) -> int | None:
     from tether import launcher
 
     return launcher.run(s)
 
 
-def _daemon(s: Settings) -> int | None:
+def _daemon(s: Settings, args: argparse.Namespace) -> int | None:
     from daemon import server
 
     return server.run(s, notify=sdnotify.notify)
 
 
-def _proxy(s: Settings) -> int | None:
+def _proxy(s: Settings, args: argparse.Namespace) -> int | None:
     from proxy import server
 
     return server.run(s, notify=sdnotify.notify)
 
 
-_RUNNERS: dict[str, Callable[[Settings], int | None]] = {
-    "serve": _serve, "daemon": _daemon, "proxy": _proxy,
+def _cluster(s: Settings, args: argparse.Namespace) -> int | None:
+    from tether import cluster
+
+    return cluster.run(s, args.replicas, args.router_policy)
+
+
+_RUNNERS: dict[str, Callable[[Settings, argparse.Namespace], int | None]] = {
+    "serve": _serve, "daemon": _daemon, "proxy": _proxy, "cluster": _cluster,
 }
 
 
-def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> tuple[str, Settings]:
+def _parse(parser: argparse.ArgumentParser,
+           argv: Sequence[str] | None) -> tuple[argparse.Namespace, Settings]:
     args = parser.parse_args(argv)
     subparser: argparse.ArgumentParser = args.subparser
     try:
@@ -76,17 +104,17 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> tuple
                              f"got {resolved.log_level!r}")
     except ValueError as exc:
         subparser.error(str(exc))  # exit code 2, like any other bad flag
-    return args.command, resolved
+    return args, resolved
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        command, resolved = _parse(parser, argv)
+        args, resolved = _parse(parser, argv)
     except SystemExit as exc:  # argparse: --help (0) or a bad flag (2)
         return exc.code if isinstance(exc.code, int) else 2
-    logs.setup(resolved, command)
-    code = _RUNNERS[command](resolved)
+    logs.setup(resolved, args.command)
+    code = _RUNNERS[args.command](resolved, args)
     return 0 if code is None else code
 
 
