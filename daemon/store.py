@@ -73,6 +73,16 @@ def _json(value: Any) -> str:
     return msgspec.json.encode(value).decode()
 
 
+def text_column(value: str | None) -> str | None:
+    """Free text (model output, instructions, errors) as a JSON string: PostgreSQL's text type
+    refuses NUL, which a model may well emit."""
+    return None if value is None else _json(value)
+
+
+def _from_text_column(value: str | None) -> str | None:
+    return None if value is None else str(msgspec.json.decode(value))
+
+
 def _fields(submit: Submit) -> ResponseFields:
     if submit.response is None:
         raise ValueError(f"Submit {submit.rid!r} of kind {submit.kind} has no response fields")
@@ -85,13 +95,13 @@ def _body(row: Any) -> dict[str, Any]:
         status=row["status"],
         created_at=row["created_at"],
         model=row["model"],
-        output_text=row["output_text"],
+        output_text=_from_text_column(row["output_text"]),
         usage=None if row["usage"] is None else _usage_decoder.decode(row["usage"]),
-        instructions=row["instructions"],
+        instructions=_from_text_column(row["instructions"]),
         previous_response_id=row["previous_response_id"],
         background=bool(row["background"]),
         store=True,
-        error=row["error"],
+        error=_from_text_column(row["error"]),
         incomplete_reason=row["incomplete_reason"],
         temperature=row["temperature"],
         top_p=row["top_p"],
@@ -165,7 +175,7 @@ class ResponseStore:
             " max_output_tokens, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (id) DO NOTHING",
             (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
-             fields.instructions, fields.previous_response_id, int(fields.background),
+             text_column(fields.instructions), fields.previous_response_id, int(fields.background),
              _json(fields.input_items), _json(turn), submit.sampling.temperature,
              submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id),
         ).rowcount
@@ -191,7 +201,7 @@ class ResponseStore:
             return None
         messages = _messages_decoder.decode(row["messages"])
         if row["output_text"] is not None:
-            messages.append(Message("assistant", row["output_text"]))
+            messages.append(Message("assistant", _from_text_column(row["output_text"]) or ""))
         return messages
 
     def complete(
@@ -199,11 +209,11 @@ class ResponseStore:
     ) -> None:
         """Completed; or incomplete when ``incomplete_reason`` is given (``max_output_tokens``)."""
         status = ResponseStatus.COMPLETED if incomplete_reason is None else ResponseStatus.INCOMPLETE
-        self._end(rid, status, output_text=output_text, usage=_json(usage),
+        self._end(rid, status, output_text=text_column(output_text), usage=_json(usage),
                   incomplete_reason=incomplete_reason, completed_at=self._clock())
 
     def fail(self, rid: str, message: str) -> None:
-        self._end(rid, ResponseStatus.FAILED, error=message)
+        self._end(rid, ResponseStatus.FAILED, error=text_column(message))
 
     def cancel(self, rid: str) -> None:
         """Background cancel: the row stays, ``cancelled``, whatever arrives later."""
@@ -349,7 +359,7 @@ class ResponseStore:
         orphans = [r for r in rows if r["id"] not in self._placeholders]
         for row in orphans:
             if row["background"]:
-                self._end(row["id"], ResponseStatus.FAILED, error=CRASHED_MESSAGE)
+                self._end(row["id"], ResponseStatus.FAILED, error=text_column(CRASHED_MESSAGE))
             else:
                 self.remove(row["id"])
         return len(orphans)

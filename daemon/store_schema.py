@@ -48,11 +48,14 @@ _STORED_AT_INDEX = "CREATE INDEX IF NOT EXISTS responses_stored_at ON responses 
 
 # Version 2: many replicas share one store. A row names the replica that runs it (`owner`); each
 # replica holds a lease it renews; a cancel for a response that another replica runs is left in
-# `cancel_requests` for that owner (and, on PostgreSQL, announced with NOTIFY).
+# `cancel_requests` for that owner (and, on PostgreSQL, announced with NOTIFY). Free text
+# (instructions, output, error) is held as a JSON string, since PostgreSQL's text refuses NUL.
 _SHARED = (
     "ALTER TABLE responses ADD COLUMN owner TEXT",
     "CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner, status)",
 )
+_QUOTE_TEXT = tuple(f"UPDATE responses SET {c} = json_quote({c}) WHERE {c} IS NOT NULL"
+                    for c in ("output_text", "instructions", "error"))
 
 
 def _replica_tables(real: str) -> tuple[str, ...]:
@@ -70,7 +73,7 @@ MIGRATIONS: tuple[Migration, ...] = (
               sqlite=(_responses_table("REAL", "INTEGER"), _STORED_AT_INDEX),
               postgresql=(_responses_table("DOUBLE PRECISION", "BIGINT"), _STORED_AT_INDEX)),
     Migration(2, "owners, replica leases and cancel requests",
-              sqlite=(*_SHARED, *_replica_tables("REAL")),
+              sqlite=(*_SHARED, *_QUOTE_TEXT, *_replica_tables("REAL")),
               postgresql=(*_SHARED, *_replica_tables("DOUBLE PRECISION"))),
 )
 

@@ -453,3 +453,15 @@ def test_a_dead_owners_responses_are_ended_by_the_next_replica(open_store: Open,
     assert get(alive, "resp_fg")[0] == 404
     assert get(alive, "resp_mine")[1]["status"] == "queued"  # type: ignore[index]
     assert alive.watcher().sweep() == 0
+
+
+def test_any_text_is_stored_nul_included(store: ResponseStore) -> None:
+    text = "a\x00b \"quoted\" ünï \\ end"
+    store.begin(submit("resp_1", text, instructions=text))
+    store.complete("resp_1", text, Usage(1, 1))
+    parsed = Response.model_validate(get(store, "resp_1")[1])
+    assert parsed.output_text == text and parsed.instructions == text
+    assert store.history("resp_1") == [Message("user", text), Message("assistant", text)]
+    store.begin(submit("resp_2"))
+    store.fail("resp_2", text)
+    assert get(store, "resp_2")[1]["error"]["message"] == text  # type: ignore[index]
