@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 PIP_TORCH := $(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
 ARGS ?=
 
-.PHONY: serve test lint loadtest bench clean
+.PHONY: serve cluster test lint loadtest bench clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "tether needs Python >= 3.11 (set PYTHON=python3.11)")'
@@ -32,6 +32,15 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 serve: $(VENV)/.installed
 	$(BIN)/tether serve $(ARGS)
 
+# N pairs behind the smg router sharing one store: make cluster ARGS="--replicas 3 --port 9000"
+cluster: $(VENV)/.installed-cluster
+	$(BIN)/tether cluster $(ARGS)
+
+$(VENV)/.installed-cluster: pyproject.toml | $(BIN)/python
+	$(PIP_TORCH)
+	$(BIN)/pip install -q -e ".[cluster]"
+	touch $(VENV)/.installed $@
+
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/mypy ipc proxy tether
@@ -42,7 +51,16 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/mypy ipc proxy tether
 
 # Locust with disconnecting users against a fresh server pair; results under results/.
-loadtest: $(VENV)/.installed-dev
+load# N pairs behind the smg router sharing one store: make cluster ARGS="--replicas 3 --port 9000"
+cluster: $(VENV)/.installed-cluster
+	$(BIN)/tether cluster $(ARGS)
+
+$(VENV)/.installed-cluster: pyproject.toml | $(BIN)/python
+	$(PIP_TORCH)
+	$(BIN)/pip install -q -e ".[cluster]"
+	touch $(VENV)/.installed $@
+
+test: $(VENV)/.installed-dev
 	$(BIN)/python loadtest/run_locust.py $(ARGS)
 
 # Every benchmark script in turn; each prints its figures and writes JSON/PNG under results/.

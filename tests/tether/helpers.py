@@ -36,7 +36,8 @@ def wait_notification(listener: NotifyListener, pid: int, key: str, value: str,
 def unit_settings(unit: Path) -> dict[str, list[str]]:
     """key -> values of a unit file (all sections; keys in our units are unique per section)."""
     out: dict[str, list[str]] = {}
-    for raw in unit.read_text().splitlines():
+    # A trailing backslash continues a line (systemd joins them with a space).
+    for raw in unit.read_text().replace("\\\n", " ").splitlines():
         line = raw.strip()
         if not line or line.startswith(("#", ";", "[")):
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import grp
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,11 +27,14 @@ from tests.tether.helpers import (
     wait_notification,
 )
 from tether import launcher, settings
+from tether.cluster import smg_command, smg_path
 from tether.sdnotify import NotifyListener
 from tether.settings import Settings
 
 DAEMON = UNITS / "tether-daemon.service"
 PROXY = UNITS / "tether-proxy.service"
+ROUTER = UNITS / "tether-router.service"
+INSTALLED_SMG = "/usr/local/bin/smg"
 READY_TIMEOUT_S = {"tether-daemon.service": 120.0, "tether-proxy.service": 60.0}
 
 
@@ -46,14 +50,31 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     wrapper = tmp_path / "tether"
     wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -m tether.cli \"$@\"\n")
     wrapper.chmod(0o755)
+    smg = smg_path()
+    assert smg is not None, "smg is a dev dependency"
     copies = []
-    for unit in (DAEMON, PROXY):
+    for unit in (DAEMON, PROXY, ROUTER):
         copy = tmp_path / unit.name
-        copy.write_text(unit.read_text().replace(INSTALLED_TETHER, str(wrapper)))
+        copy.write_text(unit.read_text().replace(INSTALLED_TETHER, str(wrapper))
+                        .replace(INSTALLED_SMG, smg))
         copies.append(str(copy))
     proc = subprocess.run([analyze, "verify", "--recursive-errors=yes", "--man=no", *copies],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_router_unit_uses_only_flags_that_smg_has() -> None:
+    smg = smg_path()
+    assert smg is not None, "smg is a dev dependency"
+    known = set(re.findall(r"--[a-z0-9-]+", subprocess.run(
+        [smg, "launch", "--help"], capture_output=True, text=True, timeout=60).stdout))
+    exec_start = unit_settings(ROUTER)["ExecStart"][0]
+    used = set(re.findall(r"(?<![\w$])--[a-z0-9-]+", exec_start))
+    assert used and used <= known, f"flags smg does not know: {sorted(used - known)}"
+    assert exec_start.split()[0] == INSTALLED_SMG
+    # The same router command as `tether cluster` uses, flag for flag.
+    assert used == {a for a in smg_command("smg", ["u"], "h", 1, 2) if a.startswith("--")} \
+        - {"--log-level"} | {"--log-json"}
 
 
 def test_proxy_survives_daemon_restarts_by_design() -> None:
