@@ -74,10 +74,10 @@ def replica_settings(s: Settings, i: int) -> Settings:
         replica_id=f"{s.replica_id or socket.gethostname()}:{port}", api_key=list(s.api_key))
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, path: str = "/health") -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(url + "/health", timeout=2.0) as r:
+        with opener.open(url + path, timeout=2.0) as r:
             return bool(r.status == 200)
     except OSError:
         return False
@@ -118,6 +118,8 @@ class Cluster:
                             self.settings.drain_timeout_s,
                             self.settings.api_key[0] if self.settings.api_key else None),
                 stdin=subprocess.DEVNULL, start_new_session=True)
+            if not self._wait_router():
+                return 1
             self._announce()
             return self._supervise()
         finally:
@@ -138,6 +140,20 @@ class Cluster:
             pending = {u for u in pending if not _healthy(u)}
             time.sleep(0.2)
         return not pending
+
+    def _wait_router(self) -> bool:
+        """Until smg answers /readiness: its first health checks of the replicas passed."""
+        assert self.router is not None
+        url = f"http://127.0.0.1:{self.settings.port}"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while self.stop_signals == 0 and time.monotonic() < deadline:
+            if self.router.poll() is not None:
+                log.error("smg exited with status %s before it was ready", self.router.returncode)
+                return False
+            if _healthy(url, "/readiness"):
+                return True
+            time.sleep(0.2)
+        return False
 
     def _announce(self) -> None:
         s = self.settings

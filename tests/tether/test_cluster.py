@@ -1,0 +1,55 @@
+"""`tether cluster`: N pairs behind smg sharing one SQLite store; Ctrl-C stops everything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.wait import free_port, wait_for
+from tether.cluster import replica_settings
+from tether.settings import Settings
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_cluster_serves_through_smg_shares_the_store_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "cluster.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.cli", "cluster", "--replicas", "2", "--port", str(port),
+         "--runtime-dir", str(tmp_path / "run"), "--state-dir", str(tmp_path / "state"),
+         "--threads", "1", "--drain-timeout-s", "2", "--log-format", "text"],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: "tether cluster: 2 replicas behind smg" in log.read_text(errors="replace"),
+                 180, f"the cluster's announcement\n{log.read_text(errors='replace')[-3000:]}")
+        replicas = [f"http://127.0.0.1:{replica_settings(Settings(port=port), i).port}"
+                    for i in range(2)]
+        router = f"http://127.0.0.1:{port}"
+        ids = []
+        for i in range(4):
+            r = httpx.post(router + "/v1/responses", timeout=60.0, json={
+                "model": "builtin:tiny", "input": f"hello {i}", "max_output_tokens": 3})
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["id"])
+        for url in replicas:  # one SQLite file (WAL) shared by both pairs
+            for rid in ids:
+                assert httpx.get(f"{url}/v1/responses/{rid}", timeout=30.0).status_code == 200
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 5  # smg, and a launcher + daemon + proxy per replica
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
