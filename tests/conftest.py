@@ -8,6 +8,7 @@ edge case at random on the day something else is being landed.
 """
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
@@ -21,7 +22,7 @@ settings.load_profile("tether-ci" if os.environ.get("CI") else "tether")
 
 
 @pytest.fixture(scope="session")
-def postgres():
+def postgres() -> Iterator[Postgres]:
     """One throwaway PostgreSQL server for the whole run (`.ci/run` installs Debian's package)."""
     bin_dir = pg_bin_dir()
     if bin_dir is None:

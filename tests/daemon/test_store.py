@@ -11,7 +11,6 @@ from openai.types.responses import Response
 
 from daemon.store import CRASHED_MESSAGE, SCHEMA_VERSION, ResponseStore, StoreError
 from daemon.store_watch import OWNER_LOST_MESSAGE
-from tests.support.wait import wait_for
 from ipc.records import (
     Message,
     RequestKind,
@@ -22,6 +21,7 @@ from ipc.records import (
     Submit,
     Usage,
 )
+from tests.support.wait import wait_for
 
 
 class Clock:

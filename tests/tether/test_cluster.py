@@ -47,7 +47,7 @@ def test_cluster_serves_through_smg_shares_the_store_and_stops_on_ctrl_c(tmp_pat
         assert len(children) >= 5  # smg, and a launcher + daemon + proxy per replica
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
-        gone, alive = psutil.wait_procs(children, timeout=10)
+        _gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, [p.cmdline() for p in alive]
     finally:
         if proc.poll() is None:
