@@ -51,16 +51,7 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/mypy ipc proxy tether
 
 # Locust with disconnecting users against a fresh server pair; results under results/.
-load# N pairs behind the smg router sharing one store: make cluster ARGS="--replicas 3 --port 9000"
-cluster: $(VENV)/.installed-cluster
-	$(BIN)/tether cluster $(ARGS)
-
-$(VENV)/.installed-cluster: pyproject.toml | $(BIN)/python
-	$(PIP_TORCH)
-	$(BIN)/pip install -q -e ".[cluster]"
-	touch $(VENV)/.installed $@
-
-test: $(VENV)/.installed-dev
+loadtest: $(VENV)/.installed-dev
 	$(BIN)/python loadtest/run_locust.py $(ARGS)
 
 # Every benchmark script in turn; each prints its figures and writes JSON/PNG under results/.
