@@ -25,12 +25,14 @@ from ipc.records import (
     PROTOCOL_VERSION,
     Abort,
     AbortCause,
+    Delta,
     Error,
     Finish,
     FinishReason,
     Heartbeat,
     Hello,
     RequestKind,
+    ResponseFields,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,
@@ -113,8 +115,8 @@ def daemon(tmp_path: Path) -> Iterator[tuple[DaemonServer, RawProxy, list[str]]]
     ready = threading.Event()
 
     def serve() -> None:
-        # The store's SQLite connection belongs to the thread that runs the loop.
-        store = ResponseStore(None, 100, 3600.0)
+        # A file, so that a test can open the same store as another replica.
+        store = ResponseStore(tmp_path / "store.db", 100, 3600.0)
         runner = FakeRunner(64, TOK.vocab_size, lambda ctx: ord("x"), delay_s=0.002)
         engine = Engine(runner, TOK, store, 8, 64, 512, "fake")
         pipes = DaemonPipes(tmp_path / "run")
@@ -270,3 +272,25 @@ def test_run_loads_the_model_and_exits_0_on_sigterm(tmp_path: Path):
             proc.kill()
         listener.close()
     assert (tmp_path / "state" / "responses.sqlite3").exists()
+
+
+def test_a_cancel_through_another_replica_is_applied_at_the_next_tick(daemon, tmp_path: Path):
+    server, proxy, _ = daemon
+    hello(proxy)
+    fields = ResponseFields(store=True, background=True, input_items=[{"role": "user",
+                                                                       "content": "go"}])
+    proxy.send(Submit("resp_bg", 1, RequestKind.RESPONSE,
+                      SamplingParams(max_tokens=400, ignore_eos=True), response=fields))
+    proxy.wait_for(lambda r: isinstance(r, Delta) and r.rid == "resp_bg")
+    other = ResponseStore(tmp_path / "store.db", 100, 3600.0, replica_id="other")
+    cancel = ResponseOp("op-1", ResponseOpKind.CANCEL, "resp_bg", 1)
+    assert other.handle_op(cancel, running=False).status == 200
+    # The owner's watcher hands the cancel to the tick through a queue; no tick waits on it.
+    watcher = server.store.watcher(server.store.db.for_thread())
+    assert watcher.poll_cancels() == 1
+    learned_at_tick = server.engine.num_ticks
+    fin = proxy.wait_for(finish_of("resp_bg"))
+    assert isinstance(fin, Finish) and fin.cause is AbortCause.CANCEL
+    assert server.engine.num_ticks - learned_at_tick <= 1  # at most the tick in flight
+    watcher.db.close()
+    other.close()
