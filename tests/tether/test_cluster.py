@@ -53,3 +53,25 @@ def test_cluster_serves_through_smg_shares_the_store_and_stops_on_ctrl_c(tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_kill_9_of_the_cluster_leaves_no_orphans(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "cluster.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.cli", "cluster", "--replicas", "1", "--port", str(port),
+         "--runtime-dir", str(tmp_path / "run"), "--state-dir", str(tmp_path / "state"),
+         "--threads", "1", "--log-format", "text"], stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "tether cluster: 1 replicas" in log.read_text(errors="replace"), 180,
+                 f"the cluster's announcement\n{log.read_text(errors='replace')[-3000:]}")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        proc.wait()
+        _gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
