@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 log = logging.getLogger("tether.proxy")
@@ -98,5 +98,6 @@ EXCEPTION_HANDLERS = {
     ApiError: api_error_handler,
     HTTPException: http_error_handler,
     ClientDisconnected: disconnected_handler,
+    ClientDisconnect: disconnected_handler,  # Starlette's: the client left while sending its body
     Exception: unexpected_handler,
 }

@@ -34,7 +34,7 @@ from proxy.responses_request import (
     response_params,
     sampling_params,
 )
-from proxy.schemas import request_id
+from proxy.schemas import check_response_id, request_id
 from proxy.sse import SSEResponse, sse_event
 
 
@@ -164,7 +164,7 @@ def _reply(reply: ResponseReply) -> Response:
 
 
 async def get_response(request: Request) -> Response:
-    rid = request.path_params["response_id"]
+    rid = check_response_id(request.path_params["response_id"])
     run = background_registry(request.app).get(rid)
     if request.query_params.get("stream", "false").lower() == "true":
         if run is None:
@@ -197,7 +197,7 @@ def _starting_after(request: Request) -> int | None:
 
 
 async def delete_response(request: Request) -> Response:
-    rid = request.path_params["response_id"]
+    rid = check_response_id(request.path_params["response_id"])
     registry = background_registry(request.app)
     reply = await _engine(request).response_op(ResponseOpKind.DELETE, rid)
     run = registry.get(rid)
@@ -214,7 +214,7 @@ async def delete_response(request: Request) -> Response:
 async def cancel_response(request: Request) -> Response:
     """Cancel a background response: the store marks it cancelled first, so however the race
     with its last tokens goes it stays cancelled; then the Abort stops the engine."""
-    rid = request.path_params["response_id"]
+    rid = check_response_id(request.path_params["response_id"])
     engine = _engine(request)
     run = background_registry(request.app).get(rid)
     live = run is not None and not run.finished
@@ -230,7 +230,7 @@ async def cancel_response(request: Request) -> Response:
 
 async def list_input_items(request: Request) -> Response:
     """A stored response's input items, paged like OpenAI's lists (newest first by default)."""
-    rid = request.path_params["response_id"]
+    rid = check_response_id(request.path_params["response_id"])
     query = request.query_params
     limit = _int_param(query.get("limit"), "limit", default=20, low=1, high=100)
     order = query.get("order", "desc")

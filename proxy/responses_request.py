@@ -25,6 +25,25 @@ from proxy.schemas import (
     decode_body,
 )
 
+# A message item needs four levels (item, content list, part, text); the rest of the input is
+# stored and echoed as it came, and JSON nested hundreds deep would exhaust the encoders' stack.
+MAX_ITEM_DEPTH = 16
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` levels; iterative, so never recursion."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
 
 class CreateResponse(msgspec.Struct):
     input: str | list[dict[str, Any]]
@@ -53,6 +72,11 @@ def decode_request(body: bytes, served: tuple[str, ...]) -> CreateResponse:
         input_items_to_messages(req.input, req.instructions)
     except InputError as exc:
         raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+    if isinstance(req.input, list):
+        for i, item in enumerate(req.input):
+            if _nested_deeper_than(item, MAX_ITEM_DEPTH):
+                raise ApiError(400, f"'input[{i}]' is nested more than {MAX_ITEM_DEPTH} levels "
+                               "deep", param=f"input[{i}]", code="invalid_value")
     if req.background and not req.store:
         raise ApiError(400, "'background' requires 'store' to be true: a background response "
                        "is fetched from the store", param="background", code="invalid_value")

@@ -121,6 +121,8 @@ def decode_body(body: bytes, struct_type: type[T]) -> T:
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}",
                        code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
 
 
 def validation_error(text: str) -> ApiError:
@@ -205,6 +207,16 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
 
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def check_response_id(rid: str) -> str:
+    """A path's response id; one no request could have been given is refused before it is sent
+    to the daemon (an id of kilobytes would not even fit in a control record)."""
+    if not _REQUEST_ID.match(rid):
+        shown = rid if len(rid) <= 64 else rid[:64] + "..."
+        raise ApiError(400, f"invalid response id {shown!r}: ids are 1 to 128 characters of "
+                       "[A-Za-z0-9._:-]", param="response_id", code="invalid_value")
+    return rid
 
 
 def request_id(header: str | None, prefix: str) -> str:

@@ -1,0 +1,96 @@
+"""Input that once got a 5xx: every one is a 4xx in the OpenAI shape, and nothing is logged as a
+crash (the handler of last resort logs "unhandled error")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+from starlette.types import Message
+
+from proxy.app import create_app
+from proxy.errors import CLIENT_CLOSED_REQUEST
+from tests.proxy.conftest import Peer, wait_until
+from tether.settings import Settings
+
+pytestmark = pytest.mark.anyio
+
+DEEP = b'{"a":' * 3000 + b"1" + b"}" * 3000
+
+
+def _no_crash(caplog: pytest.LogCaptureFixture) -> None:
+    crashes = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not crashes, crashes
+
+
+def _openai_error(r: httpx.Response, status: int) -> dict[str, str | None]:
+    assert r.status_code == status, r.text
+    error: dict[str, str | None] = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+async def test_deeply_nested_json_is_400(client: httpx.AsyncClient, path: str,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        error = _openai_error(await client.post(path, content=DEEP), 400)
+    assert error["code"] == "invalid_json" and "nested" in (error["message"] or "")
+    _no_crash(caplog)
+
+
+async def test_responses_input_nested_past_the_limit_is_400(
+        client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture) -> None:
+    # Deep enough to decode, too deep to be a message: refused before it reaches the daemon.
+    item = b'{"role": "user", "content": "hi", "extra": ' + b"[" * 200 + b"]" * 200 + b"}"
+    with caplog.at_level(logging.WARNING):
+        error = _openai_error(await client.post(
+            "/v1/responses", content=b'{"input": [' + item + b"]}"), 400)
+    assert error["param"] == "input[0]" and "nested" in (error["message"] or "")
+    _no_crash(caplog)
+
+
+@pytest.mark.parametrize(("method", "suffix"), [("GET", ""), ("DELETE", ""),
+                                                ("POST", "/cancel"), ("GET", "/input_items")])
+async def test_a_response_id_that_cannot_exist_is_400(
+        client: httpx.AsyncClient, method: str, suffix: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        for rid in ("r" * 4000, "resp_%20x", "a" * 129):
+            r = await client.request(method, f"/v1/responses/{rid}{suffix}")
+            error = _openai_error(r, 400)
+            assert error["param"] == "response_id" and error["code"] == "invalid_value"
+    _no_crash(caplog)
+
+
+async def test_a_client_leaving_while_its_body_is_read_is_not_a_crash(
+        settings: Settings, peer: Peer, caplog: pytest.LogCaptureFixture) -> None:
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await wait_until(lambda: app.state.engine.up)
+        pending: list[Message] = [{"type": "http.request", "body": b'{"prompt": ',
+                                   "more_body": True}, {"type": "http.disconnect"}]
+        sent: list[Message] = []
+
+        async def receive() -> Message:
+            if pending:
+                return pending.pop(0)
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                 "http_version": "1.1", "method": "POST", "path": "/v1/completions",
+                 "raw_path": b"/v1/completions", "query_string": b"", "headers": [],
+                 "scheme": "http", "server": ("test", 80), "client": ("test", 1),
+                 "root_path": ""}
+        with caplog.at_level(logging.WARNING):
+            await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == CLIENT_CLOSED_REQUEST
+    assert not peer.submits
+    _no_crash(caplog)
