@@ -9,7 +9,8 @@ waits forever. When the proxy stops, a run is *released*: the daemon goes on wit
 before their stream ends.
 
 `BackgroundRegistry` bounds how many runs the proxy holds: finished runs are kept a while for
-late readers, then dropped oldest first.
+late readers, then dropped when that time is up (a timer, so a quiet proxy lets them go too), or
+oldest first when a new run needs the room.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from ipc.records import Submit
 from ipc.response_object import ResponseStatus
@@ -37,6 +38,7 @@ class BackgroundRun:
         self.task: asyncio.Task[None] | None = None
         self.finished_at: float | None = None
         self.released = False
+        self.on_finished: Callable[[BackgroundRun], None] | None = None
         self._wake = asyncio.Event()
         self.publish(events.created())
 
@@ -57,6 +59,8 @@ class BackgroundRun:
         self.history.extend(events)
         if self.finished and self.finished_at is None:
             self.finished_at = time.monotonic()
+            if self.on_finished is not None:
+                self.on_finished(self)
         # Each waiter holds the Event current when it checked; swapping wakes them all at once.
         self._wake.set()
         self._wake = asyncio.Event()
@@ -135,6 +139,18 @@ class BackgroundRegistry:
             raise ApiError(429, f"too many background responses in progress (limit "
                                 f"{self.max_runs}); retry later", code="rate_limit_exceeded")
         self._runs[run.id] = run
+        run.on_finished = self._expire_later
+
+    def _expire_later(self, run: BackgroundRun) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): the prune in add() still applies
+            return
+        loop.call_later(self.keep_finished_s, self._expire, run)
+
+    def _expire(self, run: BackgroundRun) -> None:
+        if self._runs.get(run.id) is run:
+            del self._runs[run.id]
 
     def _prune(self, now: float) -> None:
         finished = [r for r in self._runs.values() if r.finished_at is not None]

@@ -83,6 +83,21 @@ def test_the_background_registry_is_bounded_and_evicts_finished_runs_first() -> 
     assert registry.get("resp_0") is None and len(registry) == 2
 
 
+def test_finished_runs_expire_with_no_new_run_added() -> None:
+    async def scenario() -> tuple[int, int]:
+        registry = BackgroundRegistry(keep_finished_s=0.05)
+        done, running = (BackgroundRun(ResponseEvents(params_for(f"resp_{k}")))
+                         for k in ("done", "running"))
+        registry.add(done)
+        registry.add(running)
+        done.end(Outcome(ResponseStatus.COMPLETED))
+        held = len(registry)
+        await asyncio.sleep(0.3)
+        return held, len(registry)
+
+    assert asyncio.run(scenario()) == (2, 1)
+
+
 def test_a_late_reader_gets_every_event_then_the_end() -> None:
     run = BackgroundRun(ResponseEvents(params_for("resp_r")))
     run.publish(run.events.delta("a"))
