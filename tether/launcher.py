@@ -180,6 +180,9 @@ class Launcher:
         while (any(c.proc.poll() is None for c in running if c.proc)
                and time.monotonic() < deadline and self.num_stop_signals < 2):
             self._wait(min(TICK_S, max(0.0, deadline - time.monotonic())))
+            # Still read while stopping: an unread datagram keeps the socket readable (select
+            # would return at once, a busy spin), and a full queue drops the children's pings.
+            self.listener.receive()
         for child in running:
             assert child.proc is not None
             if child.proc.poll() is None:

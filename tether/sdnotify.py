@@ -14,6 +14,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,16 +35,45 @@ def socket_address(name: str) -> str | bytes:
     return name
 
 
+class _Drops:
+    """Notifications dropped because the supervisor's queue was full; warned about at most once
+    per `WARN_EVERY_S`, so a stuck supervisor cannot flood the log either."""
+
+    WARN_EVERY_S = 10.0
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.warned_at: float | None = None
+
+    def add(self, name: str, message: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if self.warned_at is None or now - self.warned_at >= self.WARN_EVERY_S:
+            self.warned_at = now
+            first = message.partition("\n")[0]
+            log.warning("sd_notify to %s: the supervisor's queue is full; dropped %r "
+                        "(%d dropped so far)", name, first, self.count)
+
+
+dropped = _Drops()
+
+
 def notify(message: str) -> bool:
-    """Send one notification; False when there is no supervisor to tell or it cannot be reached."""
+    """Send one notification; False when there is no supervisor to tell, it cannot be reached,
+    or its queue is full. Never blocks: the daemon's tick loop and the proxy's event loop call it,
+    and a supervisor that reads slowly must not stall them."""
     name = os.environ.get("NOTIFY_SOCKET", "")
     if not name.startswith(("/", "@")):
         # Unset, or a vsock address (systemd in a VM): nothing this module speaks.
         return False
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        with socket.socket(socket.AF_UNIX,
+                           socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
             sock.connect(socket_address(name))
-            sock.sendall(message.encode())
+            sock.send(message.encode())
+    except BlockingIOError:
+        dropped.add(name, message)
+        return False
     except OSError as exc:
         # A lost READY=1 makes systemd time the unit out, which is visible; crashing is worse.
         log.warning("sd_notify to %s failed: %s", name, exc)

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.support.raw_http import post_raw, read_events
 from tests.support.wait import free_port, wait_for
 from tests.tether.helpers import child_env
 
@@ -24,7 +26,7 @@ DRAIN_S = 2.0
 
 
 class Serve:
-    def __init__(self, tmp_path: Path, port: int) -> None:
+    def __init__(self, tmp_path: Path, port: int, drain_s: float = DRAIN_S) -> None:
         self.tmp = tmp_path
         self.port = port
         self.run_dir = tmp_path / "run"
@@ -33,7 +35,7 @@ class Serve:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tether.cli", "serve", "--runtime-dir", str(self.run_dir),
                  "--state-dir", str(tmp_path / "state"), "--port", str(port),
-                 "--log-format", "json", "--drain-timeout-s", str(DRAIN_S)],
+                 "--log-format", "json", "--drain-timeout-s", str(drain_s)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env())
 
     def log(self) -> str:
@@ -127,6 +129,50 @@ def test_children_do_not_outlive_a_killed_launcher(serve: Serve) -> None:
     for proc in children:
         wait_for(functools.partial(_gone, proc), DRAIN_S + 30, f"pid {proc.pid} to exit")
     _assert_fifos_unused(serve.run_dir)
+
+
+def _cpu_until_exit(proc: psutil.Process) -> float:
+    """CPU seconds (user + system) the process itself spends from now until it exits."""
+    start = last = proc.cpu_times()
+    while True:
+        try:
+            last = proc.cpu_times()
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    return (last.user + last.system) - (start.user + start.system)
+
+
+def test_stopping_with_streams_in_flight_costs_next_to_no_cpu(tmp_path: Path) -> None:
+    """While the children drain, their notifications keep arriving: the launcher must read them
+    (not spin on a readable socket), and a full queue must never freeze a child's loop."""
+    drain_s = 6.0
+    serve = Serve(tmp_path, free_port(), drain_s=drain_s)
+    streams = []
+    try:
+        serve.wait_ready()
+        wait_for(lambda: serve.health() == 200, 30.0, "/health 200")
+        body = {"prompt": "x", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+        body["max_tokens"] = httpx.get(f"http://127.0.0.1:{serve.port}/v1/models").json()[
+            "data"][0]["max_model_len"] - 8
+        streams = [post_raw(serve.port, "/v1/completions", body) for _ in range(3)]
+        for sock in streams:
+            read_events(sock, 1)
+        launcher = psutil.Process(serve.proc.pid)
+        serve.proc.send_signal(signal.SIGTERM)
+        cpu = _cpu_until_exit(launcher)
+        assert serve.proc.wait(drain_s + 30) == 0
+    finally:
+        for sock in streams:
+            sock.close()
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+            serve.proc.wait()
+    print(f"launcher CPU while stopping: {cpu:.3f} s")
+    assert "did not stop in time" not in serve.log(), serve.log()[-3000:]
+    assert cpu < 1.0, f"the launcher spent {cpu:.2f} s of CPU stopping"
 
 
 def test_serve_fails_fast_when_a_child_cannot_start(tmp_path: Path) -> None:

@@ -1,15 +1,18 @@
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from tests.tether.helpers import child_env
+from tether import sdnotify
 from tether.sdnotify import NotifyListener, notify, parse, watchdog_interval
 
 
@@ -86,3 +89,29 @@ def test_listener_attributes_each_notification_to_its_sender(tmp_path: Path, kin
     finally:
         listener.close()
     assert kind == "abstract" or not (tmp_path / "notify").exists()
+
+
+def test_notify_never_blocks_on_a_full_queue(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A supervisor that does not read: the sends past its queue are dropped, counted and warned
+    about once, instead of blocking the caller's loop."""
+    listener = NotifyListener(tmp_path / "notify")
+    monkeypatch.setenv("NOTIFY_SOCKET", listener.name)
+    monkeypatch.setattr(sdnotify, "dropped", sdnotify._Drops())
+    results: list[bool] = []
+    sender = threading.Thread(target=lambda: results.extend(
+        notify(f"WATCHDOG=1\nSTATUS=ping {i}") for i in range(100)), daemon=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tether.sdnotify"):
+            sender.start()
+            sender.join(10.0)
+        assert not sender.is_alive(), "notify blocked on a full queue"
+        queued = len(listener.receive())
+        assert queued >= 1 and results.count(True) == queued
+        assert sdnotify.dropped.count == results.count(False) == 100 - queued
+        warnings = [r.getMessage() for r in caplog.records if "queue is full" in r.getMessage()]
+        assert len(warnings) == 1 and "WATCHDOG=1" in warnings[0]
+        assert notify("READY=1") is True  # room again once the supervisor has read
+        assert [n.fields for n in listener.receive()] == [{"READY": "1"}]
+    finally:
+        listener.close()
