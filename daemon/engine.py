@@ -28,6 +28,7 @@ from daemon.block_manager import BlockManager
 from daemon.sampler import Sampler, sampled_logprobs
 from daemon.scheduler import ScheduledChunk, Scheduler
 from daemon.sequence import Detokenizer, Sequence, Session
+from daemon.store_guard import GuardedStore, Store
 from daemon.tokenizer import Tokenizer
 from ipc.records import (
     AbortCause,
@@ -57,18 +58,6 @@ class Runner(Protocol):
     def copy_block(self, src: int, dst: int) -> None: ...
 
 
-class Store(Protocol):
-    def conversation(self, submit: Submit) -> Any: ...
-    def begin(self, submit: Submit) -> None: ...
-    def start(self, rid: str) -> None: ...
-    def complete(self, rid: str, output_text: str, usage: Usage, *,
-                 incomplete_reason: str | None = None) -> None: ...
-    def remove(self, rid: str) -> None: ...
-    def cancel(self, rid: str) -> None: ...
-    def fail(self, rid: str, message: str) -> None: ...
-    def num_placeholders(self) -> int: ...
-
-
 @dataclass(slots=True, frozen=True)
 class TickRecord:
     tick: int
@@ -89,7 +78,8 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        self.store = store
+        # Every store call goes through the guard: a failing store costs one session at most.
+        self.store = GuardedStore(store) if store is not None else None
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.model_name = model_name
@@ -293,20 +283,24 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> list[ToProxy]:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        out: list[ToProxy] = [Finish(seq.rid, seq.index, reason, seq.usage)]
         session = self.sessions[seq.rid]
+        error: str | None = None
         if session.is_finished:
-            # Counted per request, like the aborts: a request's reason is its last sequence's.
-            self.finished[reason.value] += 1
             del self.sessions[seq.rid]
             if session.placeholder and self.store is not None:
                 incomplete = ("max_output_tokens" if reason is FinishReason.LENGTH else None)
-                self.store.complete(session.rid, session.output_text(),
-                                    Usage(session.num_prompt_tokens, session.num_generated),
-                                    incomplete_reason=incomplete)
+                error = self.store.complete(
+                    session.rid, session.output_text(),
+                    Usage(session.num_prompt_tokens, session.num_generated),
+                    incomplete_reason=incomplete)
                 session.placeholder = False
-            self._log_end(session, reason, None, {})
-        return out
+            # Counted per request, like the aborts: a request's reason is its last sequence's.
+            ended = reason if error is None else FinishReason.ERROR
+            self.finished[ended.value] += 1
+            self._log_end(session, ended, None, {} if error is None else {"error": error})
+        if error is not None:  # the client learns that its response was not stored
+            return [Finish(seq.rid, seq.index, FinishReason.ERROR, seq.usage, message=error)]
+        return [Finish(seq.rid, seq.index, reason, seq.usage)]
 
     # --- figures --------------------------------------------------------------------------------
 

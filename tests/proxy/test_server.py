@@ -22,7 +22,7 @@ import pytest
 from ipc.records import AbortCause
 from tests.proxy.conftest import LiveProxy, Peer, start_live, stop_live
 from tests.support import raw_http
-from tests.support.raw_http import read_events
+from tests.support.raw_http import read_events, read_to_end
 from tether.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,16 +34,6 @@ CHAT = {"messages": [{"role": "user", "content": "go on"}], **ENDLESS}
 def post_raw(port: int, path: str, body: dict[str, Any], rid: str,
              key: str | None = None) -> socket.socket:
     return raw_http.post_raw(port, path, body, rid, key, timeout=10)
-
-
-def read_to_end(sock: socket.socket) -> bytes:
-    got = b""
-    while not got.endswith(b"0\r\n\r\n"):  # the last chunk of a chunked body
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        got += chunk
-    return got
 
 
 def read_plain(sock: socket.socket) -> tuple[bytes, bytes]:

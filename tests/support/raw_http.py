@@ -34,6 +34,17 @@ def read_events(sock: socket.socket, count: int) -> bytes:
     return got
 
 
+def read_to_end(sock: socket.socket) -> bytes:
+    """Reads a chunked response until its last chunk (or until the server closes)."""
+    got = b""
+    while not got.endswith(b"0\r\n\r\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
 def sse_json(line: str) -> dict[str, Any] | None:
     """The JSON of one SSE ``data:`` line; None for other lines and ``[DONE]``."""
     if not line.startswith("data: ") or line == "data: [DONE]":
