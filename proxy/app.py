@@ -19,9 +19,11 @@ from proxy.auth import ApiKeyMiddleware
 from proxy.engine_client import EngineClient
 from proxy.errors import EXCEPTION_HANDLERS, ApiError, error_response
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from proxy.openapi import openapi_json
+from proxy.schemas import REQUEST_ID_PATTERN
 from tether.settings import Settings
 
-_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN.encode())
 
 
 class RequestIdMiddleware:
@@ -131,6 +133,7 @@ def create_app(settings: Settings) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
         *completions.routes,
         *responses.routes,
     ]

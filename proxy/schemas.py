@@ -206,7 +206,9 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
     )
 
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# What a client may send as X-Request-Id, and so the form of every id this server hands out.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
 def check_response_id(rid: str) -> str:

@@ -1,0 +1,257 @@
+"""``GET /openapi.json``: the API as an OpenAPI 3.1 document.
+
+Request bodies come from the very msgspec types the handlers decode with, so the document cannot
+drift from the validation. Answers are built as plain dicts by the handlers; the types below
+describe them, and tests/proxy/test_openapi.py checks real answers against this document (and the
+fuzzing in tests/e2e/test_fuzz_http.py checks every answer it provokes).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from proxy.responses_request import CreateResponse
+from proxy.schemas import REQUEST_ID_PATTERN, ChatRequest, CompletionRequest
+
+JSON = dict[str, Any]
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: JSON | None
+    finish_reason: Literal["stop", "length"]
+    token_ids: list[int] | None = None  # when the request asked for return_token_ids
+
+
+class Completion(msgspec.Struct):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: JSON | None
+    finish_reason: Literal["stop", "length"]
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ResponseError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class ResponseObject(msgspec.Struct):
+    id: str
+    object: Literal["response"]
+    created_at: int | float
+    completed_at: float | None
+    status: Literal["queued", "in_progress", "completed", "cancelled", "failed", "incomplete"]
+    background: bool
+    error: ResponseError | None
+    incomplete_details: JSON | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[JSON]
+    previous_response_id: str | None
+    store: bool
+    temperature: float | None
+    top_p: float | None
+    usage: JSON | None
+
+
+class DeletedResponse(msgspec.Struct):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+class InputItem(msgspec.Struct):
+    id: str
+    type: Literal["message"]
+    role: str
+    status: str
+    content: list[JSON]
+
+
+class InputItemList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[InputItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(msgspec.Struct):
+    status: Literal["ok", "unavailable"]
+    model: str | None = None
+    max_model_len: int | None = None
+    reason: str | None = None
+
+
+_TYPES = (CompletionRequest, ChatRequest, CreateResponse, ErrorBody, Completion, ChatCompletion,
+          ResponseObject, DeletedResponse, InputItemList, ModelList, Health)
+_ERRORS = {"400": "invalid input, named in error.param", "401": "missing or wrong API key",
+           "404": "unknown model or response", "413": "request body too large",
+           "429": "too many requests waiting", "500": "the engine or the store failed",
+           "503": "the engine is unavailable or the server is stopping"}
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True,
+                "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN}}
+_REQUEST_ID = {"name": "X-Request-Id", "in": "header", "required": False,
+               "description": "the request's id (echoed back; a fresh one when absent)",
+               "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN}}
+
+
+def _ref(name: str) -> JSON:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _answers(ok: str | None, *, stream: bool = False, errors: tuple[str, ...] = tuple(_ERRORS),
+             ok_type: str = "application/json") -> JSON:
+    content: JSON = {ok_type: {"schema": _ref(ok) if ok else {"type": "string"}}}
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    out: JSON = {"200": {"description": "success", "content": content}}
+    for code in errors:
+        out[code] = {"description": _ERRORS[code],
+                     "content": {"application/json": {"schema": _ref("ErrorBody")}}}
+    return out
+
+
+def _operation(summary: str, answers: JSON, body: str | None = None,
+               parameters: list[JSON] | None = None) -> JSON:
+    op: JSON = {"summary": summary, "responses": answers}
+    if body is not None:
+        op["requestBody"] = {"required": True,
+                             "content": {"application/json": {"schema": _ref(body)}}}
+    if parameters:
+        op["parameters"] = parameters
+    return op
+
+
+def _query(name: str, schema: JSON) -> JSON:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+def _paths() -> JSON:
+    generate = ("400", "401", "404", "413", "429", "500", "503")
+    lookup = ("400", "401", "404", "500", "503")
+    return {
+        "/v1/completions": {"post": _operation(
+            "Create a completion (SSE when stream is true)", _answers("Completion", stream=True,
+                                                                     errors=generate),
+            "CompletionRequest", [_REQUEST_ID])},
+        "/v1/chat/completions": {"post": _operation(
+            "Create a chat completion (SSE when stream is true)",
+            _answers("ChatCompletion", stream=True, errors=generate), "ChatRequest",
+            [_REQUEST_ID])},
+        "/v1/responses": {"post": _operation(
+            "Create a response (SSE when stream is true)",
+            _answers("ResponseObject", stream=True, errors=generate), "CreateResponse",
+            [_REQUEST_ID])},
+        "/v1/responses/{response_id}": {
+            "get": _operation("Retrieve a response (a live background one as SSE with stream)",
+                              _answers("ResponseObject", stream=True, errors=lookup),
+                              parameters=[_RESPONSE_ID, _query("stream", {"type": "boolean"}),
+                                          _query("starting_after", {"type": "integer"})]),
+            "delete": _operation("Delete a stored response",
+                                 _answers("DeletedResponse", errors=lookup),
+                                 parameters=[_RESPONSE_ID])},
+        "/v1/responses/{response_id}/cancel": {"post": _operation(
+            "Cancel a background response", _answers("ResponseObject", errors=lookup),
+            parameters=[_RESPONSE_ID])},
+        "/v1/responses/{response_id}/input_items": {"get": _operation(
+            "List a stored response's input items", _answers("InputItemList", errors=lookup),
+            parameters=[_RESPONSE_ID,
+                        _query("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                        _query("order", {"enum": ["asc", "desc"]}),
+                        _query("after", {"type": "string"})])},
+        "/v1/models": {"get": _operation("The served model", _answers("ModelList", errors=(
+            "401",)))},
+        "/health": {"get": _operation("Whether the engine is up", {
+            "200": {"description": "up", "content": {"application/json": {
+                "schema": _ref("Health")}}},
+            "503": {"description": "the engine is unavailable", "content": {
+                "application/json": {"schema": _ref("Health")}}}})},
+        "/metrics": {"get": _operation("Prometheus metrics", _answers(
+            None, errors=(), ok_type="text/plain"))},
+        "/openapi.json": {"get": _operation("This document", {"200": {
+            "description": "OpenAPI 3.1", "content": {"application/json": {
+                "schema": {"type": "object"}}}}})},
+    }
+
+
+@functools.cache
+def document() -> JSON:
+    _, schemas = msgspec.json.schema_components(_TYPES,
+                                                ref_template="#/components/schemas/{name}")
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tether", "version": "0.1.0",
+                 "description": "An OpenAI-compatible LLM server that stops work the moment a "
+                                "client goes away."},
+        "paths": _paths(),
+        "components": {"schemas": schemas, "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer",
+                       "description": "required only when the server has --api-key"}}},
+        "security": [{}, {"bearer": []}],
+    }
+
+
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(document())
