@@ -77,6 +77,54 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
 
 
+class CompletionChunkChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: JSON | None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None
+
+
+class CompletionChunk(msgspec.Struct):
+    """One SSE event of a streamed completion; the last one (include_usage) has no choices."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(msgspec.Struct):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: JSON | None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ResponseEvent(msgspec.Struct):
+    """One SSE event of a streamed response (response.created ... response.completed, error)."""
+
+    type: str
+    sequence_number: int
+
+
 class ResponseError(msgspec.Struct):
     code: str
     message: str
@@ -145,7 +193,8 @@ class Health(msgspec.Struct):
 
 
 _TYPES = (CompletionRequest, ChatRequest, CreateResponse, ErrorBody, Completion, ChatCompletion,
-          ResponseObject, DeletedResponse, InputItemList, ModelList, Health)
+          CompletionChunk, ChatCompletionChunk, ResponseEvent, ResponseObject, DeletedResponse,
+          InputItemList, ModelList, Health)
 _ERRORS = {"400": "invalid input, named in error.param", "401": "missing or wrong API key",
            "404": "unknown model or response", "413": "request body too large",
            "429": "too many requests waiting", "500": "the engine or the store failed",
@@ -161,11 +210,20 @@ def _ref(name: str) -> JSON:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _answers(ok: str | None, *, stream: bool = False, errors: tuple[str, ...] = tuple(_ERRORS),
-             ok_type: str = "application/json") -> JSON:
+def _sse_event(*payloads: str) -> JSON:
+    """One server-sent event: its data is JSON of one of `payloads`, or the literal [DONE]."""
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [_ref(p) for p in payloads]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"event": {"type": "string"},
+                           "data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
+
+
+def _answers(ok: str | None, *, stream: tuple[str, ...] = (),
+             errors: tuple[str, ...] = tuple(_ERRORS), ok_type: str = "application/json") -> JSON:
     content: JSON = {ok_type: {"schema": _ref(ok) if ok else {"type": "string"}}}
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content["text/event-stream"] = {"schema": _sse_event(*stream)}
     out: JSON = {"200": {"description": "success", "content": content}}
     for code in errors:
         out[code] = {"description": _ERRORS[code],
@@ -193,20 +251,21 @@ def _paths() -> JSON:
     lookup = ("400", "401", "404", "500", "503")
     return {
         "/v1/completions": {"post": _operation(
-            "Create a completion (SSE when stream is true)", _answers("Completion", stream=True,
-                                                                     errors=generate),
+            "Create a completion (SSE when stream is true)", _answers(
+                "Completion", stream=("CompletionChunk", "ErrorBody"), errors=generate),
             "CompletionRequest", [_REQUEST_ID])},
         "/v1/chat/completions": {"post": _operation(
             "Create a chat completion (SSE when stream is true)",
-            _answers("ChatCompletion", stream=True, errors=generate), "ChatRequest",
+            _answers("ChatCompletion", stream=("ChatCompletionChunk", "ErrorBody"),
+                     errors=generate), "ChatRequest",
             [_REQUEST_ID])},
         "/v1/responses": {"post": _operation(
             "Create a response (SSE when stream is true)",
-            _answers("ResponseObject", stream=True, errors=generate), "CreateResponse",
+            _answers("ResponseObject", stream=("ResponseEvent",), errors=generate), "CreateResponse",
             [_REQUEST_ID])},
         "/v1/responses/{response_id}": {
             "get": _operation("Retrieve a response (a live background one as SSE with stream)",
-                              _answers("ResponseObject", stream=True, errors=lookup),
+                              _answers("ResponseObject", stream=("ResponseEvent",), errors=lookup),
                               parameters=[_RESPONSE_ID, _query("stream", {"type": "boolean"}),
                                           _query("starting_after", {"type": "integer"})]),
             "delete": _operation("Delete a stored response",

@@ -104,6 +104,11 @@ def build_server(settings: Settings, notify: Notify | None = None) -> ProxyServe
         app, host=settings.host, port=settings.port, loop="auto", http="auto",
         lifespan="on", log_config=None, access_log=False,
         timeout_graceful_shutdown=int(CLOSE_TIMEOUT_S),
+        # A client that sends on an idle connection just as the server closes it loses that
+        # request. Clients keep idle connections a few seconds (httpx: 5, uvicorn's own default),
+        # load balancers about a minute: the server waits longer, and says how long.
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        headers=[("keep-alive", f"timeout={settings.keep_alive_timeout_s}")],
     )
     return ProxyServer(config, app, settings.drain_timeout_s, notify)
 

@@ -46,6 +46,7 @@ class Settings:
     kv_cache_mib: int = 0
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
+    keep_alive_timeout_s: int = 75
     response_store_max: int = 10000
     response_store_max_age_s: float = 7 * 24 * 3600.0
     drain_timeout_s: float = 10.0
@@ -76,6 +77,8 @@ _HELP: dict[str, str] = {
     "kv_cache_mib": "KV cache pool as a memory budget in MiB; when > 0 it sets the block count",
     "max_waiting": "most requests waiting in the proxy before it answers 429",
     "max_body_bytes": "largest accepted HTTP request body (413 above)",
+    "keep_alive_timeout_s": "idle keep-alive connections are closed after this (announced in a "
+    "Keep-Alive header); keep it above your clients' and load balancer's own idle timeouts",
     "response_store_max": "most stored responses kept (oldest pruned)",
     "response_store_max_age_s": "stored responses older than this are pruned",
     "drain_timeout_s": "on SIGTERM, time given to in-flight work before it is aborted",
@@ -142,7 +145,7 @@ def _convert(name: str, default: object, raw: object, source: str) -> object:
 
 def _check(s: Settings) -> None:
     positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
-                "max_body_bytes", "response_store_max")
+                "max_body_bytes", "response_store_max", "keep_alive_timeout_s")
     for name in positive:
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
