@@ -34,7 +34,6 @@ class Store(Protocol):
 class GuardedStore:
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.num_errors = 0
 
     # --- admission: a failure is that request's error ------------------------------------------
 
@@ -103,6 +102,5 @@ class GuardedStore:
                         code="store_error")
 
     def _log(self, what: str, rid: str, exc: Exception) -> None:
-        self.num_errors += 1
         log.error("response store: could not %s response %s: %s: %s", what, rid,
                   type(exc).__name__, exc)

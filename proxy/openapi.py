@@ -267,7 +267,7 @@ def _paths() -> JSON:
             "get": _operation("Retrieve a response (a live background one as SSE with stream)",
                               _answers("ResponseObject", stream=("ResponseEvent",), errors=lookup),
                               parameters=[_RESPONSE_ID, _query("stream", {"type": "boolean"}),
-                                          _query("starting_after", {"type": "integer"})]),
+                                          _query("starting_after", {"type": "integer", "minimum": -1})]),
             "delete": _operation("Delete a stored response",
                                  _answers("DeletedResponse", errors=lookup),
                                  parameters=[_RESPONSE_ID])},

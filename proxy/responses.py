@@ -11,6 +11,7 @@ row for it yet (it has not admitted the Submit).
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -166,11 +167,13 @@ def _reply(reply: ResponseReply) -> Response:
 async def get_response(request: Request) -> Response:
     rid = check_response_id(request.path_params["response_id"])
     run = background_registry(request.app).get(rid)
-    if request.query_params.get("stream", "false").lower() == "true":
+    starting_after = _int_param(request.query_params.get("starting_after"), "starting_after",
+                                default=-1, low=-1, high=2**31)
+    if _bool_param(request.query_params.get("stream"), "stream"):
         if run is None:
             raise ApiError(400, f"response {rid!r} cannot be streamed: only a background "
                            "response still held by this server can", param="stream")
-        return SSEResponse(_sse(run.subscribe(_starting_after(request))))
+        return SSEResponse(_sse(run.subscribe(starting_after)))
     if run is not None and not run.finished:
         # Live state, with the text so far; the daemon's placeholder has no output yet.
         return JSONResponse(run.events.snapshot())
@@ -183,17 +186,6 @@ async def get_response(request: Request) -> Response:
     if reply.status == 404 and run is not None:
         return JSONResponse(run.events.snapshot())
     return _reply(reply)
-
-
-def _starting_after(request: Request) -> int | None:
-    raw = request.query_params.get("starting_after")
-    if raw is None:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ApiError(400, f"'starting_after' must be an integer, got {raw!r}",
-                       param="starting_after") from None
 
 
 async def delete_response(request: Request) -> Response:
@@ -259,15 +251,23 @@ async def list_input_items(request: Request) -> Response:
 def _int_param(raw: str | None, name: str, default: int, low: int, high: int) -> int:
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = low - 1
+    # Digits only: int() would also take " 5", "5_0" and "+5", which no client means.
+    value = int(raw) if _INTEGER.match(raw) and len(raw) <= 12 else low - 1
     if not low <= value <= high:
         raise ApiError(400, f"'{name}' must be an integer from {low} to {high}, got {raw!r}",
                        param=name)
     return value
 
+
+def _bool_param(raw: str | None, name: str) -> bool:
+    if raw is None or raw.lower() == "false":
+        return False
+    if raw.lower() == "true":
+        return True
+    raise ApiError(400, f"'{name}' must be true or false, got {raw!r}", param=name)
+
+
+_INTEGER = re.compile(r"^-?[0-9]+$")
 
 routes = [
     Route("/v1/responses", create_response, methods=["POST"]),

@@ -94,3 +94,17 @@ async def test_a_client_leaving_while_its_body_is_read_is_not_a_crash(
     assert start["status"] == CLIENT_CLOSED_REQUEST
     assert not peer.submits
     _no_crash(caplog)
+
+
+@pytest.mark.parametrize(("query", "param"), [("stream=null", "stream"),
+                                              ("starting_after=1.5", "starting_after"),
+                                              ("stream=true&starting_after=-2", "starting_after")])
+async def test_query_parameters_are_parsed_strictly(client: httpx.AsyncClient, query: str,
+                                                    param: str) -> None:
+    error = _openai_error(await client.get(f"/v1/responses/resp_x?{query}"), 400)
+    assert error["param"] == param
+
+
+async def test_input_items_limit_is_digits_only(client: httpx.AsyncClient) -> None:
+    error = _openai_error(await client.get("/v1/responses/resp_x/input_items?limit=%205"), 400)
+    assert error["param"] == "limit"
