@@ -28,7 +28,8 @@ from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-LONG = {"max_output_tokens": 1500, "ignore_eos": True, "temperature": 0}
+# Long enough to outlast filling the disk, short enough to finish soon after.
+LONG = {"max_output_tokens": 600, "ignore_eos": True, "temperature": 0}
 
 
 class Disk:
@@ -90,7 +91,8 @@ def _scenario(server: Server, disk: Disk) -> None:
         stored = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4}).json()
         assert c.get(f"/v1/responses/{stored['id']}").json()["status"] == "incomplete"
     daemon_pid = server.daemon.pid if server.daemon else None
-    bystander = post_raw(server, "/v1/chat/completions", {**CHAT, "stream": True})
+    bystander = post_raw(server, "/v1/chat/completions", {**CHAT, "max_tokens": 800,
+                                                          "stream": True})
     finishing = post_raw(server, "/v1/responses", {"input": "go on", "stream": True, **LONG})
     leaving = post_raw(server, "/v1/responses", {"input": "and on", "stream": True, **LONG})
     read_events(bystander, 2)
