@@ -84,7 +84,7 @@ def test_a_read_only_store_costs_each_session_alone(
                                       background=rid == "resp_bg")) == []
     assert engine.submit(completion("other", 40)) == []
     out = engine.step()
-    store._db.execute("PRAGMA query_only = ON")  # SQLite now refuses every write
+    store.db.execute("PRAGMA query_only = ON")  # SQLite now refuses every write
     with caplog.at_level(logging.ERROR):
         out += engine.step() + engine.step() + engine.step() + engine.step()
         end = finish(out, "resp_done")
@@ -109,7 +109,7 @@ def test_a_read_only_store_costs_each_session_alone(
         assert any(rid in line for line in logged), (rid, logged)
     assert engine.finished["error"] == 1
 
-    store._db.execute("PRAGMA query_only = OFF")  # writable again: the store serves as before
+    store.db.execute("PRAGMA query_only = OFF")  # writable again: the store serves as before
     assert engine.submit(response("resp_later", max_tokens=3)) == []
     assert finish(run(engine), "resp_later").reason is FinishReason.LENGTH
     assert status(store, "resp_later") == "incomplete"
@@ -122,8 +122,8 @@ def test_a_result_too_large_for_the_store_leaves_the_response_failed(
     store = ResponseStore(tmp_path / "responses.sqlite3", 100, 3600.0)
     engine = make_engine(store)
     assert engine.submit(response("resp_big", max_tokens=5000)) == []
-    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
-    store._db.execute(f"PRAGMA max_page_count = {pages}")
+    pages = store.db.execute("PRAGMA page_count").one()[0]
+    store.db.execute(f"PRAGMA max_page_count = {pages}")
     with caplog.at_level(logging.ERROR):
         out = run(engine)
     end = finish(out, "resp_big")
