@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -44,6 +47,11 @@ class Tokenizer(Protocol):
         """One token decoded alone, special tokens included (for logprobs)."""
         ...
 
+    def tail_is_open(self, ids: Sequence[int]) -> bool:
+        """Whether the text of `ids` may still change as more ids follow, other than in one
+        trailing unfinished character (see IncrementalDetokenizer)."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str: ...
 
@@ -66,10 +74,23 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks
+    (transformers' return_assistant_tokens_mask); for serving it renders its body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @functools.lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
-    # Sandboxed: a checkpoint's template is untrusted code.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # Sandboxed: a checkpoint's template is untrusted code. The same extensions as transformers'
+    # apply_chat_template, so every template it renders renders here.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -81,11 +102,13 @@ def _compile(source: str) -> jinja2.Template:
 
 def render_chat_template(source: str, messages: list[dict[str, Any]],
                          add_generation_prompt: bool, **special: str | None) -> str:
+    # tools and documents are defined (as None) exactly as transformers and vLLM define them
+    # when a request has none: templates test `tools is not none` as often as `is defined`.
     try:
-        return _compile(source).render(messages=messages,
+        return _compile(source).render(messages=messages, tools=None, documents=None,
                                        add_generation_prompt=add_generation_prompt, **special)
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template failed: {e}") from e
+    except Exception as e:  # template code can fail in any way: None is not iterable, ...
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
 
 # ---- built-in byte tokenizer
@@ -129,6 +152,9 @@ class ByteTokenizer:
             return BYTE_SPECIALS[token_id - 256]
         return self.decode([token_id])
 
+    def tail_is_open(self, ids: Sequence[int]) -> bool:
+        return False
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
         return render_chat_template(BYTE_CHAT_TEMPLATE, messages, add_generation_prompt,
@@ -138,17 +164,27 @@ class ByteTokenizer:
 # ---- Hugging Face tokenizer.json
 
 
+# The special tokens a chat template sees by name (transformers' special_tokens_map).
+TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+
+
 class HFTokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, chat_template: str | None,
                  bos_token: str | None, eos_token: str | None,
-                 extra_eos_ids: Sequence[int] = ()) -> None:
+                 extra_eos_ids: Sequence[int] = (), **template_tokens: str | None) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
+        named = {**template_tokens, "bos_token": bos_token, "eos_token": eos_token}
+        self.template_tokens = {k: v for k, v in named.items() if v is not None}
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         eos = [tokenizer.token_to_id(eos_token)] if eos_token else []
         self.eos_token_ids = sorted({i for i in [*eos, *extra_eos_ids] if i is not None})
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._byte_piece_ids = _byte_fallback_pieces(tokenizer)
 
     @classmethod
     def from_dir(cls, path: Path, extra_eos_ids: Sequence[int] = ()) -> HFTokenizer:
@@ -164,8 +200,8 @@ class HFTokenizer:
         template_file = path / "chat_template.jinja"
         template = (template_file.read_text() if template_file.is_file()
                     else _pick_template(cfg.get("chat_template")))
-        return cls(tok, template, _token_text(cfg.get("bos_token")),
-                   _token_text(cfg.get("eos_token")), extra_eos_ids)
+        named = {name: _token_text(cfg.get(name)) for name in TEMPLATE_TOKENS}
+        return cls(tok, template, extra_eos_ids=extra_eos_ids, **named)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -176,13 +212,29 @@ class HFTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
+    def tail_is_open(self, ids: Sequence[int]) -> bool:
+        # Byte pieces decode as a group (valid UTF-8 as a whole, or U+FFFD for every one), and
+        # skipped special tokens do not end a group.
+        for token_id in reversed(ids):
+            if token_id not in self._special_ids:
+                return token_id in self._byte_piece_ids
+        return False
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template (no chat_template.jinja, "
                                     "no chat_template in tokenizer_config.json)")
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token)
+                                    **self.template_tokens)
+
+
+def _byte_fallback_pieces(tokenizer: tokenizers.Tokenizer) -> frozenset[int]:
+    """The ids of SentencePiece's <0x00>..<0xFF> pieces, when the decoder turns them to bytes."""
+    ids = [tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+    if ids[0x41] is None or tokenizer.decode([ids[0x41]]) != "A":
+        return frozenset()
+    return frozenset(i for i in ids if i is not None)
 
 
 def read_json_object(file: Path) -> dict[str, Any]:
@@ -217,20 +269,22 @@ def _token_text(value: Any) -> str | None:
 class IncrementalDetokenizer:
     """Feeds sampled ids one at a time; returns only text that can no longer change.
 
-    Each push decodes a short window: from the last emitted boundary (kept as left context,
-    since decoders such as SentencePiece's drop a leading space at the start of a string) to
-    the newest id. Text ending in U+FFFD is an unfinished multi-byte character and is held
-    back, up to MAX_HELD ids; past that the bytes are taken as truly invalid and released.
+    Each push decodes a short window of ids: the last few already emitted (left context, since
+    decoders such as SentencePiece's drop a leading space at the start of a string) and the new
+    ones. Two things can still change as more ids follow, and are held back: one trailing U+FFFD
+    (the bytes of an unfinished character; any earlier U+FFFD is final under lossy UTF-8
+    decoding), and everything while the tokenizer says its tail is open (SentencePiece's byte
+    pieces decode as a group, all or nothing). So the pieces add up to `decode` of the whole.
     """
 
-    MAX_HELD = 16
     PROMPT_CONTEXT = 4
+    MAX_WINDOW = 64  # ids kept before the window start is moved up on a long generation
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._ids = list(prompt_ids[-self.PROMPT_CONTEXT :])
-        self._prefix = 0  # window start (context)
-        self._read = len(self._ids)  # everything before this has been emitted
+        self._prefix = 0  # window start: decode(ids[prefix:]) is what we diff against
+        self._sent = len(tokenizer.decode(self._ids))  # chars of that decode already out
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
@@ -241,16 +295,19 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        emitted = self._tok.decode(self._ids[self._prefix : self._read])
-        text = self._tok.decode(self._ids[self._prefix :])
-        held = len(self._ids) - self._read
-        if not final and text.endswith("\ufffd") and held < self.MAX_HELD:
+        window = self._ids[self._prefix :]
+        if not final and self._tok.tail_is_open(window):
             return ""
-        if len(text) <= len(emitted):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        if self._prefix > 64:  # keep the id list short on long generations
-            del self._ids[: self._prefix]
-            self._read -= self._prefix
-            self._prefix = 0
-        return text[len(emitted) :]
+        text = self._tok.decode(window)
+        settled = final or not text.endswith("\ufffd")
+        stable = text if settled else text[:-1]
+        out = stable[self._sent :]
+        self._sent = max(self._sent, len(stable))
+        if settled and len(window) > self.PROMPT_CONTEXT:
+            # Nothing is pending: restart the window on the last ids, kept as context.
+            self._prefix = len(self._ids) - self.PROMPT_CONTEXT
+            self._sent = len(self._tok.decode(self._ids[self._prefix :]))
+            if self._prefix > self.MAX_WINDOW:
+                del self._ids[: self._prefix]
+                self._prefix = 0
+        return out

@@ -62,7 +62,7 @@ def test_incremental_detok_of_valid_text_never_emits_a_broken_char(text: str) ->
     assert pieces[-1] == ""  # nothing was left to flush
 
 
-@given(st.binary(max_size=IncrementalDetokenizer.MAX_HELD - 1))
+@given(st.binary(max_size=64))
 def test_incremental_detok_of_any_bytes_equals_one_shot_decode(data: bytes) -> None:
     pieces = stream(BYTES, list(data))
     assert "".join(pieces) == data.decode("utf-8", errors="replace")
@@ -73,10 +73,16 @@ def test_incremental_detok_holds_a_split_character_until_complete() -> None:
     assert stream(BYTES, [ord("a"), *euro, ord("b")]) == ["a", "", "", "€", "b", ""]
 
 
-def test_incremental_detok_releases_long_invalid_runs() -> None:
+def test_incremental_detok_holds_only_the_unfinished_character() -> None:
+    # Every lead byte but the last is followed by a non-continuation byte: already invalid.
     detok = IncrementalDetokenizer(BYTES)
-    pieces = [detok.push(0xE2) for _ in range(IncrementalDetokenizer.MAX_HELD)]
-    assert "".join(pieces) == "\ufffd" * IncrementalDetokenizer.MAX_HELD
+    assert [detok.push(0xE2) for _ in range(40)] == ["", *["\ufffd"] * 39]
+    assert [detok.push(b) for b in (0x82, 0xAC)] == ["", "€"]  # the last one completes
+
+
+def test_incremental_detok_of_bytes_completing_after_a_long_invalid_run() -> None:
+    ids = [0xE6] * 20 + list("日".encode())[1:]
+    assert "".join(stream(BYTES, ids)) == bytes(ids).decode(errors="replace")
 
 
 def test_incremental_detok_skips_eos() -> None:

