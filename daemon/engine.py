@@ -256,8 +256,8 @@ class Engine:
         return out
 
     def _token_logprob(self, token: int, lp: tuple[float, list[tuple[int, float]]]) -> TokenLogprob:
-        text = self.tokenizer.token_text
-        return TokenLogprob(text(token), lp[0], [(text(t), v) for t, v in lp[1]])
+        raw = self.tokenizer.token_bytes
+        return TokenLogprob(raw(token), lp[0], [(raw(t), v) for t, v in lp[1]])
 
     def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
         """Add a sampled token; return the text it releases and the finish reason, if any."""

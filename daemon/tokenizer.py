@@ -43,8 +43,9 @@ class Tokenizer(Protocol):
         """Special tokens are skipped; invalid UTF-8 becomes U+FFFD."""
         ...
 
-    def token_text(self, token_id: int) -> str:
-        """One token decoded alone, special tokens included (for logprobs)."""
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the text, special tokens included (for logprobs): part
+        of a UTF-8 character where the token holds only part of one."""
         ...
 
     def tail_is_open(self, ids: Sequence[int]) -> bool:
@@ -147,10 +148,10 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def token_text(self, token_id: int) -> str:
+    def token_bytes(self, token_id: int) -> bytes:
         if 256 <= token_id < self.vocab_size:
-            return BYTE_SPECIALS[token_id - 256]
-        return self.decode([token_id])
+            return BYTE_SPECIALS[token_id - 256].encode()
+        return self.decode_bytes([token_id])
 
     def tail_is_open(self, ids: Sequence[int]) -> bool:
         return False
@@ -185,6 +186,12 @@ class HFTokenizer:
         self._special_ids = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self._byte_piece_ids = _byte_fallback_pieces(tokenizer)
+        self._added_ids = frozenset(tokenizer.get_added_tokens_decoder())
+        self._byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
+        # Decoding after a plain token keeps the leading space that SentencePiece's decoder
+        # strips at the start of a string ("▁world" adds " world").
+        self._anchor = tokenizer.encode("a", add_special_tokens=False).ids
+        self._anchor_len = len(tokenizer.decode(self._anchor))
 
     @classmethod
     def from_dir(cls, path: Path, extra_eos_ids: Sequence[int] = ()) -> HFTokenizer:
@@ -209,8 +216,18 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def token_text(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._byte_piece_ids:  # "<0xE6>"
+            return bytes([int(piece[3:5], 16)])
+        if self._byte_level and token_id not in self._added_ids:
+            raw = [_BYTE_LEVEL_DECODER.get(c) for c in piece]
+            if None not in raw:
+                return bytes(b for b in raw if b is not None)
+        text = self._tok.decode([*self._anchor, token_id], skip_special_tokens=False)
+        return text[self._anchor_len :].encode()
 
     def tail_is_open(self, ids: Sequence[int]) -> bool:
         # Byte pieces decode as a group (valid UTF-8 as a whole, or U+FFFD for every one), and
@@ -227,6 +244,18 @@ class HFTokenizer:
                                     "no chat_template in tokenizer_config.json)")
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     **self.template_tokens)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's bytes_to_unicode)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(256 + i): b for i, b in enumerate(extra)})
+    return chars
+
+
+_BYTE_LEVEL_DECODER = _byte_level_alphabet()
 
 
 def _byte_fallback_pieces(tokenizer: tokenizers.Tokenizer) -> frozenset[int]:

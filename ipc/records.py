@@ -179,12 +179,13 @@ class Welcome(msgspec.Struct, tag=Kind.WELCOME.value, tag_field="k"):
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
     """A sampled token's log-probability under the model, and the most likely tokens there.
 
-    ``token`` is the token's own text, decoded alone (a partial UTF-8 character shows as
-    U+FFFD); ``top`` holds (text, logprob) pairs, most likely first."""
+    ``token`` is the token's own bytes as they extend the text (a token can hold part of a UTF-8
+    character; the proxy renders the text); ``top`` holds (bytes, logprob) pairs, most likely
+    first."""
 
-    token: str
+    token: bytes
     logprob: float
-    top: list[tuple[str, float]] = []
+    top: list[tuple[bytes, float]] = []
 
 
 class Delta(msgspec.Struct, tag=Kind.DELTA.value, tag_field="k", omit_defaults=True):

@@ -53,12 +53,17 @@ class Shape:
 
     def logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
         """The legacy completions shape; `offset` is where the first token starts in the text."""
+        # A token that starts inside a character (its first bytes came with the token before)
+        # is placed at that character.
+        seen = b""
         offsets = []
         for lp in lps:
-            offsets.append(offset)
-            offset += len(lp.token)
-        return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [dict(lp.top) for lp in lps], "text_offset": offsets}
+            offsets.append(offset + len(seen.decode(errors="ignore")))
+            seen += lp.token
+        return {"tokens": [token_string(lp.token) for lp in lps],
+                "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{token_string(t): v for t, v in lp.top} for lp in lps],
+                "text_offset": offsets}
 
 
 class ChatShape(Shape):
@@ -85,8 +90,14 @@ class ChatShape(Shape):
                 "refusal": None}
 
 
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def token_string(raw: bytes) -> str:
+    """A token's text as OpenAI shows it: bytes that are not (yet) a whole UTF-8 character
+    appear as "\\xe6" escapes; `bytes` carries them exactly."""
+    return raw.decode(errors="backslashreplace")
+
+
+def _token(raw: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": token_string(raw), "logprob": logprob, "bytes": list(raw)}
 
 
 COMPLETION = Shape()

@@ -439,13 +439,13 @@ def test_logprobs_follow_the_model_distribution_token_by_token():
         expected = torch.log_softmax(runner.logits(ctx), dim=-1)
         assert lp.logprob == pytest.approx(float(expected[token]), abs=1e-5)
         assert [v for _, v in lp.top] == pytest.approx(expected.topk(3).values.tolist(), abs=1e-5)
-        # Greedy: the sampled token is the most likely one; its text is the token alone.
+        # Greedy: the sampled token is the most likely one; its bytes are the token's own.
         assert lp.top[0] == (lp.token, pytest.approx(lp.logprob))
-        assert lp.token == TOK.token_text(token)
+        assert lp.token == TOK.token_bytes(token)
         ctx.append(token)
-    # "é" is two byte tokens: each alone is half a character; the EOS token shows its name.
-    assert [lp.token for lp in lps][1:3] == ["\ufffd", "\ufffd"]
-    assert lps[-1].token == "<eos>" and ids[-1] == EOS
+    # "é" is two byte tokens, each half of the character; the EOS token shows its name.
+    assert [lp.token for lp in lps][1:3] == list(map(bytes, (["é".encode()[0]], ["é".encode()[1]])))
+    assert lps[-1].token == b"<eos>" and ids[-1] == EOS
 
 
 def test_logprobs_zero_gives_the_sampled_token_only():

@@ -5,6 +5,7 @@ The files come from a package registry in the test setup (tests/support/real_tok
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jinja2
@@ -73,9 +74,14 @@ def _is_byte_piece(token: str) -> bool:
     return len(token) == 6 and token.startswith("<0x") and token.endswith(">")
 
 
+@functools.cache
+def load(name: str) -> Pair:
+    return Pair(name)
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def pair(request: pytest.FixtureRequest) -> Pair:
-    return Pair(request.param)
+    return load(request.param)
 
 
 def stream(pair: Pair, ids: list[int], prompt: list[int] | None = None) -> list[str]:
@@ -123,6 +129,26 @@ def test_stream_of_multilingual_text(pair: Pair, text: str) -> None:
     assert all("\ufffd" not in p for p in pieces), pieces
     prompt = pair.ref.encode("Answer:", add_special_tokens=False)
     assert "".join(stream(pair, ids, prompt)) == continuation(pair, prompt, ids)
+
+
+# ---- logprob tokens
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_add_up_to_the_text(pair: Pair, text: str) -> None:
+    """What logprobs report per token: joined, exactly the text the tokens continue with."""
+    prompt = pair.ref.encode("Answer:", add_special_tokens=False)
+    ids = pair.ref.encode(text, add_special_tokens=False)
+    raw = [pair.ours.token_bytes(i) for i in ids]
+    assert b"".join(raw) == continuation(pair, prompt, ids).encode()
+    for token_id, token in zip(ids, raw, strict=True):  # whole characters decode alone
+        if token.decode(errors="ignore").encode() == token:
+            assert pair.decode([*prompt, token_id]) == pair.decode(prompt) + token.decode()
+
+
+def test_special_token_bytes_are_their_names(pair: Pair) -> None:
+    for token_id in pair.special_ids:
+        assert pair.ours.token_bytes(token_id) == pair.ref.convert_ids_to_tokens(token_id).encode()
 
 
 # ---- stop strings
@@ -191,13 +217,13 @@ def test_chat_template_renders_as_transformers(pair: Pair, agp: bool) -> None:
 
 def test_families_cover_templates_that_raise_and_none() -> None:
     raised = {name for name in FAMILIES
-              if ours_or_error(Pair(name), BAD_ORDERS[0], True) is ChatTemplateError}
+              if ours_or_error(load(name), BAD_ORDERS[0], True) is ChatTemplateError}
     assert "spm" in raised and "gpt2" in raised  # Mistral's raises; GPT-2 has none
 
 
 def test_every_llama_cpp_template_renders_as_transformers() -> None:
     """Seventy real checkpoints' templates, each rendered both ways with the same specials."""
-    pair = Pair("qwen2")
+    pair = load("qwen2")
     mismatched = {}
     for name, source in chat_templates().items():
         ours = HFTokenizer(pair.ours._tok, source, **pair.ours.template_tokens)

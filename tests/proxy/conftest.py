@@ -139,7 +139,7 @@ class Peer:
                 text = f"tok{k} " if session.echo is None else session.echo
                 n = session.submit.sampling.logprobs
                 logprobs = None if n is None else [
-                    TokenLogprob(text, -0.25, [(text, -0.25), ("alt", -1.5)][:n])]
+                    TokenLogprob(text.encode(), -0.25, [(text.encode(), -0.25), (b"alt", -1.5)][:n])]
                 out.append(Delta(rid, index, text, [k], logprobs))
                 session.produced[index] = k + 1
                 if k + 1 >= session.submit.sampling.max_tokens:

@@ -10,8 +10,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from ipc.records import RequestKind
+from ipc.records import RequestKind, TokenLogprob
 from proxy.app import create_app
+from proxy.completions import CHAT, COMPLETION
 from tests.proxy.conftest import MODEL, Peer, wait_until
 from tether.settings import Settings
 
@@ -214,3 +215,17 @@ async def test_bad_logprobs_are_400_naming_the_field(client: httpx.AsyncClient, 
     r = await client.post(path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_logprob_tokens_split_inside_a_character_keep_their_bytes() -> None:
+    sun = "日".encode()
+    lps = [TokenLogprob(b"a", -0.1, [(b"a", -0.1)]), TokenLogprob(sun[:2], -0.2, [(sun[:1], -0.2)]),
+           TokenLogprob(sun[2:], -0.3), TokenLogprob(b" b", -0.4)]
+    chat = CHAT.logprobs(lps, 0)["content"]
+    assert [t["token"] for t in chat] == ["a", "\\xe6\\x97", "\\xa5", " b"]
+    assert b"".join(bytes(t["bytes"]) for t in chat).decode() == "a日 b"
+    assert chat[1]["top_logprobs"] == [{"token": "\\xe6", "logprob": -0.2, "bytes": [0xE6]}]
+    legacy = COMPLETION.logprobs(lps, 10)
+    assert legacy["tokens"] == ["a", "\\xe6\\x97", "\\xa5", " b"]
+    assert legacy["text_offset"] == [10, 11, 11, 12]  # the split character starts at 11
+    assert legacy["top_logprobs"][1] == {"\\xe6": -0.2}
