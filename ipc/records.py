@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: logprob tokens travel as bytes
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
