@@ -183,10 +183,10 @@ class HFTokenizer:
         eos = [tokenizer.token_to_id(eos_token)] if eos_token else []
         self.eos_token_ids = sorted({i for i in [*eos, *extra_eos_ids] if i is not None})
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self._special_ids = frozenset(
-            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        added = tokenizer.get_added_tokens_decoder()
+        self._added_ids = frozenset(added)
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._byte_piece_ids = _byte_fallback_pieces(tokenizer)
-        self._added_ids = frozenset(tokenizer.get_added_tokens_decoder())
         self._byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
         # Decoding after a plain token keeps the leading space that SentencePiece's decoder
         # strips at the start of a string ("▁world" adds " world").
@@ -333,10 +333,17 @@ class IncrementalDetokenizer:
         out = stable[self._sent :]
         self._sent = max(self._sent, len(stable))
         if settled and len(window) > self.PROMPT_CONTEXT:
-            # Nothing is pending: restart the window on the last ids, kept as context.
-            self._prefix = len(self._ids) - self.PROMPT_CONTEXT
-            self._sent = len(self._tok.decode(self._ids[self._prefix :]))
-            if self._prefix > self.MAX_WINDOW:
-                del self._ids[: self._prefix]
-                self._prefix = 0
+            self._restart_window()
         return out
+
+    def _restart_window(self) -> None:
+        """Nothing is pending: the window restarts on the last ids, kept as context, unless they
+        decode to no text (skipped special tokens), which would not keep a leading space."""
+        start = len(self._ids) - self.PROMPT_CONTEXT
+        sent = len(self._tok.decode(self._ids[start:]))
+        if not sent:
+            return
+        self._prefix, self._sent = start, sent
+        if self._prefix > self.MAX_WINDOW:
+            del self._ids[: self._prefix]
+            self._prefix = 0
