@@ -75,7 +75,7 @@ class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer, store: Store | None,
                  max_num_seqs: int, max_tokens_per_tick: int, max_model_len: int,
                  model_name: str, *, make_detokenizer: Callable[[list[int]], Detokenizer] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         # Every store call goes through the guard: a failing store costs one session at most.
@@ -84,7 +84,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.model_name = model_name
         self.clock = clock
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size)
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
+                                          enable_caching=prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_tokens_per_tick,
                                    runner.copy_block)
         self.sampler = Sampler(tokenizer.eos_token_ids)
@@ -289,10 +290,8 @@ class Engine:
             del self.sessions[seq.rid]
             if session.placeholder and self.store is not None:
                 incomplete = ("max_output_tokens" if reason is FinishReason.LENGTH else None)
-                error = self.store.complete(
-                    session.rid, session.output_text(),
-                    Usage(session.num_prompt_tokens, session.num_generated),
-                    incomplete_reason=incomplete)
+                error = self.store.complete(session.rid, session.output_text(), session.usage,
+                                            incomplete_reason=incomplete)
                 session.placeholder = False
             # Counted per request, like the aborts: a request's reason is its last sequence's.
             ended = reason if error is None else FinishReason.ERROR
@@ -315,6 +314,9 @@ class Engine:
             waiting=len(self.sessions) - running,
             kv_blocks_used=self.block_manager.num_used,
             kv_blocks_total=self.block_manager.num_total,
+            kv_blocks_cached=self.block_manager.num_cached_free,
+            prefix_cache_queries=self.scheduler.num_cache_queries,
+            prefix_cache_hits=self.scheduler.num_cache_hits,
             placeholders=self.store.num_placeholders() if self.store is not None else 0,
             ticks=self.num_ticks,
             prompt_tokens=self.num_prompt_tokens,

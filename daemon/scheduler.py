@@ -4,6 +4,11 @@ One tick mixes decodes (one token per running sequence, scheduled first so laten
 with prefill chunks (chunked prefill under a token budget). The scheduler alone owns the block
 manager. When blocks run out a running sequence that is not yet in this tick's batch is
 preempted, newest first, and later recomputed from its tokens.
+
+Prefix caching happens at admission: a waiting sequence starts from the longest run of its full
+blocks found in the cache (a preempted one often finds its own), and every block that a forward
+pass fills is registered after that pass. The last token is always computed: its logits are
+the point of the pass.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from daemon.block_manager import BlockManager
+from daemon.block_manager import BlockManager, chain_hashes
 from daemon.sequence import SeqStatus, Sequence
 
 
@@ -42,7 +47,8 @@ class Batch:
         self.chunks.append(ScheduledChunk(seq.token_ids[start:end], start, seq.block_table,
                                           end == seq.num_tokens))
         self.seqs.append(seq)
-        if seq.num_uncomputed == 1:
+        # A prompt's last token alone (the rest was cached) is still a prefill.
+        if num_tokens == 1 and start >= seq.num_prompt_tokens:
             self.num_decode_tokens += 1
         else:
             self.num_prefill_tokens += num_tokens
@@ -62,6 +68,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Prefix-cache lookups, in tokens (vLLM's queries/hits): every admission counts.
+        self.num_cache_queries = 0
+        self.num_cache_hits = 0
         # Blocks promised to this tick's forks (taken in postprocess, after the forward pass).
         self._fork_reserve = 0
 
@@ -104,19 +113,44 @@ class Scheduler:
         return batch
 
     def _admit(self, batch: Batch, budget: int) -> None:
+        bm = self.block_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if self.num_slots_used + 1 + len(seq.fork_children) > self.max_num_seqs:
                 return
-            n = min(seq.num_uncomputed, budget)
-            if self._blocks_needed(seq, n) > self._num_available:
+            hits = self._cache_hits(seq)
+            cached = len(hits) * bm.block_size
+            n = min(seq.num_tokens - cached, budget)
+            end = cached + n
+            need = (bm.num_blocks_for(end) - len(hits) + bm.num_revived(hits)
+                    + self._fork_cost(seq, end))
+            if need > self._num_available:
                 return
             self.waiting.popleft()
-            self.block_manager.may_append(seq.block_table, seq.num_computed + n)
+            bm.share(seq.block_table, hits)
+            seq.num_computed = cached
+            self._count_lookup(seq, cached)
+            bm.may_append(seq.block_table, end)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._add(batch, seq, n)
             budget -= n
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the start of a sequence that holds none yet."""
+        bm = self.block_manager
+        if not bm.enable_caching:
+            return []
+        num_blocks = (seq.num_tokens - 1) // bm.block_size  # never the last token's block
+        hashes = chain_hashes(seq.token_ids, seq.block_hashes, bm.block_size, num_blocks)
+        return bm.lookup(hashes[:num_blocks])
+
+    def _count_lookup(self, seq: Sequence, cached: int) -> None:
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = cached
+        if self.block_manager.enable_caching:
+            self.num_cache_queries += seq.num_tokens
+            self.num_cache_hits += cached
 
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Blocks for `n` more tokens of a running sequence, preempting newer ones if needed."""
@@ -166,6 +200,7 @@ class Scheduler:
         row = 0
         for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
             seq.num_computed += len(chunk.token_ids)
+            self._commit(seq, chunk.start_pos)
             if not chunk.needs_logits:
                 continue
             to_sample.append((row, seq))
@@ -173,12 +208,24 @@ class Scheduler:
                 child.block_table = self.block_manager.fork(seq.block_table, seq.num_computed,
                                                             self.copy_block)
                 child.num_computed = seq.num_computed
+                child.num_cached_tokens = seq.num_cached_tokens
+                child.block_hashes = list(seq.block_hashes)  # same prompt, same hashes
                 child.status = SeqStatus.RUNNING
                 self.running.append(child)
                 to_sample.append((row, child))
             seq.fork_children.clear()
             row += 1
         return to_sample
+
+    def _commit(self, seq: Sequence, start_pos: int) -> None:
+        """Register the blocks this pass filled (their KV now exists) in the prefix cache."""
+        bm = self.block_manager
+        if not bm.enable_caching:
+            return
+        first, end = start_pos // bm.block_size, seq.num_computed // bm.block_size
+        if end > first:
+            hashes = chain_hashes(seq.token_ids, seq.block_hashes, bm.block_size, end)
+            bm.commit(seq.block_table, hashes, first, end)
 
     def finish(self, seq: Sequence) -> None:
         """A sequence ended normally: give back its blocks."""

@@ -84,6 +84,10 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Prefix-cache hashes of the first full blocks of token_ids (block_manager.chain_hashes).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache when first admitted; None until then.
+    num_cached_tokens: int | None = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     # Siblings forked from this sequence's blocks once its prompt is prefilled.
@@ -115,7 +119,8 @@ class Sequence:
 
     @property
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated)
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,
+                     cached_tokens=self.num_cached_tokens or 0)
 
 
 @dataclass(slots=True, eq=False)
@@ -144,6 +149,11 @@ class Session:
     @property
     def num_generated(self) -> int:
         return sum(s.num_generated for s in self.sequences)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_generated,
+                     sum(s.num_cached_tokens or 0 for s in self.sequences))
 
     def output_text(self) -> str:
         return self.sequences[0].output_text if self.sequences else ""

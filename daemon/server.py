@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from daemon.engine import Engine
+from daemon.engine import Engine, Runner
 from daemon.store import ResponseStore, StoreError
+from daemon.tokenizer import Tokenizer
 from ipc.pipes import DaemonPipes, PipeError, inherited_fifos
 from ipc.records import (
     PROTOCOL_VERSION,
@@ -227,10 +228,6 @@ class DaemonServer:
 
 def run(settings: Settings, notify: Notify | None = None) -> int:
     """Entry point of `tether daemon`; returns the process exit code."""
-    from daemon.config import ConfigError
-    from daemon.loader import ModelLoadError, load_model
-    from daemon.runner import ModelRunner
-
     t0 = time.monotonic()
     # A core left to the proxy and the kernel keeps ticks short when everything shares a small
     # machine: on 2 cores, 1 thread halved the mean abort latency (docs/benchmarks.md).
@@ -238,19 +235,11 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
 
     torch.set_num_threads(settings.threads or max(1, (os.cpu_count() or 1) - 1))
     try:
-        loaded = load_model(settings.model, settings.device, settings.dtype)
-    except (ModelLoadError, ConfigError, ValueError, OSError) as e:
+        built = _build_runner(settings)
+    except ValueError as e:
         log.error("cannot load model %s: %s", settings.model, e)
         return 1
-    num_blocks = settings.kv_cache_blocks
-    if settings.kv_cache_mib:
-        dtype = next(loaded.model.parameters()).dtype
-        num_blocks = ModelRunner.blocks_for_budget(loaded.config, settings.kv_cache_mib << 20, dtype)
-        if num_blocks < 1:
-            log.error("--kv-cache-mib %d holds no KV block of this model",
-                      settings.kv_cache_mib)
-            return 1
-    runner = ModelRunner(loaded.model, loaded.config, num_blocks)
+    runner, tokenizer, name, max_model_len = built
     try:
         store = ResponseStore(settings.state_url or settings.state_dir / "responses.sqlite3",
                               settings.response_store_max, settings.response_store_max_age_s,
@@ -269,16 +258,17 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
         log.warning("ended %d responses left unfinished by a previous run", crashed)
     store.start_watching()
     try:
-        engine = Engine(runner, loaded.tokenizer, store, settings.max_num_seqs,
-                        settings.max_tokens_per_tick, loaded.max_model_len, loaded.name)
+        engine = Engine(runner, tokenizer, store, settings.max_num_seqs,
+                        settings.max_tokens_per_tick, max_model_len, name,
+                        prefix_caching=settings.prefix_caching)
     except ValueError as e:
         log.error("%s", e)
         pipes.close()
         store.close()
         return 1
-    log.info("model %s loaded in %.1f s; %d KV blocks of %d tokens; pipes in %s",
-             loaded.name, time.monotonic() - t0, runner.num_blocks, runner.block_size,
-             settings.runtime_dir)
+    log.info("model %s loaded in %.1f s; %d KV blocks of %d tokens; prefix caching %s; "
+             "pipes in %s", name, time.monotonic() - t0, runner.num_blocks, runner.block_size,
+             "on" if settings.prefix_caching else "off", settings.runtime_dir)
     server = DaemonServer(engine, pipes, store, settings.drain_timeout_s, notify)
     previous = _install_signals(server)
     try:
@@ -293,6 +283,37 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
 def replica_id(settings: Settings) -> str:
     """``--replica-id``, or host:port: unique per pair, and the same across its restarts."""
     return settings.replica_id or f"{socket.gethostname()}:{settings.port}"
+
+
+def _build_runner(settings: Settings) -> tuple[Runner, Tokenizer, str, int]:
+    """(runner, tokenizer, model name, max model length); ValueError naming what is wrong."""
+    from daemon.loader import ModelLoadError, load_model
+    from daemon.runner import ModelRunner
+
+    if settings.model.startswith("sim:"):
+        from daemon import sim
+
+        tick_s = sim.parse_spec(settings.model)
+        if settings.kv_cache_mib:
+            raise ValueError("--kv-cache-mib sizes real KV tensors; a sim: model has none, "
+                             "give it --kv-cache-blocks")
+        tokenizer = sim.SimTokenizer()
+        return (sim.SimRunner(tokenizer, settings.kv_cache_blocks, tick_s), tokenizer,
+                settings.model, sim.SIM_MAX_MODEL_LEN)
+    try:
+        loaded = load_model(settings.model, settings.device, settings.dtype)
+    except (ModelLoadError, OSError) as e:
+        raise ValueError(str(e)) from e
+    num_blocks = settings.kv_cache_blocks
+    if settings.kv_cache_mib:
+        dtype = next(loaded.model.parameters()).dtype
+        num_blocks = ModelRunner.blocks_for_budget(loaded.config, settings.kv_cache_mib << 20,
+                                                   dtype)
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-mib {settings.kv_cache_mib} holds no KV block of "
+                             "this model")
+    return (ModelRunner(loaded.model, loaded.config, num_blocks), loaded.tokenizer, loaded.name,
+            loaded.max_model_len)
 
 
 def _install_signals(server: DaemonServer) -> dict[int, Callable[..., object] | int | None]:

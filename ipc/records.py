@@ -199,6 +199,7 @@ class Delta(msgspec.Struct, tag=Kind.DELTA.value, tag_field="k", omit_defaults=T
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class Finish(msgspec.Struct, tag=Kind.FINISH.value, tag_field="k"):
@@ -241,6 +242,9 @@ class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
     bad_records: dict[str, int]
     abort_latency_obs: list[float] = []
     abort_latency_ticks_obs: list[int] = []
+    kv_blocks_cached: int = 0  # held by no session, kept for the prefix cache (free to take)
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens found there
 
 
 class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):

@@ -45,7 +45,7 @@ def message_id(response_id: str) -> str:
 def _usage_object(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,

@@ -116,12 +116,14 @@ def finish_reason(record: Finish) -> str:
                    code="engine_error")
 
 
-def usage_body(usages: dict[int, Usage], n: int) -> dict[str, int]:
+def usage_body(usages: dict[int, Usage], n: int) -> dict[str, Any]:
     # Every sample of a prompt reports that prompt's tokens: count them once per prompt.
-    prompt = sum(u.prompt_tokens for i, u in usages.items() if i % n == 0)
+    firsts = [u for i, u in usages.items() if i % n == 0]
+    prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in usages.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)}}
 
 
 class Exchange:
@@ -155,7 +157,7 @@ class Exchange:
         self.usages[record.index] = record.usage
         return finish_reason(record)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return usage_body(self.usages, self.submit.n)
 
     def done(self) -> None:

@@ -28,8 +28,11 @@ _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.
 _GAUGES = (
     ("tether_requests_running", "Sessions the daemon is running", "running"),
     ("tether_requests_waiting", "Sessions queued in the daemon", "waiting"),
-    ("tether_kv_cache_blocks_used", "KV cache blocks in use", "kv_blocks_used"),
+    ("tether_kv_cache_blocks_used", "KV cache blocks held by live sessions", "kv_blocks_used"),
     ("tether_kv_cache_blocks_total", "KV cache blocks in the pool", "kv_blocks_total"),
+    ("tether_kv_cache_blocks_cached",
+     "KV cache blocks held by no session, kept for prefix reuse (free to take)",
+     "kv_blocks_cached"),
     ("tether_conversation_placeholders", "Responses placeholders held", "placeholders"),
 )
 
@@ -39,6 +42,9 @@ _TOKEN_COUNTERS = (
     ("tether_tokens_after_disconnect",
      "Tokens generated after the client's disconnect was written", "tokens_after_disconnect"),
     ("tether_engine_ticks", "Forward passes the daemon has run", "ticks"),
+    ("tether_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     "prefix_cache_queries"),
+    ("tether_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
 )
 
 

@@ -44,6 +44,7 @@ class Settings:
     max_tokens_per_tick: int = 512
     kv_cache_blocks: int = 2048
     kv_cache_mib: int = 0
+    prefix_caching: bool = True
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
     keep_alive_timeout_s: int = 75
@@ -75,6 +76,8 @@ _HELP: dict[str, str] = {
     "max_tokens_per_tick": "token budget of one forward pass (prefill chunks + decodes)",
     "kv_cache_blocks": "KV cache pool size in blocks of 16 tokens",
     "kv_cache_mib": "KV cache pool as a memory budget in MiB; when > 0 it sets the block count",
+    "prefix_caching": "reuse the KV of full blocks of earlier prompts with the same start "
+    "(--no-prefix-caching turns it off)",
     "max_waiting": "most requests waiting in the proxy before it answers 429",
     "max_body_bytes": "largest accepted HTTP request body (413 above)",
     "keep_alive_timeout_s": "idle keep-alive connections are closed after this (announced in a "
@@ -101,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {shown}]"
         if f.name == "api_key":
             parser.add_argument(flag, action="append", default=None, help=help_text)
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
         else:
             parser.add_argument(flag, default=None, help=help_text)
 
@@ -130,7 +136,7 @@ def _convert(name: str, default: object, raw: object, source: str) -> object:
         return str(raw) or None
     try:
         if isinstance(default, bool):
-            return str(raw).lower() in ("1", "true", "yes", "on")
+            return _bool(str(raw))
         if isinstance(default, int):
             return int(str(raw))
         if isinstance(default, float):
@@ -138,9 +144,19 @@ def _convert(name: str, default: object, raw: object, source: str) -> object:
         if isinstance(default, Path):
             return Path(str(raw))
     except ValueError:
-        kind = type(default).__name__
+        kind = "one of 1, true, yes, on, 0, false, no, off" if isinstance(default, bool) \
+            else type(default).__name__
         raise ValueError(f"{source}: expected {kind}, got {raw!r}") from None
     return str(raw)
+
+
+def _bool(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
 
 
 def _check(s: Settings) -> None:

@@ -48,13 +48,18 @@ class FakeRunner:
                 pos = c.start_pos + i
                 self.cache[c.block_table[pos // bs]][pos % bs] = tok
             if c.needs_logits:
-                end = c.start_pos + len(c.token_ids)
-                ctx = [self.cache[c.block_table[p // bs]][p % bs] for p in range(end)]
-                assert None not in ctx, "a context position was never written"
-                rows.append(self.logits([t for t in ctx if t is not None]))
+                rows.append(self.logits(self.context(c)))
         if not rows:
             return torch.empty(0, self.vocab)
         return torch.stack(rows)
+
+    def context(self, chunk: ScheduledChunk) -> list[int]:
+        """Every token up to the chunk's end, read back through its block table."""
+        bs = self.block_size
+        end = chunk.start_pos + len(chunk.token_ids)
+        ctx = [self.cache[chunk.block_table[p // bs]][p % bs] for p in range(end)]
+        assert None not in ctx, "a context position was never written"
+        return [t for t in ctx if t is not None]
 
     def logits(self, ctx: list[int]) -> torch.Tensor:
         # The scripted token gets the top logit; the rest a smooth spread, so sampling varies,

@@ -280,7 +280,7 @@ def test_response_is_stored_and_continued():
     assert status == 200 and body is not None and body["status"] == "completed"
     engine.submit(response("resp_2", "second", previous="resp_1"))
     run(engine)
-    assert "first" in TOK.decode(runner.passes[-2][0].token_ids)
+    assert "first" in TOK.decode(runner.context(runner.passes[-2][0]))
     assert store.num_placeholders() == 0
 
 

@@ -44,6 +44,7 @@ from tether.settings import Settings
 MODEL = "test-model"
 MAX_MODEL_LEN = 4096
 PROMPT_TOKENS = 3
+CACHED_TOKENS = 2  # what the scripted daemon says its prefix cache held of each prompt
 
 
 @dataclass
@@ -145,7 +146,7 @@ class Peer:
                 if k + 1 >= session.submit.sampling.max_tokens:
                     session.unfinished.discard(index)
                     out.append(Finish(rid, index, FinishReason.LENGTH,
-                                      Usage(PROMPT_TOKENS, k + 1)))
+                                      Usage(PROMPT_TOKENS, k + 1, CACHED_TOKENS)))
             if not session.unfinished:
                 del self._sessions[rid]
                 self.finished.append(rid)

@@ -38,8 +38,9 @@ async def test_completion_choices_cover_prompts_times_n(client: httpx.AsyncClien
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert all(c["text"] == "tok0 tok1 tok2 " and c["finish_reason"] == "length"
                for c in body["choices"])
-    # Each prompt's tokens once, not once per sample.
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18}
+    # Each prompt's tokens once, not once per sample; cached ones too.
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
     submit = peer.submits[-1]
     assert submit.kind is RequestKind.COMPLETION and submit.prompts == ["first", "second"]
     assert (submit.n, submit.sampling.max_tokens, submit.sampling.seed) == (2, 3, 1)
@@ -58,6 +59,7 @@ async def test_completion_stream_ends_with_usage_and_done(client: httpx.AsyncCli
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "tok0 tok1 "
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
@@ -71,6 +73,7 @@ async def test_chat_non_streaming_shape(client: httpx.AsyncClient, peer: Peer) -
     assert [c["message"] for c in body["choices"]] == [
         {"role": "assistant", "content": "tok0 tok1 "}] * 2
     assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 4
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
     submit = peer.submits[-1]
     assert submit.kind is RequestKind.CHAT and submit.sampling.max_tokens == 2
     assert [m.role for m in submit.messages] == ["system", "user"]

@@ -36,7 +36,7 @@ from ipc.records import (
     ToProxy,
 )
 from proxy.app import create_app
-from tests.proxy.conftest import MODEL, PROMPT_TOKENS, LiveProxy, Peer, wait_until
+from tests.proxy.conftest import CACHED_TOKENS, MODEL, PROMPT_TOKENS, LiveProxy, Peer, wait_until
 from tether.settings import Settings
 
 STREAM_EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -141,6 +141,7 @@ def test_create_with_the_openai_client(oai: openai.OpenAI, peer: StorePeer) -> N
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.output_text == tokens(3)
     assert response.usage is not None and response.usage.input_tokens == PROMPT_TOKENS
+    assert response.usage.input_tokens_details.cached_tokens == CACHED_TOKENS
     submit = peer.submits[-1]
     assert submit.rid == response.id and submit.kind is RequestKind.RESPONSE
     assert submit.messages == [] and submit.n == 1

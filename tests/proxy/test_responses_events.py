@@ -30,7 +30,7 @@ def params_for(rid: str, background: bool = True) -> ResponseParams:
 def test_a_finished_response_emits_the_full_typed_sequence() -> None:
     events = ResponseEvents(params())
     sent = events.created() + events.delta("Hel") + events.delta("lo")
-    sent += events.finish(finish_outcome(FinishReason.STOP, Usage(3, 2), None, None))
+    sent += events.finish(finish_outcome(FinishReason.STOP, Usage(3, 2, 1), None, None))
     assert [e["type"] for e in sent] == [
         "response.created", "response.in_progress", "response.output_item.added",
         "response.content_part.added", "response.output_text.delta",
@@ -43,6 +43,7 @@ def test_a_finished_response_emits_the_full_typed_sequence() -> None:
     assert final["status"] == "completed" and final["completed_at"] is not None
     assert final["output"][0]["content"][0]["text"] == "Hello"
     assert final["usage"]["total_tokens"] == 5
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] == 1
 
 
 def test_a_finish_without_text_still_opens_and_closes_the_message() -> None:
