@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.block_manager import BlockManager, OutOfBlocks
+from daemon.block_manager import BlockManager, OutOfBlocks, chain_hashes
 from daemon.scheduler import Scheduler
 from daemon.sequence import Sequence
 from daemon.stops import StopMatcher
@@ -138,3 +138,89 @@ def test_scheduler_never_leaks_or_double_books_blocks(program):
         tick()
     assert not sched.has_work
     assert bm.num_used == 0
+
+
+# --- the prefix cache ---------------------------------------------------------------------------
+
+
+def hashes_of(tokens: list[int], num_blocks: int, block_size: int = 16) -> list[bytes]:
+    return chain_hashes(tokens, [], block_size, num_blocks)
+
+
+def cached_table(bm: BlockManager, tokens: list[int]) -> list[int]:
+    """Allocate blocks for `tokens` as if a forward pass wrote them, and register the full ones."""
+    table = allocate(bm, len(tokens))
+    full = len(tokens) // bm.block_size
+    bm.commit(table, hashes_of(tokens, full, bm.block_size), 0, full)
+    return table
+
+
+def test_chain_hashes_name_the_whole_prefix():
+    a = list(range(48))
+    b = [*a[:16], 99, *a[17:]]  # differs in block 1 only
+    ha, hb = hashes_of(a, 3), hashes_of(b, 3)
+    assert ha[0] == hb[0] and ha[1] != hb[1] and ha[2] != hb[2]  # block 2 itself is equal
+    have = hashes_of(a, 1)
+    assert chain_hashes(a, have, 16, 3) is have and have == ha  # extended in place
+
+
+def test_freed_blocks_stay_reusable_but_count_as_free():
+    bm = BlockManager(4)
+    tokens = list(range(40))
+    table = cached_table(bm, tokens)
+    first_two = table[:2]
+    bm.free(table)
+    assert bm.num_used == 0 and bm.num_free == 4 and bm.num_cached_free == 2
+    hits = bm.lookup(hashes_of(tokens, 2))
+    assert hits == first_two and bm.num_revived(hits) == 2
+    again: list[int] = []
+    bm.share(again, hits)
+    assert again == first_two and bm.num_used == 2 and bm.num_cached_free == 0
+    assert all(bm.ref_count(b) == 1 for b in again)
+
+
+def test_lookup_stops_at_the_first_miss_and_shares_live_blocks():
+    bm = BlockManager(8)
+    tokens = list(range(48))
+    owner = cached_table(bm, tokens)
+    other = [*tokens[:16], *range(100, 132)]
+    hits = bm.lookup(hashes_of(other, 3))
+    assert hits == owner[:1] and bm.num_revived(hits) == 0
+    table: list[int] = []
+    bm.share(table, hits)
+    assert bm.ref_count(owner[0]) == 2
+    check_ref_counts(bm, [owner, table])
+
+
+def test_uncached_blocks_go_first_then_the_least_recently_freed():
+    bm = BlockManager(4)
+    old = cached_table(bm, list(range(32)))  # 2 registered blocks
+    bm.free(list(old))
+    new = cached_table(bm, list(range(100, 116)))  # takes an uncached block
+    bm.free(list(new))
+    assert bm.num_cached_free == 3
+    table = allocate(bm, 16)  # the last uncached block
+    assert table[0] not in old + new and bm.num_cached_free == 3
+    evicted = allocate(bm, 16)
+    # Freed tail first: the old prefix loses its second block, keeps its first.
+    assert evicted == [old[1]] and bm.num_cached_free == 2
+    assert bm.lookup(hashes_of(list(range(32)), 2)) == [old[0]]
+    assert bm.lookup(hashes_of(list(range(100, 116)), 1)) == new
+
+
+def test_commit_keeps_the_first_block_of_twins():
+    bm = BlockManager(4)
+    tokens = list(range(16))
+    first = cached_table(bm, tokens)
+    twin = cached_table(bm, tokens)  # computed in the same tick, before either was registered
+    bm.free(twin)
+    bm.free(list(first))
+    assert bm.num_cached_free == 1 and bm.lookup(hashes_of(tokens, 1)) == first
+
+
+def test_without_caching_nothing_is_registered():
+    bm = BlockManager(4, enable_caching=False)
+    tokens = list(range(32))
+    table = cached_table(bm, tokens)
+    bm.free(table)
+    assert bm.num_cached_free == 0 and bm.lookup(hashes_of(tokens, 2)) == []

@@ -146,3 +146,126 @@ def test_fork_waits_until_blocks_for_the_copies_are_free():
     sched.add(group)
     batch = run_tick(sched)
     assert group not in batch.seqs and list(sched.waiting) == [group]
+
+
+# --- prefix caching ----------------------------------------------------------------------------
+
+
+def seq_of(tokens: list[int], rid: str, n: int = 1) -> Sequence:
+    group = [Sequence(rid, i, list(tokens), SamplingParams(), IncrementalDetokenizer(TOK),
+                      StopMatcher([])) for i in range(n)]
+    group[0].fork_children = group[1:]
+    return group[0]
+
+
+PROMPT = [97 + i % 26 for i in range(40)]
+
+
+def test_a_second_prompt_with_the_same_start_computes_only_the_rest():
+    sched = scheduler()
+    first = seq_of(PROMPT, "first")
+    sched.add(first)
+    run_tick(sched)
+    sched.finish(first)
+    bm = sched.block_manager
+    assert bm.num_used == 0 and bm.num_cached_free == 2  # blocks 0-1 full, block 2 partial
+    second = seq_of([*PROMPT, 1, 2], "second")
+    sched.add(second)
+    batch = run_tick(sched)
+    assert [(c.start_pos, len(c.token_ids)) for c in batch.chunks] == [(32, 10)]
+    assert batch.num_prefill_tokens == 10 and second.num_cached_tokens == 32
+    assert (sched.num_cache_queries, sched.num_cache_hits) == (40 + 42, 32)
+    assert bm.num_cached_free == 0 and bm.num_used == 3
+
+
+def test_the_last_prompt_token_is_always_computed():
+    sched = scheduler()
+    tokens = PROMPT[:32]
+    first = seq_of(tokens, "first")
+    sched.add(first)
+    run_tick(sched)
+    sched.finish(first)
+    second = seq_of(tokens, "second")
+    sched.add(second)
+    batch = run_tick(sched)
+    # Both blocks are cached, but the logits of position 31 are needed: block 1 is computed.
+    assert [(c.start_pos, len(c.token_ids)) for c in batch.chunks] == [(16, 16)]
+    assert batch.chunks[0].needs_logits and second.num_cached_tokens == 16
+
+
+def test_blocks_are_registered_after_the_pass_that_wrote_them():
+    sched = scheduler(budget=128)
+    twins = [seq_of(PROMPT, "a"), seq_of(PROMPT, "b")]
+    for s in twins:
+        sched.add(s)
+    batch = run_tick(sched)  # one pass: neither can reuse what the other is only now writing
+    assert [(c.start_pos, len(c.token_ids)) for c in batch.chunks] == [(0, 40), (0, 40)]
+    assert [s.num_cached_tokens for s in twins] == [0, 0]
+    late = seq_of(PROMPT, "c")
+    sched.add(late)
+    batch = run_tick(sched)
+    assert [(c.start_pos, len(c.token_ids)) for c in batch.chunks] == [(40, 1), (40, 1), (32, 8)]
+    assert late.block_table[:2] == twins[0].block_table[:2]
+
+
+def test_chunked_prefill_registers_each_chunk_as_it_completes():
+    sched = scheduler(budget=20)
+    first = seq_of(PROMPT, "first")
+    sched.add(first)
+    run_tick(sched)  # positions 0-19: block 0 full
+    follower = seq_of(PROMPT, "follower")
+    sched.add(follower)
+    batch = run_tick(sched)  # first: 20-39 (block 1 full); follower: nothing left of the budget
+    assert batch.seqs == [first] and follower.status is SeqStatus.WAITING
+    batch = run_tick(sched)
+    # The follower finds both blocks although `first` is still running.
+    assert follower.num_cached_tokens == 32 and follower.block_table[:2] == first.block_table[:2]
+    assert sched.block_manager.ref_count(first.block_table[0]) == 2
+
+
+def test_forks_share_cached_blocks_and_copy_the_partial_one():
+    copies: list[tuple[int, int]] = []
+    sched = scheduler(copies=copies)
+    warm = seq_of(PROMPT, "warm")
+    sched.add(warm)
+    run_tick(sched)
+    sched.finish(warm)
+    parent = seq_of(PROMPT, "g", n=3)
+    children = list(parent.fork_children)
+    sched.add(parent)
+    batch = sched.schedule()
+    assert [(c.start_pos, len(c.token_ids)) for c in batch.chunks] == [(32, 8)]
+    sched.postprocess(batch)
+    shared = parent.block_table[:2]
+    assert all(c.block_table[:2] == shared for c in children)
+    assert all(sched.block_manager.ref_count(b) == 3 for b in shared)
+    assert len(copies) == 2 and all(c.num_cached_tokens == 32 for c in children)
+
+
+def test_a_preempted_sequence_finds_its_own_blocks_again():
+    sched = scheduler(num_blocks=4, budget=64)
+    a = seq_of([1] * 16, "a")
+    b = seq_of(PROMPT[:32], "b")
+    sched.add(a)
+    sched.add(b)
+    run_tick(sched)  # a: 1 block, b: 2 blocks; both sampled a token and need one more block
+    run_tick(sched)  # a takes the last free block; b cannot grow and is preempted
+    assert b.status is SeqStatus.WAITING and sched.num_preemptions == 1
+    assert sched.block_manager.num_cached_free == 2
+    sched.finish(a)
+    batch = run_tick(sched)
+    assert batch.seqs == [b]
+    # Only the token it was preempted before decoding is left to compute.
+    assert [(c.start_pos, len(c.token_ids)) for c in batch.chunks] == [(32, 1)]
+    assert b.num_cached_tokens == 0  # usage reports the first admission
+
+
+def test_without_caching_every_prompt_is_computed_in_full():
+    sched = Scheduler(BlockManager(64, enable_caching=False), 8, 64, lambda s, d: None)
+    for rid in ("a", "b"):
+        s = seq_of(PROMPT, rid)
+        sched.add(s)
+        batch = run_tick(sched)
+        sched.finish(s)
+        assert [(c.start_pos, len(c.token_ids)) for c in batch.chunks] == [(0, 40)]
+    assert (sched.num_cache_queries, sched.num_cache_hits) == (0, 0)

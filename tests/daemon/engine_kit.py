@@ -1,0 +1,57 @@
+"""Driving an engine in tests: a fake-runner engine, request builders, record readers."""
+
+from __future__ import annotations
+
+from daemon.engine import Engine
+from daemon.store import ResponseStore
+from daemon.tokenizer import ByteTokenizer
+from ipc.records import Delta, Finish, RequestKind, SamplingParams, Submit, ToProxy
+from tests.daemon.fake_runner import FakeRunner, Script
+
+TOK = ByteTokenizer()
+EOS = TOK.eos_token_ids[0]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def make_engine(script: Script | None = None, num_blocks: int = 64, max_num_seqs: int = 8,
+                budget: int = 64, max_model_len: int = 512,
+                store: ResponseStore | None = None,
+                prefix_caching: bool = True) -> tuple[Engine, FakeRunner]:
+    runner = FakeRunner(num_blocks, TOK.vocab_size, script)
+    engine = Engine(runner, TOK, store, max_num_seqs, budget, max_model_len, "fake",
+                    clock=Clock(), prefix_caching=prefix_caching)
+    return engine, runner
+
+
+def completion(rid: str, prompt: str = "hello", n: int = 1, **params) -> Submit:
+    return Submit(rid, 1, RequestKind.COMPLETION, SamplingParams(**params), n=n,
+                  prompts=[prompt])
+
+
+def run(engine: Engine, max_ticks: int = 500) -> list[ToProxy]:
+    out: list[ToProxy] = []
+    for _ in range(max_ticks):
+        if not engine.has_work:
+            return out
+        out += engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def texts(records: list[ToProxy], rid: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for r in records:
+        if isinstance(r, Delta) and r.rid == rid:
+            out[r.index] = out.get(r.index, "") + r.text
+    return out
+
+
+def finishes(records: list[ToProxy], rid: str) -> dict[int, Finish]:
+    return {r.index: r for r in records if isinstance(r, Finish) and r.rid == rid}
