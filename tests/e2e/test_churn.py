@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import orjson
@@ -68,9 +69,12 @@ def test_churn_survivors_complete_and_nothing_leaks(big_server: Server) -> None:
     for r in survivors:
         assert r["finish"] == "length"
         assert r["tokens"] == MAX_TOKENS  # the chunks carry exactly what usage reports
-        assert r["usage"] == {"prompt_tokens": r["usage"]["prompt_tokens"],  # type: ignore[index]
-                              "completion_tokens": MAX_TOKENS,
-                              "total_tokens": r["usage"]["prompt_tokens"] + MAX_TOKENS}  # type: ignore[index]
+        usage: dict[str, Any] = r["usage"]  # type: ignore[assignment]
+        prompt = usage["prompt_tokens"]
+        assert usage == {"prompt_tokens": prompt, "completion_tokens": MAX_TOKENS,
+                         "total_tokens": prompt + MAX_TOKENS,
+                         "prompt_tokens_details": usage["prompt_tokens_details"]}
+        assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < prompt
     dropped = STREAMS - len(survivors)
     # A stream dropped after its last token was generated finished normally; the rest were aborted.
     wait_for(lambda: all(m(big_server.metrics(), g) == 0 for g in BASELINE_GAUGES), 30,
