@@ -64,8 +64,9 @@ _HELP: dict[str, str] = {
     "replica_id": "this pair's name in a shared store (empty = hostname:port); unique per pair",
     "replica_lease_s": "a replica silent this long in the shared store is taken for dead and its "
     "unfinished responses are failed",
-    "model": "'builtin:tiny' (default demo model), 'builtin:small' (135M, for benchmarks) "
-    "or a local HF-format checkpoint directory",
+    "model": "'builtin:tiny' (default demo model), 'builtin:small' (135M, for benchmarks), "
+    "a local HF-format checkpoint directory, or 'sim:<ms>' (no weights: a simulated model "
+    "for tests and benchmarks whose every tick lasts <ms> and yields one word a sequence)",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "auto | cpu | cuda (auto: CUDA when present)",
     "threads": "CPU threads for the forward pass (0: one per core, less one left to the proxy)",
