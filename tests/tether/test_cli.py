@@ -55,6 +55,22 @@ def test_api_keys_repeat_as_flags_and_split_as_a_variable() -> None:
     assert _resolve(["proxy"], {"TETHER_API_KEY": "a, b,"}).api_key == ["a", "b"]
 
 
+def test_prefix_caching_is_on_unless_turned_off_by_flag_or_variable() -> None:
+    assert _resolve(["daemon"], {}).prefix_caching is True
+    assert _resolve(["daemon", "--no-prefix-caching"], {}).prefix_caching is False
+    assert _resolve(["daemon"], {"TETHER_PREFIX_CACHING": "0"}).prefix_caching is False
+    assert _resolve(["daemon", "--prefix-caching"],
+                    {"TETHER_PREFIX_CACHING": "off"}).prefix_caching is True
+
+
+def test_a_bad_boolean_variable_lists_the_accepted_words(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TETHER_PREFIX_CACHING", "maybe")
+    assert cli.main(["daemon"]) == 2
+    err = capsys.readouterr().err
+    assert "TETHER_PREFIX_CACHING" in err and "'maybe'" in err and "false" in err
+
+
 @pytest.mark.parametrize(("argv", "named"), [
     (["serve", "--port", "eighty"], "--port"),
     (["serve", "--port", "70000"], "--port"),
