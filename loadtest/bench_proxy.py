@@ -1,24 +1,31 @@
-"""SSE throughput of the whole proxy + pipe path, beside a bare Starlette stream; proxy memory.
+"""The proxy's own cost per SSE event against a bare Starlette SSE app; proxy memory.
 
-    python loadtest/bench_proxy.py [--seconds 4] [--levels 1,10,50,100] [--held 1000] [--out DIR]
+    python loadtest/bench_proxy.py [--seconds 4] [--levels 1,100,1000] [--held 1000]
+                                   [--profile 10] [--out DIR]
 
 In one run, on the same cores and with the same client:
-  bare   a Starlette StreamingResponse on uvicorn (h11, asyncio) yielding pre-made chat chunks
-  tether `tether serve --model builtin:tiny`, completions streams with ignore_eos
-at each of --levels concurrent streams (events/s, every SSE event counted, [DONE] included;
-streams of 500 events/tokens, back to back), with the proxy's and the daemon's CPU per 1k events (the
-engine's decode rate can be what limits tether's events/s), then the proxy's RSS idle and
-while --held streams are open (per-stream KB; most of them queued in the daemon).
-Goals (at 1 and 100 streams): tether >= 50% of bare; <= 20 KB per held stream. Anchor (this
-machine class): bare 30k events/s on one stream, 61k over 100.
-Writes proxy.json and throughput_vs_concurrency.png under results/bench-proxy-<timestamp>/
-(or --out).
+  bare   a Starlette StreamingResponse on uvicorn, configured as the proxy's (loop and http
+         "auto": uvloop + httptools when installed), yielding pre-made chat chunks
+  tether `tether serve --model sim:0`: the simulated engine (no weights, ticks as fast as the
+         daemon's Python allows), completions streams of 500 tokens with ignore_eos
+at each of --levels concurrent streams (streams back to back; every SSE event counted, [DONE]
+included): events/s, and from the processes' CPU times the CPU per event and the events per
+CPU-second of the bare server and of the proxy (the daemon's CPU is shown beside). The
+comparison is per CPU-second, not per wall second: client, proxy and daemon share the cores.
+Then the proxy's RSS idle and with --held streams open, on a second pair (sim:50, 128
+running, the rest queued in the daemon). With --profile S, py-spy samples the proxy for S
+seconds under --profile-streams streams and the hottest functions are printed and saved.
+Goals: proxy events per CPU-second >= 50% of the bare app's at 100 streams; <= 20 KB per held
+stream. Writes proxy.json, throughput_vs_concurrency.png (and proxy.collapsed.txt, py-spy's
+collapsed stacks, with --profile) under results/bench-proxy-<timestamp>/ (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import shutil
 import subprocess
 import sys
 import time
@@ -36,8 +43,10 @@ BARE_EVENT = b"data: " + orjson.dumps({
     "choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": None,
                  "finish_reason": None}]}) + b"\n\n"
 DONE = b"data: [DONE]\n\n"
-ANCHOR = {"bare_1": 30000, "bare_100": 61000}
-GOAL_LEVELS = (1, 100)
+GOAL_LEVEL = 100
+GOAL_SHARE = 0.5
+STREAM_TOKENS = 500
+SIM_ARGS = ("--max-tokens-per-tick", "2048", "--kv-cache-blocks", "40000")
 
 
 # --- the bare reference server (runs in its own process) -------------------------------------
@@ -64,8 +73,9 @@ def serve_bare(port: int) -> None:
 
     app = Starlette(routes=[Route("/v1/completions", stream, methods=["POST"]),
                             Route("/health", health)])
-    uvicorn.run(app, host="127.0.0.1", port=port, http="h11", loop="asyncio",
-                log_level="warning")
+    # The proxy's own server settings, so the difference is the proxy's code alone.
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="auto", http="auto", log_level="warning",
+                access_log=False)
 
 
 def start_bare() -> tuple[subprocess.Popen[bytes], str]:
@@ -87,8 +97,10 @@ def start_bare() -> tuple[subprocess.Popen[bytes], str]:
 async def events_per_s(url: str, body: Callable[[], dict[str, Any]], streams: int,
                        seconds: float) -> dict[str, Any]:
     """`streams` clients, each issuing back-to-back streams until `seconds` have passed."""
-    counts = {"events": 0, "requests": 0, "errors": 0}
+    counts = {"events": 0, "requests": 0, "errors": 0, "short_streams": 0}
+    errors: list[str] = []
     deadline = time.monotonic() + seconds
+    full = body()["max_tokens"] + 1  # every token's event, then [DONE]
 
     async def client() -> None:
         while time.monotonic() < deadline:
@@ -97,14 +109,35 @@ async def events_per_s(url: str, body: Callable[[], dict[str, Any]], streams: in
                     got = await resp.count_events()
                 counts["events"] += got
                 counts["requests"] += 1
-            except (OSError, sse_client.HttpError, asyncio.IncompleteReadError):
+                counts["short_streams"] += got < full
+            except (OSError, sse_client.HttpError, asyncio.IncompleteReadError) as e:
                 counts["errors"] += 1
+                if len(errors) < 5:
+                    errors.append(repr(e)[:300])
                 await asyncio.sleep(0.05)
 
     start = time.monotonic()
     await asyncio.gather(*(client() for _ in range(streams)))
     elapsed = time.monotonic() - start
-    return {**counts, "seconds": elapsed, "events_per_s": counts["events"] / elapsed}
+    return {**counts, "error_samples": errors, "seconds": elapsed,
+            "events_per_s": counts["events"] / elapsed}
+
+
+async def measured(url: str, model: str, streams: int, seconds: float,
+                   procs: dict[str, psutil.Process]) -> dict[str, Any]:
+    """One cell: throughput, and each process's CPU per event and events per CPU-second."""
+    cpu0 = {name: cpu_s(p) for name, p in procs.items()}
+    writes0 = {name: writes(p) for name, p in procs.items()}
+    cell = await events_per_s(url, body_maker(model, STREAM_TOKENS), streams, seconds)
+    events = max(1, cell["events"])
+    for name, p in procs.items():
+        used = cpu_s(p) - cpu0[name]
+        cell[f"{name}_cpu_s"] = used
+        cell[f"{name}_cpu_us_per_event"] = used * 1e6 / events
+        cell[f"{name}_events_per_cpu_s"] = events / used if used else None
+        # write(2) calls per event: how many events each socket write carries.
+        cell[f"{name}_writes_per_event"] = (writes(p) - writes0[name]) / events
+    return cell
 
 
 def body_maker(model: str, tokens: int) -> Callable[[], dict[str, Any]]:
@@ -114,16 +147,20 @@ def body_maker(model: str, tokens: int) -> Callable[[], dict[str, Any]]:
     return make
 
 
-# --- memory ----------------------------------------------------------------------------------
-
-
 def cpu_s(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return float(t.user + t.system)
 
 
+def writes(proc: psutil.Process) -> int:
+    return int(proc.io_counters().write_count)
+
+
 def rss_kb(proc: psutil.Process) -> float:
     return float(proc.memory_info().rss) / 1024
+
+
+# --- memory ----------------------------------------------------------------------------------
 
 
 async def held_streams_rss(url: str, model: str, proxy: psutil.Process, held: int,
@@ -168,69 +205,132 @@ async def held_streams_rss(url: str, model: str, proxy: psutil.Process, held: in
             "kb_per_held_stream": (with_held - idle) / max(1.0, sessions)}
 
 
+# --- profile ---------------------------------------------------------------------------------
+
+
+def find_py_spy() -> str | None:
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+async def profile_proxy(url: str, model: str, proxy: psutil.Process, streams: int,
+                        seconds: float, out: Path) -> dict[str, Any]:
+    """py-spy on the proxy while `streams` streams run; the hottest functions, by share."""
+    spy = find_py_spy()
+    if spy is None:
+        return {"error": "py-spy not installed (pip install py-spy)"}
+    raw = out / "proxy.collapsed.txt"
+    cmd = [spy, "record", "-p", str(proxy.pid), "-d", str(int(seconds)), "-r", "200",
+           "-f", "raw", "-o", str(raw), "--nonblocking"]
+    spy_proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.PIPE)
+    load = asyncio.create_task(events_per_s(url, body_maker(model, STREAM_TOKENS), streams,
+                                            seconds + 2))
+    _, err = await spy_proc.communicate()
+    await load
+    if spy_proc.returncode or not raw.exists():
+        return {"error": f"py-spy failed: {err.decode(errors='replace')[-500:]}"}
+    return summarise_stacks(raw.read_text())
+
+
+def summarise_stacks(collapsed: str, top: int = 25) -> dict[str, Any]:
+    """Inclusive and self shares per function ("name (file)") from py-spy's collapsed stacks."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [frame.rsplit(":", 1)[0] + ")" if frame.endswith(")") else frame
+                  for frame in stack.split(";")]  # drop line numbers
+        total += int(count)
+        for frame in set(frames):
+            inclusive[frame] += int(count)
+        own[frames[-1]] += int(count)
+
+    def shares(counter: collections.Counter[str]) -> list[tuple[str, float]]:
+        return [(f, round(n / total, 4)) for f, n in counter.most_common()][:top] if total else []
+
+    ours = collections.Counter({f: n for f, n in inclusive.items()
+                                if "(proxy/" in f or "(ipc/" in f})
+    return {"samples": total, "inclusive": shares(ours), "self": shares(own)}
+
+
 # --- driver ----------------------------------------------------------------------------------
 
 
-async def run(args: argparse.Namespace, bare_url: str, pair: common.ServerPair) -> dict[str, Any]:
+async def run(args: argparse.Namespace, bare: subprocess.Popen[bytes], bare_url: str,
+              pair: common.ServerPair, out: Path) -> dict[str, Any]:
     model = common.served_model(pair.base_url) or "default"
-    out: dict[str, Any] = {"model": model, "seconds": args.seconds, "levels": args.levels}
+    res: dict[str, Any] = {"model": model, "seconds": args.seconds, "levels": args.levels,
+                           "stream_tokens": STREAM_TOKENS}
     procs = pair.processes()
+    bare_procs = {"bare": psutil.Process(bare.pid)}
     for streams in args.levels:
-        out[f"bare_{streams}"] = await events_per_s(bare_url, body_maker("bare", 500),
-                                                    streams, args.seconds)
-        cpu0 = {name: cpu_s(p) for name, p in procs.items()}
-        cell = await events_per_s(pair.base_url, body_maker(model, 500), streams,
-                                  args.seconds)
-        # The engine may be what limits events/s; CPU per event shows what the proxy costs.
-        for name, p in procs.items():
-            cell[f"{name}_cpu_ms_per_1k_events"] = (
-                (cpu_s(p) - cpu0[name]) * 1e6 / max(1, cell["events"]))
-        out[f"tether_{streams}"] = cell
+        res[f"bare_{streams}"] = await measured(bare_url, "bare", streams, args.seconds,
+                                                bare_procs)
+        res[f"tether_{streams}"] = await measured(pair.base_url, model, streams, args.seconds,
+                                                  procs)
         await asyncio.sleep(0.5)
-    proxy = procs["proxy"]
+    if args.profile:
+        res["profile"] = await profile_proxy(pair.base_url, model, procs["proxy"],
+                                             args.profile_streams, args.profile, out)
+    return res
 
-    def metric(name: str) -> float:
-        return common.scrape(pair.base_url).total(name)
 
-    out["memory"] = await held_streams_rss(pair.base_url, model, proxy, args.held, metric)
-    return out
+def share_of_bare(res: dict[str, Any], streams: int) -> float | None:
+    ours = res[f"tether_{streams}"]["proxy_events_per_cpu_s"]
+    bare = res[f"bare_{streams}"]["bare_events_per_cpu_s"]
+    return ours / bare if ours and bare else None
 
 
 def report(res: dict[str, Any]) -> None:
-    print(f"\n=== proxy benchmark (model {res['model']}, {res['seconds']:g} s per cell) ===")
-    print(f"  {'streams':>8} {'bare ev/s':>12} {'tether ev/s':>12} {'ratio':>7}   anchor bare")
+    print(f"\n=== proxy benchmark (model {res['model']}, {res['seconds']:g} s per cell, "
+          f"{res['stream_tokens']}-token streams) ===")
+    print(f"  {'streams':>8} {'ev/s bare':>10} {'tether':>7} {'us/ev bare':>11} {'proxy':>6} "
+          f"{'daemon':>7} {'ev/CPU-s bare':>14} {'proxy':>7} {'share':>6} "
+          f"{'writes/ev bare':>15} {'proxy':>6}")
     for streams in res["levels"]:
-        bare = res[f"bare_{streams}"]["events_per_s"]
-        ours = res[f"tether_{streams}"]["events_per_s"]
-        ratio = ours / bare if bare else 0.0
-        anchor = ANCHOR.get(f"bare_{streams}")
-        print(f"  {streams:>8} {bare:>12.0f} {ours:>12.0f} {ratio:>7.2f}   "
-              f"{'-' if anchor is None else anchor:>6}")
-        if streams not in GOAL_LEVELS:
-            continue
-        print(common.goal_line(f"tether / bare at {streams} stream(s)", ratio, ">= 0.5",
-                               ratio >= 0.5))
-        cell = res[f"tether_{streams}"]
-        per_1k = cell["proxy_cpu_ms_per_1k_events"]
-        ceiling = 1e6 / per_1k if per_1k else float("inf")
-        print(f"           CPU per 1k events: proxy {per_1k:.0f} ms, daemon "
-              f"{cell['daemon_cpu_ms_per_1k_events']:.0f} ms; proxy ceiling ~{ceiling:.0f} "
-              "events per CPU-second")
-    mem = res["memory"]
-    print(f"  proxy RSS idle {mem['rss_idle_kb'] / 1024:.1f} MiB, with "
-          f"{mem['proxy_sessions_seen']:.0f} held "
-          f"streams {mem['rss_held_kb'] / 1024:.1f} MiB, after release "
-          f"{mem['rss_after_release_kb'] / 1024:.1f} MiB")
-    print(common.goal_line("KB per held stream", mem["kb_per_held_stream"], "<= 20",
-                           mem["kb_per_held_stream"] <= 20, " KB"))
+        bare, ours = res[f"bare_{streams}"], res[f"tether_{streams}"]
+        share = share_of_bare(res, streams)
+        print(f"  {streams:>8} {bare['events_per_s']:>10.0f} {ours['events_per_s']:>7.0f} "
+              f"{bare['bare_cpu_us_per_event']:>11.1f} {ours['proxy_cpu_us_per_event']:>6.1f} "
+              f"{ours['daemon_cpu_us_per_event']:>7.1f} {bare['bare_events_per_cpu_s'] or 0:>14.0f} "
+              f"{ours['proxy_events_per_cpu_s'] or 0:>7.0f} {share or 0:>6.0%} "
+              f"{bare['bare_writes_per_event']:>15.2f} {ours['proxy_writes_per_event']:>6.2f}")
+    if GOAL_LEVEL in res["levels"]:
+        share = share_of_bare(res, GOAL_LEVEL)
+        print(common.goal_line(f"proxy / bare events per CPU-s, {GOAL_LEVEL} streams", share,
+                               f">= {GOAL_SHARE:.0%}", None if share is None
+                               else share >= GOAL_SHARE))
+    mem = res.get("memory")
+    if mem:
+        print(f"  proxy RSS idle {mem['rss_idle_kb'] / 1024:.1f} MiB, with "
+              f"{mem['proxy_sessions_seen']:.0f} held streams {mem['rss_held_kb'] / 1024:.1f} "
+              f"MiB, after release {mem['rss_after_release_kb'] / 1024:.1f} MiB")
+        print(common.goal_line("KB per held stream", mem["kb_per_held_stream"], "<= 20",
+                               mem["kb_per_held_stream"] <= 20, " KB"))
+    prof = res.get("profile")
+    if prof:
+        print(f"  proxy profile ({prof.get('samples', 0)} samples on CPU)"
+              + (f": {prof['error']}" if "error" in prof else ""))
+        for title, key in (("inclusive, tether's own functions", "inclusive"),
+                           ("self", "self")):
+            print(f"   {title}:")
+            for frame, share in prof.get(key, [])[:15]:
+                print(f"    {share:>6.1%}  {frame}")
 
 
 def plot(path: Path, res: dict[str, Any]) -> Path:
     levels = res["levels"]
-    series = {name: [res[f"{name}_{n}"]["events_per_s"] for n in levels]
-              for name in ("bare", "tether")}
-    return common.plot_lines(path, levels, series, "concurrent streams", "SSE events/s",
-                             f"Throughput vs concurrency (model {res['model']})",
+    series = {"bare (per CPU-s)": [res[f"bare_{n}"]["bare_events_per_cpu_s"] or 0
+                                   for n in levels],
+              "proxy (per CPU-s)": [res[f"tether_{n}"]["proxy_events_per_cpu_s"] or 0
+                                    for n in levels]}
+    return common.plot_lines(path, levels, series, "concurrent streams",
+                             "SSE events per CPU-second",
+                             f"Proxy cost vs a bare Starlette app (model {res['model']})",
                              logx=True, logy=True, marker="o")
 
 
@@ -241,28 +341,47 @@ def levels_arg(text: str) -> list[int]:
     return levels
 
 
+def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
+    with common.ServerPair(model="sim:50", max_num_seqs=128, extra_args=SIM_ARGS) as pair:
+        model = common.served_model(pair.base_url) or "default"
+
+        def metric(name: str) -> float:
+            return common.scrape(pair.base_url).total(name)
+
+        return asyncio.run(held_streams_rss(pair.base_url, model, pair.processes()["proxy"],
+                                            args.held, metric))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="per throughput cell")
-    parser.add_argument("--levels", type=levels_arg, default=[1, 10, 50, 100],
+    parser.add_argument("--levels", type=levels_arg, default=[1, 100, 1000],
                         help="concurrent streams per cell, comma-separated")
-    parser.add_argument("--held", type=int, default=1000)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--model", default="sim:0", help="what the tether pair serves")
+    parser.add_argument("--held", type=int, default=1000, help="0 skips the memory phase")
+    parser.add_argument("--profile", type=float, default=0.0,
+                        help="seconds of py-spy sampling of the proxy (0: none)")
+    parser.add_argument("--profile-streams", type=int, default=100)
     parser.add_argument("--out", default=None)
     parser.add_argument("--serve-bare", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_bare is not None:
         serve_bare(args.serve_bare)
         return 0
-    common.raise_fd_limit(4 * args.held + 1024)
+    common.raise_fd_limit(4 * max(args.held, *args.levels) + 1024)
     out = common.results_dir(args.out, "bench-proxy")
     bare, bare_url = start_bare()
+    max_seqs = max(128, *args.levels)
+    extra = SIM_ARGS if args.model.startswith("sim:") else ()
     try:
-        with common.ServerPair(model="builtin:tiny", max_num_seqs=args.max_num_seqs) as pair:
-            res = asyncio.run(run(args, bare_url, pair))
+        with common.ServerPair(model=args.model, max_num_seqs=max_seqs,
+                               extra_args=extra) as pair:
+            res = asyncio.run(run(args, bare, bare_url, pair, out))
     finally:
         bare.terminate()
         bare.wait(10)
+    if args.held:
+        res["memory"] = measure_memory(args)
     report(res)
     common.write_json(out / "proxy.json", res)
     plot(out / "throughput_vs_concurrency.png", res)
