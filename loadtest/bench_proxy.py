@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,7 @@ DONE = b"data: [DONE]\n\n"
 GOAL_LEVEL = 100
 GOAL_SHARE = 0.5
 STREAM_TOKENS = 500
+LINE_NUMBER = re.compile(r":\d+\)$")  # "func (file.py:12)" -> "func (file.py)"
 SIM_ARGS = ("--max-tokens-per-tick", "2048", "--kv-cache-blocks", "40000")
 
 
@@ -242,8 +244,7 @@ def summarise_stacks(collapsed: str, top: int = 25) -> dict[str, Any]:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        frames = [frame.rsplit(":", 1)[0] + ")" if frame.endswith(")") else frame
-                  for frame in stack.split(";")]  # drop line numbers
+        frames = [LINE_NUMBER.sub(")", frame) for frame in stack.split(";")]
         total += int(count)
         for frame in set(frames):
             inclusive[frame] += int(count)
