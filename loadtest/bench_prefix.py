@@ -42,8 +42,9 @@ def system_prompt() -> str:
     return f"[{secrets.token_hex(4)}] " + SENTENCE * 23  # ~1.5k byte tokens
 
 
-def turn_input(turn: int) -> str:
-    return f"Turn {turn}: " + "please go on with the story, briefly. " * 2
+def turn_input(turn: int, tag: str) -> str:
+    # The tag opens the conversation, so repeats never warm each other.
+    return (f"[{tag}] " if turn == 1 else "") + f"Turn {turn}: " + "please go on, briefly. " * 3
 
 
 async def streamed(base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +65,9 @@ async def streamed(base_url: str, path: str, body: dict[str, Any]) -> dict[str, 
                 usage = event["response"].get("usage") or usage
             elif event.get("usage"):
                 usage = event["usage"]
-    return {"ttft_s": ttft, "usage": usage, "id": rid}
+    # A random model can emit only textless tokens (special ids): then the end is the first.
+    return {"ttft_s": ttft if ttft is not None else time.monotonic() - t0, "usage": usage,
+            "id": rid}
 
 
 def prefilled(base_url: str) -> float:
@@ -93,9 +96,10 @@ async def conversation(base_url: str, model: str, turns: int, output_tokens: int
                        ) -> list[dict[str, Any]]:
     previous: str | None = None
     rows: list[dict[str, Any]] = []
+    tag = secrets.token_hex(4)
     for turn in range(1, turns + 1):
         before = prefilled(base_url)
-        body: dict[str, Any] = {"model": model, "input": turn_input(turn), "temperature": 0,
+        body: dict[str, Any] = {"model": model, "input": turn_input(turn, tag), "temperature": 0,
                                 "max_output_tokens": output_tokens, "ignore_eos": True}
         if previous:
             body["previous_response_id"] = previous
