@@ -32,10 +32,15 @@ class ErrorBody(msgspec.Struct):
     error: ErrorDetail
 
 
-class Usage(msgspec.Struct):
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class Usage(msgspec.Struct, forbid_unknown_fields=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(msgspec.Struct):
