@@ -64,7 +64,7 @@ class RoutedCluster:
                 return False
             return all(self.finished(i) > seen[i] for i in range(len(self.replicas)))
 
-        wait_for(every_replica_served, timeout, f"smg routing to every replica\n{self.logs()}")
+        wait_for(every_replica_served, timeout, lambda: f"smg routing to every replica\n{self.logs()}")
 
     def restart_daemon(self, i: int) -> None:
         server = self.replicas[i]

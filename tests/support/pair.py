@@ -94,7 +94,7 @@ class Server:
             return 0
 
     def wait_health(self, status: int = 200, timeout: float = READY_TIMEOUT_S) -> None:
-        wait_for(lambda: self.health() == status, timeout, f"/health {status}\n{self.logs()}")
+        wait_for(lambda: self.health() == status, timeout, lambda: f"/health {status}\n{self.logs()}")
 
     def metrics(self) -> dict[str, float]:
         r = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10.0)
@@ -125,7 +125,7 @@ def wait_aborts(server: Server, cause: str, count: float, timeout: float = 30.0)
         seen = server.metrics()
         return m(seen, "tether_aborts_total", cause=cause) >= count
 
-    wait_for(done, timeout, f"{count} aborts with cause {cause}\n{server.logs()}")
+    wait_for(done, timeout, lambda: f"{count} aborts with cause {cause}\n{server.logs()}")
     return seen
 
 

@@ -30,7 +30,7 @@ def test_cluster_serves_through_smg_shares_the_store_and_stops_on_ctrl_c(tmp_pat
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     try:
         wait_for(lambda: "tether cluster: 2 replicas behind smg" in log.read_text(errors="replace"),
-                 180, f"the cluster's announcement\n{log.read_text(errors='replace')[-3000:]}")
+                 180, lambda: f"the cluster's announcement\n{log.read_text(errors='replace')[-3000:]}")
         replicas = [f"http://127.0.0.1:{replica_settings(Settings(port=port), i).port}"
                     for i in range(2)]
         router = f"http://127.0.0.1:{port}"
@@ -65,7 +65,7 @@ def test_kill_9_of_the_cluster_leaves_no_orphans(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "tether cluster: 1 replicas" in log.read_text(errors="replace"), 180,
-                 f"the cluster's announcement\n{log.read_text(errors='replace')[-3000:]}")
+                 lambda: f"the cluster's announcement\n{log.read_text(errors='replace')[-3000:]}")
         children = psutil.Process(proc.pid).children(recursive=True)
         proc.kill()
         proc.wait()
