@@ -65,10 +65,10 @@ class SimTokenizer(ByteTokenizer):
         return b"".join(bytes((i,)) if 0 <= i < 256 else words[i - first]
                         for i in ids if 0 <= i < 256 or first <= i < self.vocab_size)
 
-    def token_text(self, token_id: int) -> str:
+    def token_bytes(self, token_id: int) -> bytes:
         if token_id >= self.first_word_id:
-            return WORDS[token_id - self.first_word_id]
-        return super().token_text(token_id)
+            return self._word_bytes[token_id - self.first_word_id]
+        return super().token_bytes(token_id)
 
 
 class SimRunner:
