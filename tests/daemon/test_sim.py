@@ -40,7 +40,7 @@ def test_tokenizer_adds_one_id_per_word_to_the_byte_vocabulary():
     assert TOK.vocab_size == first + len(WORDS)
     assert TOK.encode("hi", add_special_tokens=False) == [104, 105]
     assert TOK.decode([first, 104, first + 1, TOK.eos_token_ids[0]]) == WORDS[0] + "h" + WORDS[1]
-    assert TOK.token_text(first + 2) == WORDS[2]
+    assert TOK.token_bytes(first + 2) == WORDS[2].encode()
 
 
 def test_every_sequence_gets_one_word_a_tick_with_real_token_counts():
