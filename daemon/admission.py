@@ -140,32 +140,34 @@ def build_sequences(submit: Submit, prompts: list[list[int]],
 
 
 class Tombstones:
-    """Rids aborted before their Submit arrived: bounded in number and in age."""
+    """Rids aborted before their Submit arrived: bounded in number and in age, and each used
+    once (the Submit it was waiting for takes it away)."""
 
     def __init__(self, max_size: int = 65536, ttl_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_size = max_size
         self.ttl_s = ttl_s
         self._clock = clock
-        self._entries: OrderedDict[str, tuple[float, AbortCause]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[float, AbortCause, float | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, rid: str, cause: AbortCause) -> None:
-        self._entries[rid] = (self._clock() + self.ttl_s, cause)
+    def add(self, rid: str, cause: AbortCause, t_disconnect: float | None = None) -> None:
+        self._entries[rid] = (self._clock() + self.ttl_s, cause, t_disconnect)
         self._entries.move_to_end(rid)
         self._expire()
 
-    def get(self, rid: str) -> AbortCause | None:
+    def pop(self, rid: str) -> tuple[AbortCause, float | None] | None:
+        """The abort waiting for this rid (its cause and disconnect time), removed."""
         self._expire()
-        entry = self._entries.get(rid)
-        return None if entry is None else entry[1]
+        entry = self._entries.pop(rid, None)
+        return None if entry is None else (entry[1], entry[2])
 
     def _expire(self) -> None:
         now = self._clock()
         while self._entries:
-            rid, (expiry, _) = next(iter(self._entries.items()))
+            rid, (expiry, _, _) = next(iter(self._entries.items()))
             if expiry > now and len(self._entries) <= self.max_size:
                 return
             del self._entries[rid]

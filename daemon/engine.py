@@ -32,8 +32,8 @@ from daemon.store_guard import GuardedStore, Store
 from daemon.tokenizer import Tokenizer
 from ipc.records import (
     AbortCause,
+    Admitted,
     Delta,
-    Error,
     Finish,
     FinishReason,
     RequestKind,
@@ -112,11 +112,12 @@ class Engine:
 
     # --- admission ------------------------------------------------------------------------------
 
-    def submit(self, rec: Submit) -> list[Finish | Error]:
-        cause = self.tombstones.get(rec.rid)
-        if cause is not None:
-            return [Finish(rec.rid, i, FinishReason.ABORT, Usage(0, 0), cause=cause)
-                    for i in range(num_sequences(rec))]
+    def submit(self, rec: Submit) -> list[ToProxy]:
+        """Admit a request: [Admitted], or its refusal (an Error, or Finishes if it was aborted
+        before it arrived)."""
+        tombstone = self.tombstones.pop(rec.rid)
+        if tombstone is not None:
+            return self.refuse(rec, *tombstone)
         if rec.rid in self.sessions:
             return [Rejected(f"request id {rec.rid!r} is already running", status=409)
                     .to_error(rec.rid)]
@@ -131,12 +132,42 @@ class Engine:
         for seq in session.sequences:
             if seq.index % rec.n == 0:
                 self.scheduler.add(seq)
-        return []
+        return [Admitted(rec.rid)]
+
+    def refuse(self, rec: Submit, cause: AbortCause,
+               t_disconnect: float | None = None) -> list[ToProxy]:
+        """A request ended before it was admitted (aborted while still in the pipe, or sent
+        under a stale epoch): counted and logged like any other abort."""
+        self.aborts[cause.value] += 1
+        self.finished[FinishReason.ABORT.value] += 1
+        fields: dict[str, Any] = {"rid": rec.rid, "kind": rec.kind.value, "n": rec.n,
+                                  "finish_reason": FinishReason.ABORT.value,
+                                  "cause": cause.value, "admitted": False}
+        if rec.client_id is not None:
+            fields["client_id"] = rec.client_id
+        if t_disconnect is not None:
+            latency = self.clock() - t_disconnect
+            self._latency_obs.append(latency)
+            self._latency_ticks_obs.append(self._ticks_since(t_disconnect))
+            fields["abort_latency_s"] = round(latency, 6)
+        request_log.info("request %s abort", rec.rid, extra={"fields": fields})
+        return [Finish(rec.rid, i, FinishReason.ABORT, Usage(0, 0), cause=cause)
+                for i in range(num_sequences(rec))]
+
+    def _ticks_since(self, t: float) -> int:
+        return sum(1 for r in self.tick_log if r.start > t)
+
+    def set_paused(self, rid: str, paused: bool) -> None:
+        """Flow control: stop (or resume) scheduling a session; it keeps its blocks."""
+        session = self.sessions.get(rid)
+        if session is not None and session.paused != paused:
+            session.paused = paused
+            self.scheduler.set_paused(session.sequences, paused)
 
     def _open_session(self, rec: Submit, prompts: list[list[int]]) -> Session:
         session = Session(rid=rec.rid, epoch=rec.epoch, kind=rec.kind,
                           sequences=build_sequences(rec, prompts, self._make_detok),
-                          t_arrival=self.clock())
+                          t_arrival=self.clock(), client_id=rec.client_id)
         fields = rec.response
         if rec.kind is RequestKind.RESPONSE and fields is not None and self.store is not None:
             session.background = fields.background
@@ -156,7 +187,7 @@ class Engine:
         """End a session now. Idempotent; an unknown rid becomes a tombstone."""
         session = self.sessions.get(rid)
         if session is None:
-            self.tombstones.add(rid, cause)
+            self.tombstones.add(rid, cause, t_disconnect)
             return []
         session.t_disconnect = t_disconnect
         return self._evict(session, cause, t_read=t_read)
@@ -198,7 +229,7 @@ class Engine:
             ticks, tokens = session.tokens_after(t)
             self.num_tokens_after_disconnect += tokens
             self._latency_obs.append(now - t)
-            self._latency_ticks_obs.append(sum(1 for r in self.tick_log if r.start > t))
+            self._latency_ticks_obs.append(self._ticks_since(t))
             extra = {"abort_latency_s": round(now - t, 6), "ticks_after_disconnect": ticks,
                      "tokens_after_disconnect": tokens}
             if t_read is not None:
@@ -327,6 +358,7 @@ class Engine:
             bad_records={},
             abort_latency_obs=obs,
             abort_latency_ticks_obs=ticks_obs,
+            paused=sum(1 for s in self.sessions.values() if s.paused),
         )
 
     def _log_end(self, session: Session, reason: FinishReason, cause: AbortCause | None,
@@ -340,5 +372,7 @@ class Engine:
             "generated_tokens": session.num_generated,
             "duration_s": round(self.clock() - session.t_arrival, 6), **extra,
         }
+        if session.client_id is not None:
+            fields["client_id"] = session.client_id
         request_log.info("request %s %s", session.rid, fields["finish_reason"],
                          extra={"fields": fields})

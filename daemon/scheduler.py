@@ -3,7 +3,9 @@
 One tick mixes decodes (one token per running sequence, scheduled first so latency stays flat)
 with prefill chunks (chunked prefill under a token budget). The scheduler alone owns the block
 manager. When blocks run out a running sequence that is not yet in this tick's batch is
-preempted, newest first, and later recomputed from its tokens.
+preempted (paused ones first, then newest first) and later recomputed from its tokens.
+A paused sequence (its client is not reading: flow control) keeps its place and its blocks but
+is never scheduled until resumed.
 
 Prefix caching happens at admission: a waiting sequence starts from the longest run of its full
 blocks found in the cache (a preempted one often finds its own), and every block that a forward
@@ -47,7 +49,8 @@ class Batch:
         self.chunks.append(ScheduledChunk(seq.token_ids[start:end], start, seq.block_table,
                                           end == seq.num_tokens))
         self.seqs.append(seq)
-        # A prompt's last token alone (the rest was cached) is still a prefill.
+        # A decode feeds back one sampled token; one token of a prompt (the rest cached,
+        # or a chunk's tail) is still prefill.
         if num_tokens == 1 and start >= seq.num_prompt_tokens:
             self.num_decode_tokens += 1
         else:
@@ -71,12 +74,14 @@ class Scheduler:
         # Prefix-cache lookups, in tokens (vLLM's queries/hits): every admission counts.
         self.num_cache_queries = 0
         self.num_cache_hits = 0
+        self.num_paused = 0  # paused sequences in waiting or running
         # Blocks promised to this tick's forks (taken in postprocess, after the forward pass).
         self._fork_reserve = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Anything schedulable: paused sequences alone are no work."""
+        return len(self.waiting) + len(self.running) > self.num_paused
 
     @property
     def num_slots_used(self) -> int:
@@ -89,6 +94,14 @@ class Scheduler:
             child.status = SeqStatus.FORK_PENDING
         self.waiting.append(seq)
 
+    def set_paused(self, seqs: list[Sequence], paused: bool) -> None:
+        for seq in seqs:
+            if seq.paused == paused:
+                continue
+            seq.paused = paused
+            if seq.status is SeqStatus.WAITING or seq.status is SeqStatus.RUNNING:
+                self.num_paused += 1 if paused else -1
+
     # --- one tick -------------------------------------------------------------------------------
 
     def schedule(self) -> Batch:
@@ -100,7 +113,7 @@ class Scheduler:
             for seq in list(self.running):
                 if budget == 0:
                     break
-                if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled:
+                if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled or seq.paused:
                     continue
                 if (seq.num_uncomputed == 1) != decode_phase:
                     continue
@@ -114,8 +127,12 @@ class Scheduler:
 
     def _admit(self, batch: Batch, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        skipped = 0  # paused sequences at the head wait without holding up the others
+        while len(self.waiting) > skipped and budget > 0:
+            seq = self.waiting[skipped]
+            if seq.paused:
+                skipped += 1
+                continue
             if self.num_slots_used + 1 + len(seq.fork_children) > self.max_num_seqs:
                 return
             hits = self._cache_hits(seq)
@@ -126,7 +143,7 @@ class Scheduler:
                     + self._fork_cost(seq, end))
             if need > self._num_available:
                 return
-            self.waiting.popleft()
+            del self.waiting[skipped]
             bm.share(seq.block_table, hits)
             seq.num_computed = cached
             self._count_lookup(seq, cached)
@@ -155,8 +172,10 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Blocks for `n` more tokens of a running sequence, preempting newer ones if needed."""
         while self._blocks_needed(seq, n) > self._num_available:
-            victim = next((v for v in reversed(self.running)
-                           if v is not seq and v.seq_id not in scheduled), None)
+            candidates = [v for v in reversed(self.running)
+                          if v is not seq and v.seq_id not in scheduled]
+            victim = next((v for v in candidates if v.paused), None) or next(iter(candidates),
+                                                                              None)
             if victim is None:
                 if seq.num_uncomputed == 1:
                     self._preempt(seq)
@@ -211,6 +230,7 @@ class Scheduler:
                 child.num_cached_tokens = seq.num_cached_tokens
                 child.block_hashes = list(seq.block_hashes)  # same prompt, same hashes
                 child.status = SeqStatus.RUNNING
+                self.num_paused += child.paused
                 self.running.append(child)
                 to_sample.append((row, child))
             seq.fork_children.clear()
@@ -235,7 +255,9 @@ class Scheduler:
         """Take a sequence out wherever it is (abort or finish) and free its blocks."""
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self.num_paused -= seq.paused
         elif seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self.num_paused -= seq.paused
         self.block_manager.free(seq.block_table)
         seq.status = SeqStatus.FINISHED

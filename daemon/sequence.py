@@ -96,6 +96,7 @@ class Sequence:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs
     rng: Any = None  # the sampler's torch.Generator, created lazily from `seed`
+    paused: bool = False  # flow control: not scheduled until resumed (Scheduler.set_paused)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -135,6 +136,8 @@ class Session:
     background: bool = False
     queued: bool = False  # a background response's row says queued until its first tick
     t_disconnect: float | None = None
+    paused: bool = False  # the proxy asked to stop scheduling it (its client is not reading)
+    client_id: str | None = None  # the client's X-Request-Id, for the request log
     # (tick start, tokens sampled for this session in that tick), newest last.
     ticks: TickHistory = field(default_factory=TickHistory)
 

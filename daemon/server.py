@@ -2,7 +2,12 @@
 
 One thread does everything, in this order each tick: control records (aborts first, so an abort
 read now is applied before the next forward pass) -> new requests -> one engine step -> send
-records -> Stats. When there is no work it sleeps in `wait_readable`.
+records -> Stats. When there is no work it sleeps in `wait_readable`. (The pipes' keepalive
+thread only speaks for it while a forward pass runs.)
+
+Each proxy connection gets an epoch from the Hello/Welcome handshake; only Submits of the
+current epoch are admitted. Submits of an earlier connection still in the pipe, or read after
+the proxy was lost or said Goodbye, end at once as aborted with cause ``proxy_lost``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from daemon.engine import Engine, Runner
+from daemon.epochs import EpochCounter
 from daemon.store import ResponseStore, StoreError
 from daemon.tokenizer import Tokenizer
 from ipc.pipes import DaemonPipes, PipeError, inherited_fifos
@@ -27,13 +33,16 @@ from ipc.records import (
     Goodbye,
     Heartbeat,
     Hello,
+    Pause,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,
+    Resume,
     Submit,
     ToDaemon,
     ToProxy,
     Welcome,
+    version_mismatch,
 )
 from tether.settings import Settings
 
@@ -53,14 +62,18 @@ class DaemonServer:
 
     def __init__(self, engine: Engine, pipes: DaemonPipes, store: ResponseStore,
                  drain_timeout_s: float, notify: Notify | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 epochs: EpochCounter | None = None) -> None:
         self.engine = engine
         self.pipes = pipes
         self.store = store
         self.drain_timeout_s = drain_timeout_s
         self.notify = notify or (lambda _msg: None)
         self.clock = clock
-        self.epoch: int | None = None
+        self.epochs = epochs or EpochCounter()
+        self.epoch: int | None = None  # the current connection's; None: none is open
+        self._hello_nonce: int | None = None
+        self._refused_nonce: int | None = None
         self.stop_deadline: float | None = None
         self._out: list[ToProxy] = []
         self._last_stats = 0.0
@@ -92,6 +105,10 @@ class DaemonServer:
         self._drain_control(now)
         self._check_proxy()
         self._drain_requests()
+        if self._out and self.engine.has_work:
+            # Admissions and evictions go out before a forward pass that may take seconds.
+            out, self._out = self._out, []
+            self.pipes.send(out)
         ran = self._step()
         self._flush_records(now)
         self._tell_systemd(now)
@@ -115,6 +132,7 @@ class DaemonServer:
         reason = self.pipes.take_lost()  # EOF, EPIPE, a stalled reader or heartbeat silence
         if reason is not None:
             log.warning("proxy lost (%s); aborting its requests", reason)
+            self.epoch = None  # what it left in the pipes is for nobody
             self._out += self.engine.abort_all(AbortCause.PROXY_LOST)
 
     def _step(self) -> bool:
@@ -165,13 +183,25 @@ class DaemonServer:
             pass  # DaemonPipes tracks the silence
         elif isinstance(rec, Hello):
             self._hello(rec, now)
+        elif isinstance(rec, Pause | Resume):
+            self.engine.set_paused(rec.rid, isinstance(rec, Pause))
         elif isinstance(rec, Goodbye):
-            log.info("proxy (epoch %d) said goodbye", rec.epoch)
-            self._out += self.engine.abort_epoch_older_than(rec.epoch + 1, AbortCause.PROXY_LOST)
+            self._goodbye(rec)
         elif isinstance(rec, ResponseOp):
             self._response_op(rec)
 
+    def _goodbye(self, rec: Goodbye) -> None:
+        if rec.epoch != self.epoch:
+            log.info("ignoring a goodbye of epoch %d (current: %s)", rec.epoch, self.epoch)
+            return
+        log.info("proxy (epoch %d) said goodbye", rec.epoch)
+        self.epoch = None
+        self._out += self.engine.abort_epoch_older_than(rec.epoch + 1, AbortCause.PROXY_LOST)
+
     def _submit(self, rec: Submit) -> None:
+        if rec.epoch != self.epoch:
+            self._out += self.engine.refuse(rec, AbortCause.PROXY_LOST)
+            return
         if self.stop_deadline is not None:
             self._out.append(Error(rec.rid, "the server is shutting down", status=503))
             return
@@ -184,18 +214,21 @@ class DaemonServer:
 
     def _hello(self, rec: Hello, now: float) -> None:
         if rec.version != PROTOCOL_VERSION:
-            message = (f"protocol version mismatch: proxy (pid {rec.pid}) speaks version "
-                       f"{rec.version}, this daemon speaks version {PROTOCOL_VERSION}")
-            log.error("%s", message)
+            message = version_mismatch(PROTOCOL_VERSION, rec.version)
+            if rec.nonce != self._refused_nonce:  # the proxy retries every few seconds
+                log.error("proxy pid %d refused: %s", rec.pid, message)
+                self._refused_nonce = rec.nonce
             self._out.append(Error(None, message, status=500, code="version_mismatch"))
             return
-        if self.epoch is None or rec.epoch > self.epoch:
-            if self.epoch is not None:
-                log.info("new proxy epoch %d (was %d)", rec.epoch, self.epoch)
-            self._out += self.engine.abort_epoch_older_than(rec.epoch, AbortCause.PROXY_LOST)
-            self.epoch = rec.epoch
+        epoch = self.epoch
+        if epoch is None or rec.nonce != self._hello_nonce:
+            # A new connection (a repeated Hello of the current one keeps its epoch).
+            epoch = self.epochs.next(at_least=rec.epoch)
+            log.info("proxy pid %d connected: epoch %d", rec.pid, epoch)
+            self._out += self.engine.abort_epoch_older_than(epoch, AbortCause.PROXY_LOST)
+            self.epoch, self._hello_nonce = epoch, rec.nonce
         self._out.append(Welcome(PROTOCOL_VERSION, os.getpid(), self.engine.model_name,
-                                 self.engine.max_model_len, rec.epoch))
+                                 self.engine.max_model_len, epoch, rec.nonce))
 
     def _response_op(self, op: ResponseOp) -> None:
         running = self.engine.is_running(op.response_id)
@@ -269,7 +302,9 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
     log.info("model %s loaded in %.1f s; %d KV blocks of %d tokens; prefix caching %s; "
              "pipes in %s", name, time.monotonic() - t0, runner.num_blocks, runner.block_size,
              "on" if settings.prefix_caching else "off", settings.runtime_dir)
-    server = DaemonServer(engine, pipes, store, settings.drain_timeout_s, notify)
+    epoch_file = settings.runtime_dir / "epoch" if settings.runtime_dir.is_dir() else None
+    server = DaemonServer(engine, pipes, store, settings.drain_timeout_s, notify,
+                          epochs=EpochCounter(epoch_file))
     previous = _install_signals(server)
     try:
         return server.serve()

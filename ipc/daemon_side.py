@@ -4,6 +4,11 @@ The daemon reads ``control`` and ``requests`` and is the only writer of ``tokens
 proxy is reported once through `DaemonPipes.take_lost`; after a loss, tokens stay closed until
 the next Hello, so a proxy that was merely stuck first sees the EOF that tells it to resync
 instead of a stream with a silent gap.
+
+A keepalive thread writes an Alive record whenever nothing has gone out for a heartbeat
+interval: while a forward pass runs for seconds the proxy still hears from us. It shares the
+tokens writer under a lock and only ever appends whole frames, so the pipe keeps one writer's
+byte order.
 """
 
 from __future__ import annotations
@@ -11,8 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import select
+import threading
 import time
 from pathlib import Path
+
+import msgspec
 
 from ipc.fifo import (
     CONTROL,
@@ -28,12 +36,16 @@ from ipc.fifo import (
 )
 from ipc.framing import FrameDecoder, daemon_decoder, encode_many
 from ipc.records import (
+    HEARTBEAT_INTERVAL_S,
     SILENCE_TIMEOUT_S,
     Abort,
+    Alive,
     Goodbye,
     Heartbeat,
     Hello,
+    Pause,
     ResponseOp,
+    Resume,
     Submit,
     ToDaemon,
     ToProxy,
@@ -42,15 +54,18 @@ from ipc.records import (
 log = logging.getLogger("tether.ipc")
 
 MAX_BACKLOG_BYTES = 8 * 1024 * 1024
-MAX_UNFLUSHED_S = 2.0
+# A backlog the proxy has not taken a byte of for this long means it stopped reading. Judged by
+# progress, not by how long the buffer has been non-empty: under a steady flood it never empties.
+MAX_STALL_S = 2.0
 TOKENS_RETRY_S = 0.05
+KEEPALIVE_S = HEARTBEAT_INTERVAL_S
 # Control frames are small and read every tick: a smaller buffer is cheaper to allocate.
 READ_CHUNK = {CONTROL: 64 * 1024, REQUESTS: 1024 * 1024}
 # Caps one read_* call so a writer flooding the pipe cannot hold the tick loop forever.
 MAX_READS_PER_CALL = 16
 
 _ALLOWED: dict[str, tuple[type, ...]] = {
-    CONTROL: (Hello, Heartbeat, Goodbye, Abort, ResponseOp),
+    CONTROL: (Hello, Heartbeat, Goodbye, Abort, Pause, Resume, ResponseOp),
     REQUESTS: (Submit,),
 }
 
@@ -112,34 +127,60 @@ class _Reader:
 
 
 class _TokensWriter:
-    """The tokens write end with its buffer; the daemon is its only writer, so partial writes
-    cannot interleave with anyone else's and are simply continued later."""
+    """The tokens write end with its buffer. The daemon is the pipe's only writer, so a partial
+    write is simply continued later; the tick loop and the keepalive thread share it under
+    `lock`, and each appends whole frames only."""
 
     def __init__(self, path: Path, inherited_fd: int | None) -> None:
         self.path = path
         self.inherited_fd = inherited_fd
+        self.lock = threading.Lock()
         self.fd: int | None = None
         self.buf = bytearray()
-        self.dirty_since: float | None = None  # when buf last went from empty to non-empty
+        self.last_write = 0.0  # when bytes last went into the pipe
+        self.stuck_since = 0.0  # the later of: buf went non-empty, the pipe last took bytes
+        self.broken: str | None = None  # EPIPE met by the keepalive thread, for the loop
         self.next_try = 0.0
 
     def try_open(self, now: float) -> bool:
-        if self.fd is not None:
+        with self.lock:
+            if self.fd is not None:
+                return True
+            if self.inherited_fd is not None:
+                self.fd = self.inherited_fd
+            elif now < self.next_try:
+                return False
+            else:
+                self.next_try = now + TOKENS_RETRY_S
+                self.fd = try_open_writer(self.path)
+                if self.fd is None:
+                    return False
+                grow_pipe(self.fd)
+            # A new connection starts with a newline: it ends any half frame left in the pipe.
+            self._append(b"\n", now)
+            self.last_write = now  # no Alive before the Welcome
             return True
-        if self.inherited_fd is not None:
-            self.fd = self.inherited_fd
-            return True
-        if now < self.next_try:
-            return False
-        self.next_try = now + TOKENS_RETRY_S
-        self.fd = try_open_writer(self.path)
-        if self.fd is not None:
-            grow_pipe(self.fd)
-        return self.fd is not None
+
+    def _append(self, data: bytes, now: float) -> None:
+        if not self.buf:
+            self.stuck_since = now
+        self.buf += data
+
+    def send(self, data: bytes, now: float) -> str | None:
+        with self.lock:
+            self._append(data, now)
+            return self._flush(now)
 
     def flush(self, now: float) -> str | None:
         """Write what the pipe takes now; the reason the proxy is lost, if it is."""
+        with self.lock:
+            return self._flush(now)
+
+    def _flush(self, now: float) -> str | None:
+        if self.broken is not None:
+            return self.broken
         buf = self.buf
+        moved = False
         while buf and self.fd is not None:
             try:
                 n = os.write(self.fd, buf)
@@ -148,24 +189,35 @@ class _TokensWriter:
             except BrokenPipeError:
                 return "proxy closed the tokens pipe (EPIPE)"
             del buf[:n]
+            moved = True
+        if moved:
+            self.last_write = self.stuck_since = now
         if not buf:
-            self.dirty_since = None
             return None
-        if self.dirty_since is None:
-            self.dirty_since = now
         if len(buf) > MAX_BACKLOG_BYTES:
             return f"tokens backlog over {MAX_BACKLOG_BYTES >> 20} MiB (proxy not reading)"
-        if now - self.dirty_since > MAX_UNFLUSHED_S:
-            return f"tokens unflushed for over {MAX_UNFLUSHED_S:g} s (proxy not reading)"
+        if now - self.stuck_since > MAX_STALL_S:
+            return f"the proxy took nothing from the tokens pipe for {MAX_STALL_S:g} s"
         return None
+
+    def keepalive(self, now: float) -> None:
+        """From the keepalive thread: an Alive record if nothing went out for a while."""
+        with self.lock:
+            if self.fd is None or self.broken is not None or now - self.last_write < KEEPALIVE_S:
+                return
+            self._append(msgspec.json.encode(Alive(now)) + b"\n", now)
+            reason = self._flush(now)
+            if reason is not None and "EPIPE" in reason:
+                self.broken = reason
 
     def drop(self) -> None:
         """Forget the buffer and let go of the proxy (an inherited fd is kept, only idled)."""
-        self.buf.clear()
-        self.dirty_since = None
-        if self.fd is not None and self.fd != self.inherited_fd:
-            os.close(self.fd)
-        self.fd = None
+        with self.lock:
+            self.buf.clear()
+            self.broken = None
+            if self.fd is not None and self.fd != self.inherited_fd:
+                os.close(self.fd)
+            self.fd = None
 
     def close(self) -> None:
         self.drop()
@@ -196,6 +248,14 @@ class DaemonPipes:
         self._await_hello = TOKENS in inherited
         self._proxy_seen = False
         self.num_dropped = 0  # records sent while no proxy was there
+        self._closing = threading.Event()
+        self._keepalive = threading.Thread(target=self._keep_alive, name="tether-keepalive",
+                                           daemon=True)
+        self._keepalive.start()
+
+    def _keep_alive(self) -> None:
+        while not self._closing.wait(KEEPALIVE_S / 2):
+            self._tokens.keepalive(time.monotonic())
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -260,11 +320,10 @@ class DaemonPipes:
         if not self._open_tokens(now):
             self.num_dropped += len(records)
             return
-        if records:
-            if not self._tokens.buf:
-                self._tokens.dirty_since = now
-            self._tokens.buf += encode_many(records)
-        self._flush(now)
+        reason = self._tokens.send(encode_many(records), now) if records else \
+            self._tokens.flush(now)
+        if reason is not None:
+            self._lose(reason)
 
     def _open_tokens(self, now: float) -> bool:
         if self._await_hello:
@@ -311,6 +370,8 @@ class DaemonPipes:
         return len(self._tokens.buf)
 
     def close(self) -> None:
+        self._closing.set()
+        self._keepalive.join()
         self._control.close()
         self._requests.close()
         self._tokens.close()

@@ -1,36 +1,43 @@
 """The proxy's ends of the FIFOs, driven by the asyncio loop; nothing here blocks it.
 
-The proxy reads ``tokens`` and writes ``requests`` and ``control``. The daemon is "up" once the
-write ends are open and its Welcome has arrived; it is lost on EOF on tokens, EPIPE on a write,
-SILENCE_TIMEOUT_S (3 s) of silence (it sends Stats at least every 100 ms) or a protocol version
-mismatch.
+The proxy reads ``tokens`` and writes ``requests`` and ``control`` (ipc/proxy_writers.py). The
+daemon is "up" once the write ends are open and its Welcome for this connection has arrived,
+which assigns the connection's epoch; it is lost on EOF on tokens, EPIPE on a write,
+SILENCE_TIMEOUT_S (3 s) of silence (it sends Stats or Alive at least every 250 ms) or a protocol
+version mismatch (its Welcome or its Error record says so).
 After a loss everything is reopened and the connection retried every 100 ms.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ipc.fifo import CONTROL, REQUESTS, TOKENS, PipeError, grow_pipe, open_reader, try_open_writer
 from ipc.framing import encode, encode_control, proxy_decoder
+from ipc.proxy_writers import ControlWriter, OutFrame, RequestWriter
 from ipc.records import (
     HEARTBEAT_INTERVAL_S,
     PROTOCOL_VERSION,
     SILENCE_TIMEOUT_S,
     Abort,
+    AbortCause,
+    Error,
     Goodbye,
     Heartbeat,
     Hello,
+    Pause,
     ResponseOp,
+    Resume,
     Submit,
     ToProxy,
     Welcome,
+    version_mismatch,
 )
 
 log = logging.getLogger("tether.ipc")
@@ -44,7 +51,6 @@ TICK_S = 0.05
 CLOCK_SLACK_S = 0.002
 READ_CHUNK = 256 * 1024
 READS_PER_CALLBACK = 8  # then yield to the loop so HTTP work is not starved by a token flood
-MAX_CONTROL_QUEUE = 4096
 
 
 class DaemonUnavailable(Exception):
@@ -52,10 +58,9 @@ class DaemonUnavailable(Exception):
 
 
 class ProxyPipes:
-    def __init__(self, runtime_dir: Path, epoch: int,
-                 on_record: Callable[[ToProxy], None],
+    def __init__(self, runtime_dir: Path, on_record: Callable[[ToProxy], None],
                  on_state: Callable[[bool, str], None]) -> None:
-        self.epoch = epoch
+        self.epoch = 0  # the current connection's, assigned by the daemon's Welcome
         self.up = False
         self._paths = {name: Path(runtime_dir) / name for name in (REQUESTS, CONTROL, TOKENS)}
         self._on_record = on_record
@@ -69,13 +74,14 @@ class ProxyPipes:
         self._next_heartbeat = 0.0
         self._next_hello = 0.0
         self._retry_at = 0.0
-        self._control_queue: collections.deque[bytes] = collections.deque()
-        self._submit_lock = asyncio.Lock()
-        self._write_waiter: asyncio.Future[None] | None = None
+        self._nonce = 0  # this connection's, echoed by its Welcome
+        self._control: ControlWriter | None = None
+        self._requests: RequestWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._nudge: asyncio.Future[None] | None = None  # wakes the supervisor early
         self._loop: asyncio.AbstractEventLoop | None = None
         self._warned: str | None = None
+        self._mismatch_logged: str | None = None
 
     @property
     def connected(self) -> bool:
@@ -86,10 +92,19 @@ class ProxyPipes:
     def bad_records(self) -> int:
         return self._bad_before + self._decoder.num_bad
 
+    @property
+    def aborts_written(self) -> dict[AbortCause, int]:
+        """Abort records actually written into the control pipe, by cause."""
+        if self._control is None:
+            return dict.fromkeys(AbortCause, 0)
+        return self._control.aborts_written
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
+        self._control = ControlWriter(loop, self._lose)
+        self._requests = RequestWriter(loop, self._lose)
         self._open_tokens()
         self._try_connect()
         self._task = asyncio.create_task(self._supervise(), name="tether-ipc-supervisor")
@@ -102,9 +117,9 @@ class ProxyPipes:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if self._control_fd is not None and not self._control_queue:
+        if self.up and self._control is not None and self._control.idle:
             try:
-                os.write(self._control_fd, encode_control(Goodbye(self.epoch)))
+                self._control.send(encode_control(Goodbye(self.epoch)))
             except OSError:
                 pass  # the daemon is gone or busy: it will see EOF either way
         self.up = False
@@ -146,6 +161,8 @@ class ProxyPipes:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + HEARTBEAT_S
             self._send_control(encode_control(Heartbeat(self.epoch, now)), droppable=True)
+            if not self.connected:
+                return TICK_S  # the heartbeat found the daemon gone
         if self.up and now - self._last_record > SILENCE_S:
             self._lose(f"no record from the daemon for {SILENCE_S:g} s")
         if not self.up:
@@ -193,7 +210,12 @@ class ProxyPipes:
             return
         grow_pipe(requests)
         self._control_fd, self._requests_fd = control, requests
+        assert self._control is not None and self._requests is not None
+        # Each first writes a bare newline: the end of any half frame left by an earlier writer.
+        self._control.attach(control)
+        self._requests.attach(requests)
         self._warned = None
+        self._nonce = random.getrandbits(62) + 1
         log.info("ipc: pipes open, waiting for the daemon's Welcome")
         now = time.monotonic()
         self._say_hello(now)
@@ -202,7 +224,8 @@ class ProxyPipes:
     def _say_hello(self, now: float) -> None:
         # Repeated until welcomed: a daemon that was not ready to answer may have dropped it.
         self._next_hello = now + HELLO_REPEAT_S
-        hello = Hello(version=PROTOCOL_VERSION, pid=os.getpid(), epoch=self.epoch)
+        hello = Hello(version=PROTOCOL_VERSION, pid=os.getpid(), epoch=self.epoch + 1,
+                      nonce=self._nonce)
         self._send_control(encode_control(hello))
 
     def _warn_once(self, message: str) -> None:
@@ -249,6 +272,8 @@ class ProxyPipes:
             self._deliver([record])
         elif self.connected and isinstance(record, Welcome):
             self._welcome(record)
+        elif self.connected and isinstance(record, Error) and record.rid is None:
+            self._refused(record)
         # Anything else before this connection's Welcome is left over from an earlier one.
 
     def _deliver(self, records: list[ToProxy]) -> None:
@@ -264,119 +289,79 @@ class ProxyPipes:
 
     def _welcome(self, welcome: Welcome) -> None:
         if welcome.version != PROTOCOL_VERSION:
-            log.error("ipc: daemon speaks protocol version %d, this proxy speaks %d; "
-                      "run matching versions", welcome.version, PROTOCOL_VERSION)
-            self._lose(f"protocol version mismatch: daemon {welcome.version}, "
-                       f"proxy {PROTOCOL_VERSION}", retry_in=VERSION_RETRY_S, notify=True)
+            self._mismatch(version_mismatch(welcome.version, PROTOCOL_VERSION))
             return
-        if welcome.epoch != self.epoch:
-            log.warning("ipc: ignoring a Welcome for epoch %d (ours is %d)",
-                        welcome.epoch, self.epoch)
+        if welcome.nonce != self._nonce:
+            log.warning("ipc: ignoring a Welcome meant for another connection")
             return
+        self.epoch = welcome.epoch
         self.up = True
         self._last_record = time.monotonic()
-        log.info("ipc: daemon pid %d up (model %s)", welcome.pid, welcome.model)
+        log.info("ipc: daemon pid %d up (model %s), epoch %d", welcome.pid, welcome.model,
+                 welcome.epoch)
         self._on_state(True, "connected")
         self._dispatch(welcome)
 
+    def _refused(self, error: Error) -> None:
+        """A daemon-wide Error before the Welcome: it refused our Hello (another protocol
+        version, as its message says); anything else is only logged."""
+        if error.code == "version_mismatch" or "version" in error.message:
+            self._mismatch(error.message)
+        else:
+            log.error("ipc: daemon error: %s", error.message)
+
+    def _mismatch(self, message: str) -> None:
+        if message != self._mismatch_logged:  # retried every few seconds: said once
+            log.error("ipc: %s", message)
+            self._mismatch_logged = message
+        self._lose(message, retry_in=VERSION_RETRY_S, notify=True)
+
     # -- writing ---------------------------------------------------------------------------
 
-    def control(self, record: Abort | ResponseOp | Goodbye) -> bool:
+    def control(self, record: Abort | Pause | Resume | ResponseOp | Goodbye) -> bool:
         """Send a control record with one atomic write (queued in order if the pipe is full).
 
         False if the daemon is down or the queue is full (the record is then dropped).
         """
         if not self.up:
             return False
-        return self._send_control(encode_control(record))
+        cause = record.cause if isinstance(record, Abort) else None
+        return self._send_control(encode_control(record), abort=cause)
 
-    def _send_control(self, frame: bytes, droppable: bool = False) -> bool:
-        fd = self._control_fd
-        if fd is None:
+    def _send_control(self, frame: bytes, droppable: bool = False,
+                      abort: AbortCause | None = None) -> bool:
+        if self._control is None:
             return False
-        if self._control_queue:
-            return droppable or self._enqueue_control(frame)
-        try:
-            os.write(fd, frame)  # <= PIPE_BUF: all or EAGAIN, never a part
-        except BlockingIOError:
-            if droppable:
-                return True
-            assert self._loop is not None
-            self._loop.add_writer(fd, self._flush_control)
-            return self._enqueue_control(frame)
-        except BrokenPipeError:
-            self._lose("daemon closed the control pipe (EPIPE)")
-            return False
-        return True
+        return self._control.send(frame, abort, droppable)
 
-    def _enqueue_control(self, frame: bytes) -> bool:
-        if len(self._control_queue) >= MAX_CONTROL_QUEUE:
-            log.warning("ipc: control queue full (%d records); dropping one", MAX_CONTROL_QUEUE)
-            return False
-        self._control_queue.append(frame)
-        return True
+    def queue_submit(self, record: Submit) -> OutFrame:
+        """Queue one Submit frame on the current connection; it goes out whole, whatever becomes
+        of the caller. DaemonUnavailable if the daemon is down or the record was made for an
+        earlier connection (its epoch would be refused, or worse, taken for a newer one)."""
+        if not self.up or self._requests is None:
+            raise DaemonUnavailable("the engine daemon is not connected")
+        if record.epoch != self.epoch:
+            raise DaemonUnavailable("the connection to the engine daemon was renewed")
+        return self._requests.put(encode(record))
 
-    def _flush_control(self) -> None:
-        fd = self._control_fd
-        assert fd is not None and self._loop is not None
-        queue = self._control_queue
-        while queue:
-            try:
-                os.write(fd, queue[0])
-            except BlockingIOError:
-                return
-            except BrokenPipeError:
-                self._lose("daemon closed the control pipe (EPIPE)")
-                return
-            queue.popleft()
-        self._loop.remove_writer(fd)
+    def withdraw(self, frame: OutFrame) -> bool:
+        """Take back a queued Submit not yet started: then the daemon never sees it."""
+        return self._requests is not None and self._requests.withdraw(frame)
 
     # The timeout parameter is the agreed API (ASYNC109 prefers asyncio.timeout at the caller).
     async def submit(self, record: Submit, timeout: float = 5.0) -> None:  # noqa: ASYNC109
-        """Write one Submit frame; DaemonUnavailable if the daemon is down or does not take it
-        within ``timeout`` seconds."""
-        if not self.up:
-            raise DaemonUnavailable("the engine daemon is not connected")
-        frame = encode(record)
+        """Write one Submit frame and wait until it is wholly in the pipe; DaemonUnavailable if
+        the daemon is down or nothing of it went out within ``timeout`` seconds."""
+        frame = self.queue_submit(record)
+        assert self._requests is not None
         try:
             async with asyncio.timeout(timeout):
-                async with self._submit_lock:
-                    await self._write_request(frame)
+                await self._requests.wait(frame)
         except TimeoutError:
-            raise DaemonUnavailable(
-                f"requests pipe full: the daemon took nothing for {timeout:g} s") from None
-
-    async def _write_request(self, frame: bytes) -> None:
-        view = memoryview(frame)
-        done = 0
-        try:
-            while done < len(view):
-                fd = self._requests_fd
-                if fd is None:
-                    raise DaemonUnavailable("the engine daemon went away")
-                try:
-                    done += os.write(fd, view[done:])
-                except BlockingIOError:
-                    await self._writable(fd)
-                except BrokenPipeError:
-                    self._lose("daemon closed the requests pipe (EPIPE)")
-                    raise DaemonUnavailable("the engine daemon went away") from None
-        finally:
-            if 0 < done < len(view):
-                # Half a frame is in the pipe: only a reconnect resynchronises the daemon.
-                self._lose("a request frame was left half-written")
-
-    async def _writable(self, fd: int) -> None:
-        assert self._loop is not None
-        waiter: asyncio.Future[None] = self._loop.create_future()
-        self._write_waiter = waiter
-        self._loop.add_writer(fd, _wake, waiter)
-        try:
-            await waiter
-        finally:
-            self._write_waiter = None
-            if self._requests_fd == fd:
-                self._loop.remove_writer(fd)
+            if self.withdraw(frame):
+                raise DaemonUnavailable(
+                    f"requests pipe full: the daemon took nothing for {timeout:g} s") from None
+            await self._requests.wait(frame)  # started: it is finished whatever happens
 
     # -- losing the daemon -----------------------------------------------------------------
 
@@ -396,14 +381,11 @@ class ProxyPipes:
             self._on_state(False, reason)
 
     def _close_writers(self, why: DaemonUnavailable) -> None:
-        waiter = self._write_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(why)
-        self._control_queue.clear()
+        if self._control is not None and self._requests is not None:
+            self._control.detach()
+            self._requests.detach(why)
         for fd in (self._control_fd, self._requests_fd):
             if fd is not None:
-                if self._loop is not None:
-                    self._loop.remove_writer(fd)
                 os.close(fd)
         self._control_fd = self._requests_fd = None
 

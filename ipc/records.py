@@ -4,8 +4,12 @@ Every record is a msgspec Struct tagged by its kind; the tag is the wire value o
 Which pipe carries which records:
 
 - ``requests`` (proxy -> daemon): Submit
-- ``control``  (proxy -> daemon): Hello, Heartbeat, Goodbye, Abort, ResponseOp
-- ``tokens``   (daemon -> proxy): Welcome, Delta, Finish, Error, Stats, ResponseReply
+- ``control``  (proxy -> daemon): Hello, Heartbeat, Goodbye, Abort, Pause, Resume, ResponseOp
+- ``tokens``   (daemon -> proxy): Welcome, Admitted, Delta, Finish, Error, Stats, Alive,
+  ResponseReply
+
+Every new connection starts with a bare newline on each pipe, so a frame half-written by the
+previous connection ends there (one bad record) instead of swallowing the first new one.
 """
 
 from __future__ import annotations
@@ -15,16 +19,25 @@ from typing import Annotated, Any
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 3: logprob tokens travel as bytes
+# 3: logprob tokens travel as bytes; 4: connection epochs assigned by the daemon (Hello
+# nonce, Welcome), Admitted, Alive, Pause/Resume, Submit.client_id, Stats.paused
+PROTOCOL_VERSION = 4
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
 
 # Liveness. A process that dies is noticed at once (EOF, EPIPE, ENXIO); silence only catches one
-# that hangs alive. The bound is seconds, not one: on a busy 2-core machine a long prefill tick
-# or a starved event loop can go quiet for over a second, and a false "lost" aborts every session.
-HEARTBEAT_INTERVAL_S = 0.25  # proxy -> daemon on control; the daemon sends Stats every 100 ms
+# that hangs alive. The bound is seconds, not one: on a busy 2-core machine a starved event loop
+# can go quiet for over a second, and a false "lost" aborts every session. The daemon's records
+# come from a thread of their own while a forward pass runs, so a long tick is never silence.
+HEARTBEAT_INTERVAL_S = 0.25  # proxy -> daemon on control; daemon -> proxy Stats or Alive
 SILENCE_TIMEOUT_S = 3.0
+
+
+def version_mismatch(daemon: int, proxy: int) -> str:
+    """The one wording both sides use, naming both versions."""
+    return (f"protocol version mismatch: daemon {daemon}, proxy {proxy}; "
+            "run a daemon and a proxy of the same release")
 
 
 class Kind(enum.StrEnum):
@@ -33,8 +46,12 @@ class Kind(enum.StrEnum):
     HEARTBEAT = "hb"
     GOODBYE = "bye"
     ABORT = "abort"
+    PAUSE = "pause"
+    RESUME = "resume"
     RESPONSE_OP = "rop"
     WELCOME = "welcome"
+    ADMITTED = "admitted"
+    ALIVE = "alive"
     DELTA = "delta"
     FINISH = "finish"
     ERROR = "error"
@@ -116,7 +133,8 @@ class Submit(msgspec.Struct, tag=Kind.SUBMIT.value, tag_field="k"):
 
     Sequences are ``len(prompts) * n`` (completions) or ``n`` (chat, responses); sequence
     index ``i`` is prompt ``i // n``, sample ``i % n`` as OpenAI numbers choices.
-    For RESPONSE, ``rid`` is the response id.
+    ``rid`` is the engine's key, always made by the proxy (for RESPONSE, the response id); the
+    daemon admits a Submit only if ``epoch`` is the connection's current one.
     """
 
     rid: str
@@ -128,15 +146,21 @@ class Submit(msgspec.Struct, tag=Kind.SUBMIT.value, tag_field="k"):
     messages: list[Message] = []
     response: ResponseFields | None = None
     t_submit: float = 0.0  # proxy monotonic time when the HTTP request arrived
+    client_id: str | None = None  # the client's X-Request-Id: logged, never a key
 
 
 # --- proxy -> daemon: control pipe --------------------------------------------------------------
 
 
 class Hello(msgspec.Struct, tag=Kind.HELLO.value, tag_field="k"):
+    """A proxy connects. The daemon answers with a Welcome that assigns the connection's epoch:
+    at least ``epoch`` (the proxy's last one + 1) and above every epoch it assigned before.
+    Hellos repeated by one connection carry the same ``nonce`` and get the same epoch."""
+
     version: int
     pid: int
     epoch: int
+    nonce: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag=Kind.HEARTBEAT.value, tag_field="k"):
@@ -156,6 +180,19 @@ class Abort(msgspec.Struct, tag=Kind.ABORT.value, tag_field="k"):
     t_disconnect: float | None = None
 
 
+class Pause(msgspec.Struct, tag=Kind.PAUSE.value, tag_field="k"):
+    """The proxy holds too much of this session that its client has not read: stop scheduling
+    it (its KV blocks stay) until a Resume."""
+
+    rid: str
+    epoch: int
+
+
+class Resume(msgspec.Struct, tag=Kind.RESUME.value, tag_field="k"):
+    rid: str
+    epoch: int
+
+
 class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
     """GET / DELETE / cancel of a stored response; answered by a ResponseReply with ``op_id``."""
 
@@ -173,7 +210,21 @@ class Welcome(msgspec.Struct, tag=Kind.WELCOME.value, tag_field="k"):
     pid: int
     model: str
     max_model_len: int
-    epoch: int  # the proxy epoch this daemon has accepted
+    epoch: int  # the epoch this daemon assigned to the connection
+    nonce: int = 0  # the Hello's, so the proxy knows the Welcome is for this connection
+
+
+class Admitted(msgspec.Struct, tag=Kind.ADMITTED.value, tag_field="k"):
+    """A Submit was read and queued: the proxy's request deadline covers only the time until
+    this (or a Delta, Finish or Error), never the time a request waits for its turn."""
+
+    rid: str
+
+
+class Alive(msgspec.Struct, tag=Kind.ALIVE.value, tag_field="k"):
+    """Sent while a long forward pass keeps the tick loop from sending Stats."""
+
+    t: float
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
@@ -245,6 +296,7 @@ class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
     kv_blocks_cached: int = 0  # held by no session, kept for the prefix cache (free to take)
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found there
+    paused: int = 0  # requests the proxy has paused (flow control)
 
 
 class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):
@@ -254,6 +306,6 @@ class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"
     message: str | None = None
 
 
-ToDaemon = Submit | Hello | Heartbeat | Goodbye | Abort | ResponseOp
-ToProxy = Welcome | Delta | Finish | Error | Stats | ResponseReply
+ToDaemon = Submit | Hello | Heartbeat | Goodbye | Abort | Pause | Resume | ResponseOp
+ToProxy = Welcome | Admitted | Delta | Finish | Error | Stats | Alive | ResponseReply
 Record = ToDaemon | ToProxy

@@ -52,7 +52,7 @@ def _stats() -> Stats:
 
 
 def _welcome_hellos(pipes: DaemonPipes) -> list[ToProxy]:
-    return [Welcome(PROTOCOL_VERSION, os.getpid(), "bench", 2048, r.epoch)
+    return [Welcome(PROTOCOL_VERSION, os.getpid(), "bench", 2048, r.epoch, r.nonce)
             for r in pipes.read_control() if isinstance(r, Hello)]
 
 
@@ -94,7 +94,7 @@ async def _token_proxy(run: Path, total: int) -> float:
                 t_last = time.perf_counter()
                 done.set()
 
-    pipes = ProxyPipes(run, 1, on_record, lambda is_up, _why: is_up and up.set())
+    pipes = ProxyPipes(run, on_record, lambda is_up, _why: is_up and up.set())
     await pipes.start()
     await asyncio.wait_for(up.wait(), 10)
     await asyncio.wait_for(done.wait(), 120)
@@ -156,7 +156,7 @@ def bench_bare(path: Path, total: int, batched: bool) -> float:
 def _control_proxy(run: Path, count: int) -> None:
     async def main() -> None:
         up = asyncio.Event()
-        pipes = ProxyPipes(run, 2, lambda r: None, lambda is_up, _why: is_up and up.set())
+        pipes = ProxyPipes(run, lambda r: None, lambda is_up, _why: is_up and up.set())
         await pipes.start()
         await asyncio.wait_for(up.wait(), 10)
         rng = random.Random(0)
@@ -189,7 +189,8 @@ def bench_control(run: Path, count: int) -> dict[str, dict[str, float]]:
         for record in pipes.read_control():
             now = time.monotonic()
             if isinstance(record, Hello):
-                out.append(Welcome(PROTOCOL_VERSION, os.getpid(), "bench", 2048, record.epoch))
+                out.append(Welcome(PROTOCOL_VERSION, os.getpid(), "bench", 2048, record.epoch,
+                                   record.nonce))
             elif isinstance(record, Abort) and record.t_disconnect is not None:
                 latencies[phase].append(now - record.t_disconnect)
             elif isinstance(record, Abort) and record.rid.endswith("-end"):

@@ -27,8 +27,8 @@ _REQUEST_ID = re.compile(REQUEST_ID_PATTERN.encode())
 
 
 class RequestIdMiddleware:
-    """Echoes the request id on every answer: the client's valid X-Request-Id, else the one a
-    handler chose (``request.state.request_id``)."""
+    """Echoes the request id on every answer: the client's valid X-Request-Id, else the id the
+    handler made (``request.state.request_id``)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -45,7 +45,7 @@ class RequestIdMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 chosen = scope.get("state", {}).get("request_id")
-                rid = chosen.encode() if chosen else offered
+                rid = offered if offered is not None else chosen.encode() if chosen else None
                 if rid is not None:
                     message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
             await send(message)
@@ -116,7 +116,10 @@ async def metrics(request: Request) -> Response:
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
-    engine = EngineClient(settings.runtime_dir, settings.max_waiting)
+    engine = EngineClient(settings.runtime_dir, settings.max_waiting,
+                          request_timeout=settings.request_timeout_s,
+                          stall_timeout=settings.stall_timeout_s,
+                          max_buffered=settings.max_buffered_tokens)
     app.state.engine = engine
     app.state.metrics = ProxyMetrics(engine)
     app.state.started_at = int(time.time())

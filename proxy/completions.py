@@ -19,15 +19,16 @@ from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, TokenL
 from proxy.cancellation import DisconnectWatch
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import RequestTimer
 from proxy.schemas import (
     ChatRequest,
     CompletionRequest,
     check_chat,
     check_completion,
     check_model,
+    client_request_id,
     decode_body,
-    request_id,
+    new_id,
     sampling_params,
 )
 from proxy.sse import DONE, SSEResponse, sse_event, sse_json
@@ -137,9 +138,7 @@ class Exchange:
         self.model = model
         self.include_usage = include_usage
         self.created = int(time.time())
-        self.metrics: ProxyMetrics = request.app.state.metrics
-        self.t_start = submit.t_submit
-        self.first_token_seen = False
+        self.timer = RequestTimer(request.app.state.metrics, shape.endpoint, submit.t_submit)
         self.usages: dict[int, Usage] = {}
         self.wants_logprobs = submit.sampling.logprobs is not None
 
@@ -149,10 +148,8 @@ class Exchange:
 
     def on_record(self, record: Delta | Finish) -> str | None:
         """Accounts one record; returns the finish reason for a Finish."""
+        self.timer.see(record)
         if isinstance(record, Delta):
-            if not self.first_token_seen:
-                self.first_token_seen = True
-                self.metrics.time_to_first_token.observe(time.monotonic() - self.t_start)
             return None
         self.usages[record.index] = record.usage
         return finish_reason(record)
@@ -161,8 +158,7 @@ class Exchange:
         return usage_body(self.usages, self.submit.n)
 
     def done(self) -> None:
-        self.metrics.request_duration.labels(self.shape.endpoint).observe(
-            time.monotonic() - self.t_start)
+        self.timer.done()
 
 
 async def collect(ex: Exchange, first: Delta | Finish | None, records: EngineStream) -> Response:
@@ -268,27 +264,28 @@ def served_models(request: Request) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _begin(request: Request, shape: Shape) -> tuple[str, float]:
+def _begin(request: Request, shape: Shape) -> tuple[str, str | None, float]:
+    """(engine key, the client's X-Request-Id, arrival time)."""
     t_start = time.monotonic()
-    rid = request_id(request.headers.get("x-request-id"), shape.prefix)
-    request.state.request_id = rid
-    return rid, t_start
+    client_id = client_request_id(request.headers.get("x-request-id"))
+    rid = request.state.request_id = new_id(shape.prefix)
+    return rid, client_id, t_start
 
 
 async def completions(request: Request) -> Response:
-    rid, t_start = _begin(request, COMPLETION)
+    rid, client_id, t_start = _begin(request, COMPLETION)
     req = decode_body(await request.body(), CompletionRequest)
     check_completion(req)
     check_model(req.model, served_models(request))
     engine: EngineClient = request.app.state.engine
     sampling = sampling_params(req, req.max_tokens, "max_tokens", engine.max_model_len)
     submit = Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.COMPLETION, sampling=sampling,
-                    n=req.n, prompts=req.prompts, t_submit=t_start)
+                    n=req.n, prompts=req.prompts, t_submit=t_start, client_id=client_id)
     return await respond(request, submit, COMPLETION, req)
 
 
 async def chat_completions(request: Request) -> Response:
-    rid, t_start = _begin(request, CHAT)
+    rid, client_id, t_start = _begin(request, CHAT)
     req = decode_body(await request.body(), ChatRequest)
     check_chat(req)
     check_model(req.model, served_models(request))
@@ -298,7 +295,8 @@ async def chat_completions(request: Request) -> Response:
         max_tokens, param = req.max_tokens, "max_tokens"
     sampling = sampling_params(req, max_tokens, param, engine.max_model_len)
     submit = Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.CHAT, sampling=sampling,
-                    n=req.n, messages=[m.to_record() for m in req.messages], t_submit=t_start)
+                    n=req.n, messages=[m.to_record() for m in req.messages], t_submit=t_start,
+                    client_id=client_id)
     return await respond(request, submit, CHAT, req)
 
 

@@ -1,13 +1,18 @@
-"""The proxy's side of the daemon: sessions keyed by request id over the three FIFOs.
+"""The proxy's side of the daemon: sessions keyed by engine id over the three FIFOs.
 
 `ProxyPipes` delivers every record from the tokens pipe to `_on_record` on the event loop; each
-record is routed by rid to its session's buffer and wakes the one coroutine reading it. A
-session is a few slots, a deque and at most one future, so thousands of held streams stay cheap.
+record is routed by rid to its session's buffer (proxy/session.py) and wakes the one coroutine
+reading it. A sweep twice a second ends what would otherwise wait forever: a request the daemon
+has not acknowledged within the request timeout (504, Abort with cause ``timeout``) and a
+session whose client has taken nothing for the stall timeout (same cause). Flow control: once
+a session holds ``max_buffered`` weighted tokens its client has not read, the daemon is told to
+Pause it, and to Resume once the client has read half of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -18,26 +23,31 @@ from ipc.pipes import DaemonUnavailable, ProxyPipes
 from ipc.records import (
     Abort,
     AbortCause,
+    Admitted,
     Delta,
     Error,
     Finish,
     FinishReason,
+    Pause,
     RequestKind,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,
+    Resume,
     Stats,
     Submit,
     ToProxy,
     Welcome,
 )
 from proxy.errors import ApiError
+from proxy.session import Session
 
 log = logging.getLogger("tether.proxy")
 
 StatsListener = Callable[[Stats], None]
 
 _ENDED_BY_DAEMON = (FinishReason.ABORT, FinishReason.ERROR)
+SWEEP_S = 0.5
 
 
 def num_sequences(submit: Submit) -> int:
@@ -50,67 +60,38 @@ def unavailable(reason: str) -> ApiError:
     return ApiError(503, f"the engine is unavailable: {reason}", code="engine_unavailable")
 
 
-class _Session:
-    __slots__ = ("complete", "detached", "failure", "finished", "records", "rejected", "rid",
-                 "started", "unfinished", "waiter")
-
-    def __init__(self, rid: str, sequences: int, detached: bool) -> None:
-        self.rid = rid
-        self.detached = detached  # a background response: the daemon runs it without a client
-        # A list, not a deque: an empty deque is 760 bytes, and thousands of sessions wait
-        # with nothing buffered. The reader takes the whole list at once.
-        self.records: list[Delta | Finish | Error] = []
-        self.waiter: asyncio.Future[None] | None = None
-        self.finished = bytearray(sequences)  # 1 per index once its Finish arrived
-        self.unfinished = sequences
-        self.started = False  # the daemon has sent a record for it
-        self.complete = False  # every sequence finished
-        self.rejected = False  # the daemon answered with an Error record
-        self.failure: ApiError | None = None  # daemon lost or proxy shutting down
-
-    def push(self, record: Delta | Finish | Error) -> None:
-        self.records.append(record)
-        self._wake()
-
-    def fail(self, exc: ApiError) -> None:
-        if self.failure is None:
-            self.failure = exc
-            self._wake()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    def needs_abort(self) -> bool:
-        return not (self.complete or self.rejected or self.failure is not None)
-
-
 class EngineClient:
-    def __init__(self, runtime_dir: Path, max_waiting: int,
-                 submit_timeout: float = 5.0) -> None:
-        self.epoch = time.time_ns()
+    def __init__(self, runtime_dir: Path, max_waiting: int, request_timeout: float = 60.0,
+                 stall_timeout: float = 60.0, max_buffered: int = 1024) -> None:
         self.max_waiting = max_waiting
-        self.submit_timeout = submit_timeout
+        self.request_timeout = request_timeout
+        self.stall_timeout = stall_timeout
+        self.high_water = max_buffered
         self.model: str | None = None
         self.max_model_len: int | None = None
-        self.last_stats: Stats | None = None
+        self.last_stats: Stats | None = None  # the connected daemon's; None while it is away
         self.down_reason = "the daemon has not connected yet"
         self.stats_listeners: list[StatsListener] = []
-        self.aborts_sent: dict[AbortCause, int] = dict.fromkeys(AbortCause, 0)
         self._pipes_up = False
         self._welcomed = False
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._num_unstarted = 0
         self._ops: dict[str, asyncio.Future[ResponseReply]] = {}
-        self._pipes = ProxyPipes(runtime_dir, self.epoch, self._on_record, self._on_state)
+        self._pipes = ProxyPipes(runtime_dir, self._on_record, self._on_state)
+        self._sweeper: asyncio.Task[None] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self._pipes.start()
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="tether-sessions-sweep")
 
     async def close(self) -> None:
         self.abort_all(AbortCause.SHUTDOWN)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         await self._pipes.close()
 
     def abort_all(self, cause: AbortCause) -> int:
@@ -121,7 +102,7 @@ class EngineClient:
             if session.detached:
                 continue
             if session.needs_abort():
-                self.abort(session.rid, cause)
+                self._end(session, cause)
                 count += 1
             session.fail(unavailable("the server is shutting down"))
         return count
@@ -131,6 +112,16 @@ class EngineClient:
     @property
     def up(self) -> bool:
         return self._pipes_up and self._welcomed
+
+    @property
+    def epoch(self) -> int:
+        """The current connection's epoch: Submits carry it, and only it is admitted."""
+        return self._pipes.epoch
+
+    @property
+    def aborts_sent(self) -> dict[AbortCause, int]:
+        """Abort records actually written to the daemon, by cause."""
+        return self._pipes.aborts_written
 
     @property
     def num_sessions(self) -> int:
@@ -157,12 +148,13 @@ class EngineClient:
         """Yields this rid's Delta and Finish records until every sequence has finished.
 
         Leaving early (close, cancellation, an exception in the consumer) writes the Abort in
-        the ``finally``, synchronously, before anything else can run on the loop.
+        the ``finally``, synchronously, before anything else can run on the loop (or takes the
+        Submit back if none of it was written yet).
         """
         session = self._open(submit, detached=not abort_on_exit)
         try:
             try:
-                await self._pipes.submit(submit, timeout=self.submit_timeout)
+                session.frame = self._pipes.queue_submit(submit)
             except DaemonUnavailable as exc:
                 session.fail(unavailable(str(exc) or self.down_reason))
             while True:
@@ -179,8 +171,13 @@ class EngineClient:
                                 # The daemon evicts a session whole: nothing left to abort.
                                 session.rejected = True
                         yield record
+                        session.taken(record)
+                        if session.paused and session.units <= self.high_water // 2:
+                            self._flow(session, paused=False)
                         if session.complete:
                             return
+                        if session.failure is not None:
+                            raise session.failure
                 if session.failure is not None:
                     raise session.failure
                 session.waiter = asyncio.get_running_loop().create_future()
@@ -189,13 +186,18 @@ class EngineClient:
         finally:
             self._close(session)
             if abort_on_exit and session.needs_abort():
-                self.abort(session.rid, AbortCause.CLIENT_DISCONNECT, time.monotonic())
+                self._end(session, AbortCause.CLIENT_DISCONNECT, time.monotonic())
 
     def abort(self, rid: str, cause: AbortCause, t_disconnect: float | None = None) -> None:
         """Writes one Abort record now; idempotent on the daemon side, a no-op if it is down."""
-        self.aborts_sent[cause] += 1
         if not self._pipes.control(Abort(rid, cause, self.epoch, t_disconnect)):
             log.debug("abort of %s not written: the daemon is down", rid)
+
+    def _end(self, session: Session, cause: AbortCause, t_disconnect: float | None = None) -> None:
+        """Stop the daemon's work on a session: take its Submit back if none of it went out,
+        else write the Abort."""
+        if session.frame is None or not self._pipes.withdraw(session.frame):
+            self.abort(session.rid, cause, t_disconnect)
 
     async def response_op(self, op: ResponseOpKind, response_id: str,
                           timeout: float = 5.0) -> ResponseReply:  # noqa: ASYNC109
@@ -213,7 +215,7 @@ class EngineClient:
         finally:
             self._ops.pop(op_id, None)
 
-    def _open(self, submit: Submit, detached: bool) -> _Session:
+    def _open(self, submit: Submit, detached: bool) -> Session:
         if not self.up:
             raise unavailable(self.down_reason)
         if submit.rid in self._sessions:
@@ -222,19 +224,20 @@ class EngineClient:
         if self._num_unstarted >= self.max_waiting:
             raise ApiError(429, f"too many requests waiting (limit {self.max_waiting})",
                            code="too_many_waiting", headers={"Retry-After": "1"})
-        session = _Session(submit.rid, num_sequences(submit), detached)
+        session = Session(submit, num_sequences(submit), detached,
+                          time.monotonic() + self.request_timeout)
         self._sessions[submit.rid] = session
         self._num_unstarted += 1
         return session
 
-    def _close(self, session: _Session) -> None:
+    def _close(self, session: Session) -> None:
         if self._sessions.get(session.rid) is session:
             del self._sessions[session.rid]
             if not session.started:
                 self._num_unstarted -= 1
 
     @staticmethod
-    def _finish(session: _Session, record: Finish) -> bool:
+    def _finish(session: Session, record: Finish) -> bool:
         if 0 <= record.index < len(session.finished) and not session.finished[record.index]:
             session.finished[record.index] = 1
             session.unfinished -= 1
@@ -248,9 +251,17 @@ class EngineClient:
             if session is None:
                 return  # late records of a session that already ended (aborted, failed)
             if not session.started:
-                session.started = True
+                session.started = session.acked = True
+                session.frame = None  # the daemon has it: nothing to withdraw
                 self._num_unstarted -= 1
             session.push(record)
+            if session.units > self.high_water and not session.paused:
+                self._flow(session, paused=True)
+        elif isinstance(record, Admitted):
+            session = self._sessions.get(record.rid)
+            if session is not None:
+                session.acked = True
+                session.frame = None
         elif isinstance(record, Stats):
             self.last_stats = record
             for listener in self.stats_listeners:
@@ -265,9 +276,6 @@ class EngineClient:
             log.error("daemon error: %s", record.message)
 
     def _on_welcome(self, record: Welcome) -> None:
-        if record.epoch != self.epoch:
-            log.warning("ignoring a Welcome for epoch %d (ours is %d)", record.epoch, self.epoch)
-            return
         self.model = record.model
         self.max_model_len = record.max_model_len
         self._welcomed = True
@@ -279,9 +287,9 @@ class EngineClient:
         if up:
             return
         self._welcomed = False
-        # The next Hello carries a new epoch: a daemon that only stalled then evicts the sessions
-        # we just failed here, instead of running them for nobody.
-        self.epoch = self._pipes.epoch = time.time_ns()
+        # The next connection gets a new epoch: a daemon that only stalled then evicts the
+        # sessions we just failed here, and refuses their Submits still in the pipe.
+        self.last_stats = None  # its gauges describe a daemon we no longer hear from
         self.down_reason = reason or "the daemon went away"
         error = unavailable(self.down_reason)
         for session in self._sessions.values():
@@ -290,3 +298,44 @@ class EngineClient:
             if not future.done():
                 future.set_exception(error)
         log.warning("daemon lost: %s", self.down_reason)
+
+
+    # --- what would otherwise wait forever ------------------------------------------------------
+
+    def _flow(self, session: Session, paused: bool) -> None:
+        session.paused = paused
+        record = Pause(session.rid, self.epoch) if paused else Resume(session.rid, self.epoch)
+        if self._pipes.control(record):
+            session.pause_sent = paused  # else the sweep tries again
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                self._sweep(time.monotonic())
+            except Exception:  # the sweep must outlive any surprise, or timeouts stop
+                log.exception("session sweep failed")
+
+    def _sweep(self, now: float) -> None:
+        for session in list(self._sessions.values()):
+            if session.failure is not None:
+                continue
+            if not session.acked and now >= session.deadline:
+                self._end(session, AbortCause.TIMEOUT)
+                session.fail(ApiError(
+                    504, f"the engine did not take the request within "
+                    f"{self.request_timeout:g} s", code="timeout"))
+            elif session.is_stuck(now, self.stall_timeout):
+                self._stall(session)
+            elif session.pause_sent != session.paused:
+                self._flow(session, session.paused)
+
+    def _stall(self, session: Session) -> None:
+        """The client took nothing for the stall timeout: stop the engine, drop what is held."""
+        log.info("request %s stalled: its client read nothing for %g s", session.rid,
+                 self.stall_timeout)
+        if session.needs_abort():
+            self.abort(session.rid, AbortCause.TIMEOUT)
+        session.records = []
+        session.fail(ApiError(504, f"the client read nothing for {self.stall_timeout:g} s; "
+                              "the request was aborted", code="timeout"))

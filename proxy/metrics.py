@@ -7,13 +7,14 @@ Prometheus handles) rather than replayed through inc().
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ipc.records import AbortCause, FinishReason, Stats
+from ipc.records import AbortCause, Delta, Finish, FinishReason, Stats
 from proxy.engine_client import EngineClient
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -34,6 +35,7 @@ _GAUGES = (
      "KV cache blocks held by no session, kept for prefix reuse (free to take)",
      "kv_blocks_cached"),
     ("tether_conversation_placeholders", "Responses placeholders held", "placeholders"),
+    ("tether_requests_paused", "Sessions paused because their client is not reading", "paused"),
 )
 
 _TOKEN_COUNTERS = (
@@ -61,8 +63,10 @@ class EngineCollector(Collector):
         yield from self._proxy_figures()
 
     def _gauges(self, stats: Stats | None) -> Iterator[Metric]:
+        if stats is None:
+            return  # no daemon connected: nothing current to show (tether_daemon_up says 0)
         for name, doc, attr in _GAUGES:
-            yield GaugeMetricFamily(name, doc, value=getattr(stats, attr) if stats else 0)
+            yield GaugeMetricFamily(name, doc, value=getattr(stats, attr))
 
     def _counters(self, stats: Stats | None) -> Iterator[Metric]:
         finished = CounterMetricFamily("tether_requests_finished",
@@ -131,3 +135,24 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's time to first token and duration, into the proxy's histograms."""
+
+    __slots__ = ("_endpoint", "_first_seen", "_metrics", "_t_start")
+
+    def __init__(self, metrics: ProxyMetrics, endpoint: str, t_start: float) -> None:
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._t_start = t_start
+        self._first_seen = False
+
+    def see(self, record: Delta | Finish) -> None:
+        if not self._first_seen and type(record) is Delta:
+            self._first_seen = True
+            self._metrics.time_to_first_token.observe(time.monotonic() - self._t_start)
+
+    def done(self) -> None:
+        self._metrics.request_duration.labels(self._endpoint).observe(
+            time.monotonic() - self._t_start)

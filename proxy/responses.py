@@ -27,6 +27,7 @@ from proxy.cancellation import DisconnectWatch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable
 from proxy.errors import ApiError
+from proxy.metrics import RequestTimer
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
 from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record
 from proxy.responses_request import (
@@ -35,7 +36,7 @@ from proxy.responses_request import (
     response_params,
     sampling_params,
 )
-from proxy.schemas import check_response_id, request_id
+from proxy.schemas import check_response_id, client_request_id, new_id
 from proxy.sse import SSEResponse, sse_event
 
 
@@ -73,32 +74,30 @@ def _engine(request: Request) -> EngineClient:
 
 async def create_response(request: Request) -> Response:
     t_submit = time.monotonic()
-    rid = request_id(request.headers.get("x-request-id"), "resp_")
-    request.state.request_id = rid
+    client_id = client_request_id(request.headers.get("x-request-id"))
+    rid = request.state.request_id = new_id("resp_")  # response ids are the server's own
     req = decode_request(await request.body(), served_models(request))
     engine = _engine(request)
     if not engine.up:
         raise unavailable(engine.down_reason)
     registry = background_registry(request.app)
-    if registry.get(rid) is not None:
-        raise ApiError(400, f"response id {rid!r} is already in use", param="X-Request-Id",
-                       code="duplicate_request_id")
     sampling = sampling_params(req, engine.max_model_len)
     params = response_params(req, rid, served_model(request), sampling)
-    submit = build_submit(req, params, sampling, engine.epoch, t_submit)
+    submit = build_submit(req, params, sampling, engine.epoch, t_submit, client_id)
     events = ResponseEvents(params)
+    timer = RequestTimer(request.app.state.metrics, "responses", t_submit)
     if not req.background:
-        return await _foreground(request, engine, events, submit, req.stream)
+        return await _foreground(request, engine, events, submit, req.stream, timer)
     run = BackgroundRun(events)
     registry.add(run)
-    run.start(engine, submit)
+    run.start(engine, submit, timer)
     if req.stream:
         return SSEResponse(_sse(run.subscribe()))
     return JSONResponse(events.snapshot())
 
 
 async def _foreground(request: Request, engine: EngineClient, events: ResponseEvents,
-                      submit: Submit, stream: bool) -> Response:
+                      submit: Submit, stream: bool, timer: RequestTimer) -> Response:
     """Waits for the engine's first record (a rejected request is still an HTTP error), then
     answers. Leaving early closes the engine stream, whose ``finally`` writes the Abort."""
     records = engine.generate(submit)
@@ -109,10 +108,10 @@ async def _foreground(request: Request, engine: EngineClient, events: ResponseEv
             first = await anext(records, None)
         if stream:
             streaming = True  # from here the response closes the watch and the records
-            return SSEResponse(_sse(_foreground_events(events, first, records)), watch=watch,
-                               source=records)
+            return SSEResponse(_sse(_foreground_events(events, first, records, timer)),
+                               watch=watch, source=records)
         with watch:
-            return JSONResponse(await _collect(events, first, records))
+            return JSONResponse(await _collect(events, first, records, timer))
     finally:
         if not streaming:
             watch.close()
@@ -120,24 +119,29 @@ async def _foreground(request: Request, engine: EngineClient, events: ResponseEv
 
 
 async def _collect(events: ResponseEvents, first: Delta | Finish | None,
-                   records: EngineStream) -> dict[str, Any]:
+                   records: EngineStream, timer: RequestTimer) -> dict[str, Any]:
     record = first
     while record is not None:
+        timer.see(record)
         apply_record(events, record)
         record = await anext(records, None)
+    timer.done()
     return events.snapshot()
 
 
 async def _foreground_events(events: ResponseEvents, first: Delta | Finish | None,
-                             records: EngineStream) -> AsyncGenerator[Event, None]:
+                             records: EngineStream,
+                             timer: RequestTimer) -> AsyncGenerator[Event, None]:
     try:
         for event in events.created():
             yield event
         record = first
         while record is not None:
+            timer.see(record)
             for event in apply_record(events, record):
                 yield event
             record = await anext(records, None)
+        timer.done()
     except ApiError as exc:  # the daemon was lost mid-stream
         for event in events.error(exc.message, exc.code, exc.param):
             yield event

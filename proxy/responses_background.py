@@ -26,6 +26,7 @@ from ipc.records import Submit
 from ipc.response_object import ResponseStatus
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
+from proxy.metrics import RequestTimer
 from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record
 
 log = logging.getLogger("tether.proxy")
@@ -50,8 +51,10 @@ class BackgroundRun:
     def finished(self) -> bool:
         return self.events.finished
 
-    def start(self, engine: EngineClient, submit: Submit) -> None:
-        self.task = asyncio.create_task(self._drive(engine, submit), name=f"background {self.id}")
+    def start(self, engine: EngineClient, submit: Submit,
+              timer: RequestTimer | None = None) -> None:
+        self.task = asyncio.create_task(self._drive(engine, submit, timer),
+                                        name=f"background {self.id}")
 
     def publish(self, events: list[Event]) -> None:
         if not events:
@@ -93,11 +96,16 @@ class BackgroundRun:
                 return
             await self._wake.wait()
 
-    async def _drive(self, engine: EngineClient, submit: Submit) -> None:
+    async def _drive(self, engine: EngineClient, submit: Submit,
+                     timer: RequestTimer | None) -> None:
         try:
             async with contextlib.aclosing(engine.generate(submit, abort_on_exit=False)) as records:
                 async for record in records:
+                    if timer is not None:
+                        timer.see(record)
                     self.publish(apply_record(self.events, record))
+            if timer is not None:
+                timer.done()
         except ApiError as exc:
             self.publish(self.events.error(exc.message, exc.code, exc.param))
             self.publish(self.events.finish(Outcome(ResponseStatus.FAILED, error=exc.message)))

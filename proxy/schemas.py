@@ -221,11 +221,15 @@ def check_response_id(rid: str) -> str:
     return rid
 
 
-def request_id(header: str | None, prefix: str) -> str:
-    """The client's X-Request-Id when it is valid, else a fresh id starting with `prefix`."""
-    if header is None:
-        return prefix + uuid.uuid4().hex
-    if not _REQUEST_ID.match(header):
+def new_id(prefix: str) -> str:
+    """A request's engine key and object id: always the server's own, never a client's, so
+    clients that pick the same X-Request-Id can never refuse or abort each other's work."""
+    return prefix + uuid.uuid4().hex
+
+
+def client_request_id(header: str | None) -> str | None:
+    """The client's X-Request-Id (echoed and logged, never a key); 400 when malformed."""
+    if header is not None and not _REQUEST_ID.match(header):
         raise ApiError(400, "X-Request-Id must be 1 to 128 characters of [A-Za-z0-9._:-]",
                        param="X-Request-Id", code="invalid_request_id")
     return header

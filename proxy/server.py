@@ -33,6 +33,11 @@ Notify = Callable[[str], object]
 WATCHDOG_INTERVAL_S = 2.0
 # Once open sessions were aborted, their responses end within a moment.
 CLOSE_TIMEOUT_S = 2.0
+# Each client socket's kernel send buffer. Left to autotuning it grows to tcp_wmem's maximum
+# (4 MiB) for a client that does not read, and all of it is tokens generated for nobody before
+# flow control (which sees only what the proxy holds) can pause the stream. 256 KiB (the kernel
+# doubles it) is still far more than a stream needs in flight.
+SEND_BUFFER_BYTES = 256 * 1024
 
 
 class ProxyServer(uvicorn.Server):
@@ -63,6 +68,10 @@ class ProxyServer(uvicorn.Server):
         await super().startup(sockets)
         if not self.started:
             return
+        for server in self.servers:
+            for sock in server.sockets or ():
+                # Accepted connections inherit the listening socket's buffer size.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._watchdog = asyncio.create_task(self._pet_watchdog(), name="tether-watchdog")
         self.notify(f"STATUS=listening on {self.config.host}:{self.port}")
         self.notify("READY=1")

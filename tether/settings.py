@@ -51,6 +51,9 @@ class Settings:
     response_store_max: int = 10000
     response_store_max_age_s: float = 7 * 24 * 3600.0
     drain_timeout_s: float = 10.0
+    request_timeout_s: float = 60.0
+    stall_timeout_s: float = 60.0
+    max_buffered_tokens: int = 1024
     pipe_group: str | None = None
     log_format: str = "auto"  # auto | json | text
     log_level: str = "info"
@@ -86,6 +89,12 @@ _HELP: dict[str, str] = {
     "response_store_max": "most stored responses kept (oldest pruned)",
     "response_store_max_age_s": "stored responses older than this are pruned",
     "drain_timeout_s": "on SIGTERM, time given to in-flight work before it is aborted",
+    "request_timeout_s": "a request the daemon has not taken within this many seconds fails "
+    "with 504 (the time it waits for its turn does not count)",
+    "stall_timeout_s": "a stream whose client reads nothing for this many seconds is aborted "
+    "(cause timeout)",
+    "max_buffered_tokens": "per stream, tokens the proxy holds unread before the daemon pauses "
+    "it (each log-probability alternative counts as one)",
     "pipe_group": "group given access to the FIFOs (mode 0660); none = owner only (0600)",
     "log_format": "auto (JSON lines under systemd, text on a terminal) | json | text",
     "log_level": "debug | info | warning | error",
@@ -162,7 +171,8 @@ def _bool(raw: str) -> bool:
 
 def _check(s: Settings) -> None:
     positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
-                "max_body_bytes", "response_store_max", "keep_alive_timeout_s")
+                "max_body_bytes", "response_store_max", "keep_alive_timeout_s",
+                "max_buffered_tokens")
     for name in positive:
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
@@ -174,6 +184,9 @@ def _check(s: Settings) -> None:
         raise ValueError(f"--replica-lease-s must be > 0, got {s.replica_lease_s}")
     if s.kv_cache_mib < 0:
         raise ValueError(f"--kv-cache-mib must be >= 0, got {s.kv_cache_mib}")
+    for name in ("request_timeout_s", "stall_timeout_s"):
+        if not getattr(s, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(s, name)}")
     if s.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {s.threads}")
     if not 0 < s.port < 65536 and s.port != 0:

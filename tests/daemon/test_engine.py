@@ -11,6 +11,7 @@ from daemon.runner import ModelRunner
 from daemon.store import ResponseStore
 from ipc.records import (
     AbortCause,
+    Admitted,
     Delta,
     Error,
     Finish,
@@ -44,7 +45,7 @@ def writer(text: str, prompt: str) -> Script:
 
 def test_completion_streams_text_and_finishes_with_usage():
     engine, _ = make_engine(writer("Hi there", "hello"))
-    assert engine.submit(completion("a", temperature=0.0, max_tokens=50)) == []
+    assert engine.submit(completion("a", temperature=0.0, max_tokens=50)) == [Admitted("a")]
     out = run(engine)
     assert texts(out, "a") == {0: "Hi there"}
     fin = finishes(out, "a")[0]
@@ -161,14 +162,47 @@ def test_abort_is_idempotent():
     assert engine.block_manager.num_used == 0 and not engine.has_work
 
 
-def test_abort_before_submit_leaves_a_tombstone():
+def test_abort_before_submit_leaves_a_tombstone_used_once_and_counted():
     engine, runner = make_engine()
-    assert engine.abort("ghost", AbortCause.CLIENT_DISCONNECT) == []
+    assert engine.abort("ghost", AbortCause.CLIENT_DISCONNECT, t_disconnect=99.0) == []
     out = engine.submit(completion("ghost", n=2))
     assert [(r.index, r.reason, r.cause) for r in out] == [
         (0, FinishReason.ABORT, AbortCause.CLIENT_DISCONNECT),
         (1, FinishReason.ABORT, AbortCause.CLIENT_DISCONNECT)]
     assert not engine.has_work and runner.passes == []
+    stats = engine.stats()
+    assert stats.aborts == {"client_disconnect": 1} and stats.finished == {"abort": 1}
+    assert len(stats.abort_latency_obs) == 1 and stats.abort_latency_ticks_obs == [0]
+    # Consumed: the same key again is a new request (keys are unique; this is the backstop).
+    assert engine.submit(completion("ghost")) == [Admitted("ghost")]
+
+
+def test_a_paused_session_keeps_its_blocks_and_is_not_scheduled():
+    engine, runner = make_engine()
+    engine.submit(completion("p", max_tokens=100, ignore_eos=True))
+    engine.submit(completion("q", max_tokens=100, ignore_eos=True))
+    engine.step()
+    blocks = engine.block_manager.num_used
+    engine.set_paused("p", True)
+    engine.set_paused("q", True)
+    assert not engine.has_work and engine.stats().paused == 2
+    assert engine.block_manager.num_used == blocks
+    engine.set_paused("q", False)
+    generated = {rid: engine.sessions[rid].num_generated for rid in ("p", "q")}
+    engine.step()
+    assert engine.sessions["p"].num_generated == generated["p"]
+    assert engine.sessions["q"].num_generated == generated["q"] + 1
+    engine.set_paused("p", False)
+    assert engine.stats().paused == 0 and engine.has_work
+    engine.step()
+    assert engine.sessions["p"].num_generated == generated["p"] + 1
+
+
+def test_a_one_token_prefill_chunk_counts_as_prefill():
+    engine, _ = make_engine(budget=8)
+    engine.submit(completion("a", "x" * 8, max_tokens=1))  # BOS + 8: chunks of 8 and 1
+    run(engine)
+    assert engine.stats().prompt_tokens == 9
 
 
 def test_tokens_after_disconnect_counts_ticks_started_after_it():

@@ -269,3 +269,46 @@ def test_without_caching_every_prompt_is_computed_in_full():
         sched.finish(s)
         assert [(c.start_pos, len(c.token_ids)) for c in batch.chunks] == [(0, 40)]
     assert (sched.num_cache_queries, sched.num_cache_hits) == (0, 0)
+
+
+def test_a_paused_sequence_keeps_its_blocks_and_waits_without_holding_up_others():
+    sched = scheduler(max_num_seqs=2)
+    a, b, c = seq(4, rid="a"), seq(4, rid="b"), seq(4, rid="c")
+    sched.add(a)
+    run_tick(sched)
+    sched.set_paused([a], True)
+    held = list(a.block_table)
+    assert not sched.has_work
+    sched.add(b)
+    sched.set_paused([b], True)  # paused while still waiting
+    sched.add(c)
+    batch = run_tick(sched)
+    assert batch.seqs == [c] and list(sched.waiting) == [b]  # c passed the paused b
+    assert a.block_table == held and a.status is SeqStatus.RUNNING
+    sched.set_paused([a, b], False)
+    sched.finish(c)
+    assert run_tick(sched).seqs == [a, b]
+    assert sched.num_paused == 0
+
+
+def test_paused_sequences_are_preempted_first_and_removal_forgets_them():
+    sched = scheduler(num_blocks=3, budget=64)
+    old, paused, new = seq(16, rid="old"), seq(15, rid="paused"), seq(15, rid="new")
+    for s in (old, paused, new):
+        sched.add(s)
+    run_tick(sched)  # one block each; old now needs a second
+    sched.set_paused([paused], True)
+    batch = run_tick(sched)
+    assert paused.status is SeqStatus.WAITING and new in batch.seqs  # not the newest: paused
+    sched.remove(paused)
+    assert sched.num_paused == 0
+
+
+def test_a_one_token_prompt_chunk_is_prefill_not_decode():
+    sched = scheduler(budget=8)
+    s = seq(9)
+    sched.add(s)
+    run_tick(sched)
+    last = run_tick(sched)
+    assert (last.num_prefill_tokens, last.num_decode_tokens) == (1, 0)
+    assert run_tick(sched).num_decode_tokens == 1

@@ -140,9 +140,11 @@ def daemon(tmp_path: Path) -> Iterator[tuple[DaemonServer, RawProxy, list[str]]]
     proxy.close()
 
 
-def hello(proxy: RawProxy, epoch: int = 1) -> Welcome:
-    proxy.send(Hello(PROTOCOL_VERSION, os.getpid(), epoch))
-    welcome = proxy.wait_for(lambda r: isinstance(r, Welcome) and r.epoch == epoch)
+def hello(proxy: RawProxy, epoch: int = 1, nonce: int | None = None) -> Welcome:
+    """A new connection's Hello (its own nonce), proposing `epoch`; the daemon's Welcome."""
+    nonce = epoch if nonce is None else nonce
+    proxy.send(Hello(PROTOCOL_VERSION, os.getpid(), epoch, nonce))
+    welcome = proxy.wait_for(lambda r: isinstance(r, Welcome) and r.nonce == nonce)
     assert isinstance(welcome, Welcome)
     return welcome
 
@@ -173,8 +175,8 @@ def test_version_mismatch_is_an_error_naming_both_versions(daemon, caplog):
     proxy.send(Hello(PROTOCOL_VERSION + 1, os.getpid(), 2))
     err = proxy.wait_for(lambda r: isinstance(r, Error) and r.rid is None)
     assert isinstance(err, Error)
-    assert f"version {PROTOCOL_VERSION + 1}" in err.message
-    assert f"version {PROTOCOL_VERSION}" in err.message
+    assert f"proxy {PROTOCOL_VERSION + 1}" in err.message
+    assert f"daemon {PROTOCOL_VERSION}" in err.message
 
 
 def test_abort_from_control_ends_generation(daemon):

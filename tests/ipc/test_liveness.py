@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ipc.framing import encode_control
 from ipc.pipes import DaemonPipes, ProxyPipes
 from ipc.records import (
@@ -30,32 +32,35 @@ REPO = Path(__file__).resolve().parents[2]
 FORK = multiprocessing.get_context("fork")
 
 # A minimal engine stand-in: welcomes each Hello, answers a Submit with its prompt reversed
-# and, unless told to stay silent, sends Stats every 50 ms like the real daemon's tick loop.
+# and sends Stats every 50 ms like the real daemon's tick loop; told to be "busy", it goes into
+# a 10 s "forward pass" once welcomed, sending nothing itself.
 _ECHO_DAEMON = """
 import os, sys, time
 from pathlib import Path
 from ipc.pipes import DaemonPipes
 from ipc.records import Delta, Hello, Stats, Welcome
-run, version, chatty = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "chatty"
+run, version, busy = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "busy"
 pipes = DaemonPipes(run)
 next_stats = 0.0
 while True:
     pipes.wait_readable(0.02)
-    out = [Welcome(version, os.getpid(), "echo", 64, r.epoch)
+    out = [Welcome(version, os.getpid(), "echo", 64, r.epoch, r.nonce)
            for r in pipes.read_control() if isinstance(r, Hello)]
     out += [Delta(r.rid, 0, r.prompts[0][::-1], []) for r in pipes.read_requests()]
-    if chatty and time.monotonic() >= next_stats:
+    if time.monotonic() >= next_stats:
         next_stats = time.monotonic() + 0.05
         out.append(Stats(time.monotonic(), 0, 0, 0, 0, 0, 0, 0, 0, 0, {}, {}, {}))
     pipes.send(out)
+    if busy and any(isinstance(r, Welcome) for r in out):
+        time.sleep(10.0)
 """
 
 
 def _start_daemon(run: Path, version: int = PROTOCOL_VERSION,
-                  chatty: bool = True) -> subprocess.Popen[bytes]:
+                  busy: bool = False) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     args = [sys.executable, "-c", _ECHO_DAEMON, str(run), str(version),
-            "chatty" if chatty else "silent"]
+            "busy" if busy else "idle"]
     return subprocess.Popen(args, env=env)
 
 
@@ -70,14 +75,14 @@ class _Proxy:
     def __init__(self, run: Path) -> None:
         self.states: asyncio.Queue[tuple[bool, str]] = asyncio.Queue()
         self.records: asyncio.Queue[ToProxy] = asyncio.Queue()
-        self.pipes = ProxyPipes(run, 42, self.records.put_nowait,
+        self.pipes = ProxyPipes(run, self.records.put_nowait,
                                 lambda up, why: self.states.put_nowait((up, why)))
 
     async def state(self, within: float = 5.0) -> tuple[bool, str]:
         return await asyncio.wait_for(self.states.get(), within)
 
     async def echo(self, rid: str, prompt: str) -> str:
-        submit = Submit(rid=rid, epoch=42, kind=RequestKind.COMPLETION,
+        submit = Submit(rid=rid, epoch=self.pipes.epoch, kind=RequestKind.COMPLETION,
                         sampling=SamplingParams(), prompts=[prompt])
         await self.pipes.submit(submit)
         while True:
@@ -109,17 +114,36 @@ def test_proxy_sees_daemon_killed_and_reconnects_to_a_new_one(tmp_path: Path) ->
     asyncio.run(main())
 
 
-def test_proxy_declares_a_silent_daemon_lost(tmp_path: Path) -> None:
+def test_proxy_declares_a_hung_daemon_lost(tmp_path: Path) -> None:
     async def main() -> None:
-        daemon = _start_daemon(tmp_path, chatty=False)
+        daemon = _start_daemon(tmp_path)
         proxy = _Proxy(tmp_path)
         await proxy.pipes.start()
         try:
             assert await proxy.state() == (True, "connected")
+            os.kill(daemon.pid, signal.SIGSTOP)
             t0 = time.monotonic()
             up, why = await proxy.state(SILENCE_TIMEOUT_S + 3.0)
             assert not up and "no record from the daemon" in why
             assert SILENCE_TIMEOUT_S - 0.1 < time.monotonic() - t0 < SILENCE_TIMEOUT_S + 2.0
+        finally:
+            await proxy.pipes.close()
+            _kill(daemon)
+
+    asyncio.run(main())
+
+
+def test_a_long_forward_pass_is_not_silence(tmp_path: Path) -> None:
+    """The busy daemon's loop sends nothing for 10 s; its keepalive thread speaks for it."""
+    async def main() -> None:
+        daemon = _start_daemon(tmp_path, busy=True)
+        proxy = _Proxy(tmp_path)
+        await proxy.pipes.start()
+        try:
+            assert await proxy.state() == (True, "connected")
+            with pytest.raises(TimeoutError):
+                await proxy.state(SILENCE_TIMEOUT_S + 2.0)
+            assert proxy.pipes.up
         finally:
             await proxy.pipes.close()
             _kill(daemon)
@@ -146,7 +170,7 @@ def test_proxy_refuses_a_daemon_with_another_protocol_version(tmp_path: Path) ->
 
 def _idle_proxy(run: Path) -> None:
     async def main() -> None:
-        pipes = ProxyPipes(run, 9, lambda r: None, lambda up, why: None)
+        pipes = ProxyPipes(run, lambda r: None, lambda up, why: None)
         await pipes.start()
         await asyncio.sleep(60)
 
@@ -160,7 +184,8 @@ def _await_hello(pipes: DaemonPipes, timeout: float = 5.0) -> Hello:
         pipes.read_requests()
         for record in pipes.read_control():
             if isinstance(record, Hello):
-                pipes.send([Welcome(PROTOCOL_VERSION, os.getpid(), "m", 64, record.epoch)])
+                pipes.send([Welcome(PROTOCOL_VERSION, os.getpid(), "m", 64, record.epoch + 8,
+                                    record.nonce)])
                 return record
     raise AssertionError("no Hello from the proxy")
 
@@ -183,7 +208,7 @@ def test_daemon_sees_proxy_killed_and_does_not_spin(tmp_path: Path) -> None:
     proxy = FORK.Process(target=_idle_proxy, args=(tmp_path,))
     proxy.start()
     try:
-        assert _await_hello(pipes).epoch == 9
+        assert _await_hello(pipes).epoch == 1  # its proposal: its last epoch (none) + 1
         assert pipes.proxy_connected
         os.kill(proxy.pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -201,7 +226,7 @@ def test_daemon_sees_proxy_killed_and_does_not_spin(tmp_path: Path) -> None:
         proxy.join(1)
         proxy = FORK.Process(target=_idle_proxy, args=(tmp_path,))
         proxy.start()
-        assert _await_hello(pipes).epoch == 9
+        assert _await_hello(pipes).epoch == 1
     finally:
         proxy.kill()
         pipes.close()

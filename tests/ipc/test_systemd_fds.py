@@ -36,7 +36,8 @@ while True:
     pipes.wait_readable(1.0)
     hellos = [r for r in pipes.read_control() if isinstance(r, Hello)]
     if hellos:
-        pipes.send([Welcome(hellos[0].version, os.getpid(), "m", 64, hellos[0].epoch)])
+        pipes.send([Welcome(hellos[0].version, os.getpid(), "m", 64, hellos[0].epoch,
+                            hellos[0].nonce)])
         break
 """
 

@@ -89,6 +89,11 @@ class Peer:
                 assert remaining > 0, "timed out waiting on the test daemon"
                 self._lock.wait(remaining)
 
+    def key_of(self, client_id: str, timeout: float = 5.0) -> str:
+        """The engine key the proxy gave the request sent with this X-Request-Id."""
+        self.wait_for(lambda p: any(s.client_id == client_id for s in p.submits), timeout)
+        return next(s.rid for s in self.submits if s.client_id == client_id)
+
     # --- the daemon loop (thread) ---------------------------------------------------------------
 
     def _run(self) -> None:
@@ -109,7 +114,8 @@ class Peer:
 
     def _handle(self, record: ToDaemon) -> list[ToProxy]:
         if isinstance(record, Hello):
-            return [Welcome(PROTOCOL_VERSION, os.getpid(), MODEL, MAX_MODEL_LEN, record.epoch)]
+            return [Welcome(PROTOCOL_VERSION, os.getpid(), MODEL, MAX_MODEL_LEN, record.epoch,
+                            record.nonce)]
         if isinstance(record, Abort):
             self.aborts.append(record)
             session = self._sessions.pop(record.rid, None)

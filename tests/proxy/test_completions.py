@@ -44,7 +44,7 @@ async def test_completion_choices_cover_prompts_times_n(client: httpx.AsyncClien
     submit = peer.submits[-1]
     assert submit.kind is RequestKind.COMPLETION and submit.prompts == ["first", "second"]
     assert (submit.n, submit.sampling.max_tokens, submit.sampling.seed) == (2, 3, 1)
-    assert submit.rid == body["id"] == r.headers["x-request-id"]
+    assert submit.rid == body["id"] == r.headers["x-request-id"] and submit.client_id is None
 
 
 async def test_completion_stream_ends_with_usage_and_done(client: httpx.AsyncClient) -> None:
@@ -99,22 +99,25 @@ async def test_daemon_rejection_keeps_its_status_and_param(client: httpx.AsyncCl
         assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
 
 
-async def test_x_request_id_is_honoured_and_duplicates_refused(client: httpx.AsyncClient,
-                                                               peer: Peer) -> None:
+async def test_x_request_id_is_echoed_never_the_key(client: httpx.AsyncClient,
+                                                    peer: Peer) -> None:
     r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 1},
                           headers={"X-Request-Id": "mine-1"})
-    assert r.status_code == 200 and r.json()["id"] == "mine-1"
-    assert r.headers["x-request-id"] == "mine-1" and peer.submits[-1].rid == "mine-1"
+    assert r.status_code == 200 and r.headers["x-request-id"] == "mine-1"
+    submit = peer.submits[-1]
+    assert r.json()["id"] == submit.rid != "mine-1" and submit.client_id == "mine-1"
+    # Two requests with one X-Request-Id at once: both served, under keys of their own.
     peer.hold = True
     first = asyncio.ensure_future(client.post(
         "/v1/completions", headers={"X-Request-Id": "dup"}, json={"prompt": "p", "max_tokens": 1}))
-    await wait_until(lambda: any(s.rid == "dup" for s in peer.submits))
-    second = await client.post("/v1/completions", headers={"X-Request-Id": "dup"},
-                               json={"prompt": "p", "max_tokens": 1})
-    assert second.status_code == 400
-    assert second.json()["error"]["code"] == "duplicate_request_id"
+    await wait_until(lambda: any(s.client_id == "dup" for s in peer.submits))
+    second = asyncio.ensure_future(client.post(
+        "/v1/completions", headers={"X-Request-Id": "dup"}, json={"prompt": "p", "max_tokens": 1}))
+    await wait_until(lambda: sum(s.client_id == "dup" for s in peer.submits) == 2)
     peer.hold = False
-    assert (await first).status_code == 200
+    answers = [await first, await second]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[0].json()["id"] != answers[1].json()["id"]
 
 
 async def test_too_many_waiting_is_429(settings: Settings, peer: Peer) -> None:

@@ -9,8 +9,9 @@ from proxy.schemas import (
     check_chat,
     check_completion,
     check_model,
+    client_request_id,
     decode_body,
-    request_id,
+    new_id,
     sampling_params,
 )
 
@@ -96,11 +97,12 @@ def test_text_parts_are_joined_and_developer_is_system() -> None:
 
 
 def test_request_id_rules() -> None:
-    assert request_id("abc-1.2:3_x", "cmpl-") == "abc-1.2:3_x"
-    assert request_id(None, "cmpl-").startswith("cmpl-")
+    assert client_request_id("abc-1.2:3_x") == "abc-1.2:3_x"
+    assert client_request_id(None) is None
     for bad in ("", "has space", "x" * 129, "slash/"):
         with pytest.raises(ApiError):
-            request_id(bad, "cmpl-")
+            client_request_id(bad)
+    assert new_id("cmpl-").startswith("cmpl-") and new_id("cmpl-") != new_id("cmpl-")
 
 
 def test_unknown_model_is_404() -> None:

@@ -48,8 +48,9 @@ def read_plain(sock: socket.socket) -> tuple[bytes, bytes]:
     return head.split(b"\r\n")[0], body
 
 
-def assert_one_abort(peer: Peer, rid: str, cause: AbortCause = AbortCause.CLIENT_DISCONNECT,
-                     ) -> None:
+def assert_one_abort(peer: Peer, client_id: str,
+                     cause: AbortCause = AbortCause.CLIENT_DISCONNECT) -> None:
+    rid = peer.key_of(client_id)
     peer.wait_for(lambda p: any(a.rid == rid for a in p.aborts))
     time.sleep(0.2)  # a duplicate would have arrived by now
     aborts = [a for a in peer.aborts if a.rid == rid]
@@ -80,7 +81,7 @@ def test_non_streaming_disconnect_writes_an_abort(live: LiveProxy, peer: Peer,
                                                   path: str) -> None:
     body = {"prompt": "p", **ENDLESS} if path == "/v1/completions" else CHAT
     sock = post_raw(live.port, path, body, "n-drop")
-    peer.wait_for(lambda p: any(s.rid == "n-drop" for s in p.submits))
+    peer.wait_for(lambda p: any(s.client_id == "n-drop" for s in p.submits))
     time.sleep(0.05)  # let it run a few steps
     sock.close()
     assert_one_abort(peer, "n-drop")
@@ -92,7 +93,7 @@ def test_queued_disconnect_writes_an_abort(live: LiveProxy, peer: Peer, stream: 
     peer.hold = True
     sock = post_raw(live.port, "/v1/completions", {"prompt": "p", "stream": stream, **ENDLESS},
                     "q-drop")
-    peer.wait_for(lambda p: any(s.rid == "q-drop" for s in p.submits))
+    peer.wait_for(lambda p: any(s.client_id == "q-drop" for s in p.submits))
     sock.close()
     assert_one_abort(peer, "q-drop")
     assert open_sessions(live) == 0
@@ -130,7 +131,7 @@ def test_auth_on_still_aborts(settings: Settings, peer: Peer) -> None:
         assert_one_abort(peer, "a-s")
         sock = post_raw(live.port, "/v1/completions", {"prompt": "p", **ENDLESS}, "a-n",
                         key="sk-test")
-        peer.wait_for(lambda p: any(s.rid == "a-n" for s in p.submits))
+        peer.wait_for(lambda p: any(s.client_id == "a-n" for s in p.submits))
         sock.close()
         assert_one_abort(peer, "a-n")
     finally:
@@ -143,7 +144,7 @@ def test_daemon_lost_ends_streams_with_an_error_and_health_503(live: LiveProxy,
                       "lost-s")
     read_events(stream, 3)
     plain = post_raw(live.port, "/v1/completions", {"prompt": "p", **ENDLESS}, "lost-n")
-    peer.wait_for(lambda p: any(s.rid == "lost-n" for s in p.submits))
+    peer.wait_for(lambda p: any(s.client_id == "lost-n" for s in p.submits))
     started = time.monotonic()
     peer.stop()
     rest = read_to_end(stream)

@@ -38,25 +38,38 @@ class Server:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def _cmd(self, what: str) -> list[str]:
-        cmd = [sys.executable, "-m", "tether.cli", what,
+    def _cmd(self, what: str, protocol_version: int | None = None) -> list[str]:
+        run = [sys.executable, "-m", "tether.cli"]
+        if protocol_version is not None:
+            # A build that speaks another protocol version: the real program, with the constant
+            # changed before anything reads it.
+            run = [sys.executable, "-c", f"import ipc.records; ipc.records.PROTOCOL_VERSION = "
+                   f"{protocol_version}; import sys; from tether.cli import main; "
+                   "sys.exit(main(sys.argv[1:]))"]
+        cmd = [*run, what,
                "--runtime-dir", str(self.tmp / "run"), "--state-dir", str(self.tmp / "state"),
                "--port", str(self.port), "--log-format", "text", *self.extra]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd
 
-    def _spawn(self, what: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, what: str, protocol_version: int | None) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{what}.log", "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("NOTIFY_SOCKET", None)
-        return subprocess.Popen(self._cmd(what), stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(self._cmd(what, protocol_version), stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
 
-    def start_daemon(self) -> None:
-        self.daemon = self._spawn("daemon")
+    def start_daemon(self, protocol_version: int | None = None) -> None:
+        self.daemon = self._spawn("daemon", protocol_version)
 
-    def start_proxy(self) -> None:
-        self.proxy = self._spawn("proxy")
+    def start_proxy(self, protocol_version: int | None = None) -> None:
+        self.proxy = self._spawn("proxy", protocol_version)
+
+    def log(self, what: str) -> str:
+        """Everything `what` (daemon or proxy, every run of it) has logged so far."""
+        path = self.tmp / f"{what}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def kill(self, which: str) -> None:
         proc: subprocess.Popen[bytes] | None = getattr(self, which)
@@ -148,8 +161,10 @@ LONG = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
 CHAT = {"messages": [{"role": "user", "content": "tell me everything"}], **LONG}
 
 
-def post_raw(server: Server, path: str, body: dict[str, Any]) -> socket.socket:
-    return raw_http.post_raw(server.port, path, body, key=server.api_key)
+def post_raw(server: Server, path: str, body: dict[str, Any],
+             rid: str | None = None) -> socket.socket:
+    """The request sent (with `rid` as its X-Request-Id), the socket left unread."""
+    return raw_http.post_raw(server.port, path, body, rid, key=server.api_key)
 
 
 def drop(sock: socket.socket) -> None:

@@ -1,0 +1,121 @@
+"""/metrics tells the truth: no gauges of a dead daemon, aborts counted when written, Responses
+requests in the latency histograms, aborts of requests still in the pipe counted, prefill tokens
+counted as prefill however they are chunked."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.faults import shrink_and_fill, stopped
+from tests.support.metrics import m
+from tests.support.pair import LONG, Server, post_raw, start_server, wait_aborts
+from tests.support.raw_http import read_events
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+DAEMON_GAUGES = ("tether_requests_running", "tether_requests_waiting",
+                 "tether_kv_cache_blocks_used", "tether_kv_cache_blocks_total",
+                 "tether_conversation_placeholders")
+
+
+def _streams(server: Server, count: int) -> list:
+    socks = [post_raw(server, "/v1/completions", {"prompt": f"s{i}", "stream": True, **LONG})
+             for i in range(count)]
+    for sock in socks:
+        read_events(sock, 2)
+    return socks
+
+
+def test_a_dead_daemon_shows_no_gauges(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    try:
+        socks = _streams(server, 3)
+        assert m(server.metrics(), "tether_requests_running") == 3
+        server.kill("daemon")
+        wait_for(lambda: m(server.metrics(), "tether_daemon_up") == 0, 5, "the proxy sees it")
+        seen = server.metrics()
+        assert not [g for g in DAEMON_GAUGES if g in seen], seen
+        for sock in socks:
+            sock.close()
+    finally:
+        server.stop()
+
+
+def test_aborts_sent_counts_only_aborts_written(tmp_path: Path) -> None:
+    """Aborts the proxy could only queue (the control pipe full) and then dropped with the lost
+    connection were never sent."""
+    server = start_server(tmp_path)
+    try:
+        socks = _streams(server, 3)
+        with stopped(server.daemon):
+            filler = shrink_and_fill(tmp_path / "run" / "control")
+            for sock in socks:
+                sock.close()
+            # The daemon is silent for 3 s: lost, and the queued aborts go with the connection.
+            wait_for(lambda: m(server.metrics(), "tether_daemon_up") == 0, 10, "the loss")
+            os.close(filler)
+        server.wait_health(200)
+        assert m(server.metrics(), "tether_proxy_aborts_sent_total",
+                 cause="client_disconnect") == 0
+    finally:
+        server.stop()
+
+
+def test_responses_feed_the_latency_histograms(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    try:
+        before = server.metrics()
+        body = {"input": "hello", "max_output_tokens": 4, "ignore_eos": True}
+        with server.client() as c:
+            assert c.post("/v1/responses", json=body).status_code == 200
+            with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                r.read()
+        after = server.metrics()
+        ttft = "tether_time_to_first_token_seconds_count"
+        assert m(after, ttft) - m(before, ttft) == 2
+        duration = "tether_request_duration_seconds_count"
+        assert m(after, duration, endpoint="responses") - m(
+            before, duration, endpoint="responses") == 2
+    finally:
+        server.stop()
+
+
+def test_aborts_of_requests_still_in_the_pipe_are_counted(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    try:
+        with stopped(server.daemon):
+            sock = post_raw(server, "/v1/completions", {"prompt": "queued", **LONG})
+            wait_for(lambda: m(server.metrics(), "tether_proxy_sessions_waiting") == 1, 10,
+                     "the proxy holds the request")
+            sock.close()
+            wait_for(lambda: m(server.metrics(), "tether_proxy_aborts_sent_total",
+                               cause="client_disconnect") == 1, 10, "the abort is written")
+        after = wait_aborts(server, "client_disconnect", 1)
+        assert m(after, "tether_requests_finished_total", reason="abort") == 1
+        assert m(after, "tether_prompt_tokens_total") == 0  # never prefilled
+    finally:
+        server.stop()
+
+
+def test_a_one_token_prefill_chunk_counts_as_prefill(tmp_path: Path) -> None:
+    server = start_server(tmp_path, ["--max-tokens-per-tick", "64", "--max-num-seqs", "8"])
+    try:
+        before = server.metrics()
+        with server.client() as c:
+            # 64 characters and BOS: chunks of 64 and 1 tokens.
+            r = c.post("/v1/completions", json={"prompt": "y" * 64, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 65
+        time.sleep(0.3)
+        after = server.metrics()
+        assert m(after, "tether_prompt_tokens_total") - m(before, "tether_prompt_tokens_total") == 65
+        assert m(after, "tether_generation_tokens_total") - m(
+            before, "tether_generation_tokens_total") == 1
+    finally:
+        server.stop()

@@ -1,0 +1,83 @@
+"""Bystander streams: well-behaved streaming clients run in threads beside a fault, so a test can
+assert that every one of them completed (status 200, no error event, ``[DONE]`` at the end)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from tests.support.raw_http import sse_json
+
+STREAM = {"max_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+@dataclass
+class StreamResult:
+    status: int = 0
+    events: int = 0
+    done: bool = False  # the stream ended with [DONE]
+    error: str | None = None  # an error event, a non-200 body, or the client's exception
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and self.error is None
+
+
+def stream_once(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+                timeout: float = 120.0) -> StreamResult:
+    result = StreamResult()
+    try:
+        with httpx.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                result.error = r.read().decode(errors="replace")
+                return result
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    result.done = True
+                event = sse_json(line)
+                if event is None:
+                    continue
+                result.events += 1
+                if "error" in event:
+                    result.error = orjson.dumps(event).decode()
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+@dataclass
+class Bystanders:
+    """`count` streams of `body` on `path`, each in its own thread, started at once."""
+
+    url: str
+    count: int
+    path: str = "/v1/completions"
+    body: dict[str, Any] = field(default_factory=lambda: {"prompt": "a bystander", **STREAM})
+    results: list[StreamResult] = field(default_factory=list)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Bystanders:
+        self.results = [StreamResult() for _ in range(self.count)]
+        for i in range(self.count):
+            thread = threading.Thread(target=self._run, args=(i,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def _run(self, i: int) -> None:
+        self.results[i] = stream_once(self.url, self.path, self.body)
+
+    def join(self, timeout: float = 180.0) -> list[StreamResult]:
+        for thread in self._threads:
+            thread.join(timeout)
+            assert not thread.is_alive(), "a bystander stream never ended"
+        return self.results
+
+    def assert_all_ok(self, timeout: float = 180.0) -> None:
+        bad = [r for r in self.join(timeout) if not r.ok]
+        assert not bad, f"{len(bad)} of {self.count} bystander streams failed: {bad[:3]}"
