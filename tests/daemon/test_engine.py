@@ -178,7 +178,7 @@ def test_abort_before_submit_leaves_a_tombstone_used_once_and_counted():
 
 
 def test_a_paused_session_keeps_its_blocks_and_is_not_scheduled():
-    engine, runner = make_engine()
+    engine, _ = make_engine()
     engine.submit(completion("p", max_tokens=100, ignore_eos=True))
     engine.submit(completion("q", max_tokens=100, ignore_eos=True))
     engine.step()

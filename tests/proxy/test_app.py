@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from starlette.types import Message
@@ -103,9 +104,13 @@ async def test_health_models_and_metrics(client: httpx.AsyncClient, peer: Peer) 
     assert [m["id"] for m in r.json()["data"]] == [MODEL]
     await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     await wait_until(lambda: bool(peer.finished))
-    r = await client.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    figures = parse_metrics(r.text)
+    for _ in range(100):  # the daemon's gauges show once its first Stats has come
+        r = await client.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        figures = parse_metrics(r.text)
+        if "tether_kv_cache_blocks_total" in figures:
+            break
+        await anyio.sleep(0.02)
     assert figures["tether_kv_cache_blocks_total"] == 64
     assert figures['tether_aborts_total{cause="client_disconnect"}'] == 0
     assert figures['tether_ipc_bad_records_total{pipe="tokens"}'] == 0
