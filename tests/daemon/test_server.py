@@ -25,17 +25,21 @@ from ipc.records import (
     PROTOCOL_VERSION,
     Abort,
     AbortCause,
+    Admitted,
     Delta,
     Error,
     Finish,
     FinishReason,
+    Goodbye,
     Heartbeat,
     Hello,
+    Pause,
     RequestKind,
     ResponseFields,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,
+    Resume,
     SamplingParams,
     Stats,
     Submit,
@@ -214,6 +218,39 @@ def test_new_epoch_aborts_the_old_proxys_requests(daemon):
     hello(proxy, epoch=2)
     fin = proxy.wait_for(finish_of("old"))
     assert isinstance(fin, Finish) and fin.cause is AbortCause.PROXY_LOST
+
+
+def test_only_submits_of_the_current_epoch_are_admitted(daemon):
+    _, proxy, _ = daemon
+    old = hello(proxy, epoch=1).epoch
+    new = hello(proxy, epoch=1, nonce=2).epoch  # a new connection: a new, higher epoch
+    assert new > old
+    proxy.send(completion("stale", epoch=old, max_tokens=300))
+    fin = proxy.wait_for(finish_of("stale"))
+    assert isinstance(fin, Finish) and fin.cause is AbortCause.PROXY_LOST
+    proxy.send(completion("fresh", epoch=new, max_tokens=3))
+    assert proxy.wait_for(lambda r: isinstance(r, Admitted) and r.rid == "fresh")
+    stats = proxy.wait_for(lambda r: isinstance(r, Stats) and r.aborts.get("proxy_lost") == 1)
+    assert isinstance(stats, Stats) and stats.finished.get("abort") == 1
+
+
+def test_a_goodbye_acts_only_for_the_current_epoch(daemon):
+    _, proxy, _ = daemon
+    old = hello(proxy, epoch=1).epoch
+    epoch = hello(proxy, epoch=1, nonce=2).epoch
+    proxy.send(completion("a", epoch=epoch, max_tokens=400, ignore_eos=True))
+    proxy.wait_for(lambda r: isinstance(r, Stats) and r.running == 1)
+    proxy.send(Goodbye(old))  # a stale goodbye: nothing happens
+    proxy.send(Pause("a", epoch))
+    proxy.wait_for(lambda r: isinstance(r, Stats) and r.paused == 1 and r.running == 1)
+    proxy.send(Resume("a", epoch))
+    proxy.wait_for(lambda r: isinstance(r, Stats) and r.paused == 0 and r.running == 1)
+    proxy.send(Goodbye(epoch))
+    fin = proxy.wait_for(finish_of("a"))
+    assert isinstance(fin, Finish) and fin.cause is AbortCause.PROXY_LOST
+    proxy.send(completion("late", epoch=epoch))  # written before the goodbye, read after
+    late = proxy.wait_for(finish_of("late"))
+    assert isinstance(late, Finish) and late.cause is AbortCause.PROXY_LOST
 
 
 def test_response_op_is_answered(daemon):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import grp
 import multiprocessing
 import os
@@ -334,4 +335,87 @@ def test_control_records_queue_in_order_while_the_pipe_is_full(tmp_path: Path) -
     aborts = [r.rid for r in got if isinstance(r, Abort)]
     assert aborts == [f"r{i}" for i in range(count)]
     assert pipes.bad_records["control"] == 0
+    pipes.close()
+
+
+# -- a frame once started is finished; a full tokens pipe is judged by progress ----------------
+
+
+def _cancelling_child(run: Path, big: int, results: multiprocessing.Queue) -> None:
+    async def main() -> dict[str, object]:
+        states: list[bool] = []
+        finished = asyncio.Event()
+        up = asyncio.Event()
+
+        def on_record(record: object) -> None:
+            if isinstance(record, Finish) and record.rid == "after":
+                finished.set()
+
+        def on_state(is_up: bool, _why: str) -> None:
+            states.append(is_up)
+            if is_up:
+                up.set()
+
+        pipes = ProxyPipes(run, on_record, on_state)
+        await pipes.start()
+        await asyncio.wait_for(up.wait(), 5)
+        big_task = asyncio.create_task(pipes.submit(_submit("big", "x" * big), timeout=30))
+        await asyncio.sleep(0.3)  # the daemon is not reading: the frame is part-written
+        big_task.cancel()
+        queued = pipes.queue_submit(_submit("withdrawn"))
+        withdrawn = pipes.withdraw(queued)  # queued behind "big": never started
+        await pipes.submit(_submit("after"), timeout=30)
+        await asyncio.wait_for(finished.wait(), 10)
+        await pipes.close()
+        return {"states": states, "withdrawn": withdrawn}
+
+    results.put(asyncio.run(main()))
+
+
+def test_a_cancelled_submit_still_goes_out_whole(tmp_path: Path) -> None:
+    """The caller of a frame larger than the pipe gives up half-way: the frame is finished
+    anyway, the connection survives, and the next frame arrives intact."""
+    pipes = DaemonPipes(tmp_path)
+    results: multiprocessing.Queue = FORK.Queue()
+    big = 3 * 1024 * 1024
+    child = FORK.Process(target=_cancelling_child, args=(tmp_path, big, results))
+    child.start()
+    try:
+        hello = next(r for r in _drain(pipes, time.monotonic() + 5, 1) if isinstance(r, Hello))
+        pipes.send([Welcome(PROTOCOL_VERSION, os.getpid(), "m", 64, 7, hello.nonce)])
+        time.sleep(0.8)  # a long tick: the big frame stays half-written meanwhile
+        submits: list[Submit] = []
+        deadline = time.monotonic() + 10
+        while len(submits) < 2 and time.monotonic() < deadline:
+            pipes.wait_readable(0.05)
+            pipes.read_control()
+            for record in pipes.read_requests():
+                assert isinstance(record, Submit)
+                submits.append(record)
+                pipes.send([Finish(record.rid, 0, FinishReason.STOP, Usage(1, 0))])
+        outcome = results.get(timeout=10)
+    finally:
+        child.kill()
+    assert [s.rid for s in submits] == ["big", "after"] and len(submits[0].prompts[0]) == big
+    assert outcome == {"states": [True], "withdrawn": True}
+    assert pipes.bad_records == {"control": 0, "requests": 0}
+    pipes.close()
+
+
+def test_a_full_tokens_pipe_that_drains_slowly_is_not_a_lost_proxy(tmp_path: Path) -> None:
+    """The proxy reads steadily but less than is written: the backlog never empties, yet it
+    moves, so the proxy is not lost (only a backlog that stops moving is)."""
+    pipes = DaemonPipes(tmp_path)
+    reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)
+    pipes.send([])
+    fcntl.fcntl(reader, 1031, 64 * 1024)  # F_SETPIPE_SZ: a small pipe fills at once
+    delta = Delta("r", 0, "y" * 2000, [1])
+    until = time.monotonic() + daemon_side.MAX_STALL_S + 1.5
+    while time.monotonic() < until:
+        pipes.send([delta] * 10)  # ~20 KB in
+        os.read(reader, 16 * 1024)  # 16 KB out
+        assert pipes.take_lost() is None
+        time.sleep(0.01)
+    assert pipes.tokens_backlog > 0 and pipes.proxy_connected
+    os.close(reader)
     pipes.close()

@@ -3,7 +3,7 @@
 `Peer` is the daemon's side of the real `ipc.pipes.DaemonPipes`, run in a thread: it answers
 Hello with Welcome, plays every Submit as a fixed script (one token per sequence per step,
 "tok<k> " with logprob -0.25 when asked, until max_tokens; a prompt "echo:<text>" makes every
-token "<text>"), applies Aborts, and sends Stats. Prompts containing "TOO LONG" are rejected
+token "<text>"), applies Aborts, Pauses and Resumes, and sends Stats. Prompts containing "TOO LONG" are rejected
 with a context-length Error record, as the real daemon does.
 """
 
@@ -28,7 +28,9 @@ from ipc.records import (
     Finish,
     FinishReason,
     Hello,
+    Pause,
     RequestKind,
+    Resume,
     Stats,
     Submit,
     ToDaemon,
@@ -53,6 +55,7 @@ class Session:
     unfinished: set[int]
     produced: dict[int, int] = field(default_factory=dict)
     echo: str | None = None
+    paused: bool = False
 
 
 class Peer:
@@ -62,6 +65,7 @@ class Peer:
         self.hold = False  # when set, Submits stay queued (no records) until cleared
         self.submits: list[Submit] = []
         self.aborts: list[Abort] = []
+        self.flow: list[Pause | Resume] = []
         self.finished: list[str] = []  # rids that finished normally
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Condition()
@@ -116,6 +120,11 @@ class Peer:
         if isinstance(record, Hello):
             return [Welcome(PROTOCOL_VERSION, os.getpid(), MODEL, MAX_MODEL_LEN, record.epoch,
                             record.nonce)]
+        if isinstance(record, Pause | Resume):
+            self.flow.append(record)
+            if record.rid in self._sessions:
+                self._sessions[record.rid].paused = isinstance(record, Pause)
+            return []
         if isinstance(record, Abort):
             self.aborts.append(record)
             session = self._sessions.pop(record.rid, None)
@@ -141,6 +150,8 @@ class Peer:
     def _step(self) -> list[ToProxy]:
         out: list[ToProxy] = []
         for rid, session in list(self._sessions.items()):
+            if session.paused:
+                continue
             for index in sorted(session.unfinished):
                 k = session.produced.get(index, 0)
                 text = f"tok{k} " if session.echo is None else session.echo

@@ -144,3 +144,49 @@ async def test_held_streams_are_cheap(engine: EngineClient, peer: Peer) -> None:
     print(f"{per_stream:.0f} bytes per held stream")
     assert per_stream <= 20_000, per_stream
     peer.wait_for(lambda p: len(p.aborts) == count, timeout=20)
+
+
+async def test_a_request_the_daemon_never_takes_times_out(settings: Settings,
+                                                          peer: Peer) -> None:
+    client = EngineClient(settings.runtime_dir, settings.max_waiting, request_timeout=0.5)
+    await client.start()
+    try:
+        await wait_until(lambda: client.up)
+        peer.hold = True  # the test daemon reads the Submit and never answers it
+        with pytest.raises(ApiError) as info:
+            await anext(client.generate(submit(client, "late")))
+        assert (info.value.status, info.value.code) == (504, "timeout")
+        peer.wait_for(lambda p: [(a.rid, a.cause) for a in p.aborts]
+                      == [("late", AbortCause.TIMEOUT)])
+        assert client.aborts_sent[AbortCause.TIMEOUT] == 1 and client.num_sessions == 0
+    finally:
+        await client.close()
+
+
+async def test_a_reader_that_stops_pauses_the_session_then_stalls_it(settings: Settings,
+                                                                      peer: Peer) -> None:
+    client = EngineClient(settings.runtime_dir, settings.max_waiting, stall_timeout=1.5,
+                          max_buffered=8)
+    await client.start()
+    try:
+        await wait_until(lambda: client.up)
+        stream = client.generate(submit(client, "slow", max_tokens=4000, prompts=2))
+        await anext(stream)
+        # Not reading: the proxy holds more than 8 tokens, and the daemon is told to pause.
+        await wait_until(lambda: [type(r).__name__ for r in peer.flow] == ["Pause"])
+        for _ in range(60):  # reading again: below half the mark, it resumes
+            await anext(stream)
+            if len(peer.flow) > 1:
+                break
+            await asyncio.sleep(0.01)
+        await wait_until(lambda: [type(r).__name__ for r in peer.flow] == ["Pause", "Resume"])
+        # Not reading at all for the stall timeout: aborted with cause timeout.
+        await wait_until(lambda: any(a.cause is AbortCause.TIMEOUT for a in peer.aborts), 10)
+        with pytest.raises(ApiError) as info:
+            while True:
+                await anext(stream)
+        assert info.value.code == "timeout"
+        await stream.aclose()
+        assert [a.rid for a in peer.aborts] == ["slow"]  # no second abort on close
+    finally:
+        await client.close()
