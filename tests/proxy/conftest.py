@@ -3,8 +3,8 @@
 `Peer` is the daemon's side of the real `ipc.pipes.DaemonPipes`, run in a thread: it answers
 Hello with Welcome, plays every Submit as a fixed script (one token per sequence per step,
 "tok<k> " with logprob -0.25 when asked, until max_tokens; a prompt "echo:<text>" makes every
-token "<text>"), applies Aborts, Pauses and Resumes, and sends Stats. Prompts containing "TOO LONG" are rejected
-with a context-length Error record, as the real daemon does.
+token "<text>"), applies Aborts, Pauses and Resumes, and sends Stats. Prompts containing
+"TOO LONG" are rejected with a context-length Error record, as the real daemon does.
 """
 
 from __future__ import annotations
