@@ -4,11 +4,16 @@
     python loadtest/soak.py --duration 1800 --users 300 --warmup 120
 
 Starts a fresh pair, runs the locust load test (loadtest/locustfile.py, with its own
-settle / 5xx / waste checks) and samples the RSS of the proxy and the daemon every
---sample-every seconds. Fails (exit 1) if either process's RSS at the end (median of the last
-three samples) exceeds its RSS just after --warmup (median of the first three samples past it)
-by more than --max-growth, or if the locust run failed.
+settle / 5xx / waste checks) and, beside it, misbehaving clients (loadtest/faults.py: one that
+never reads, one that leaves during a 3 MB upload, a 2,000-token prefill; --no-faults to leave
+them out), and samples the RSS of the proxy and the daemon every --sample-every seconds.
+Fails (exit 1) if either process's RSS at the end (median of the last three samples) exceeds its
+RSS just after --warmup (median of the first three samples past it) by more than --max-growth,
+if the locust run failed, if a misbehaving client's request was answered 5xx, or if the daemon
+counted any proxy_lost abort (the pipes must never break).
 Writes soak.json, rss.png and the locust report under results/soak-<timestamp>/ (or --out).
+
+    python loadtest/soak.py --duration 90 --users 20 --warmup 30   # a short check
 """
 
 from __future__ import annotations
@@ -24,14 +29,22 @@ from typing import Any
 import common
 import psutil
 import run_locust
+from faults import FaultClients
+
+# The misbehaving clients stop this long before the load does, so the end checks see quiet.
+FAULTS_STOP_BEFORE_S = 20.0
 
 
 def sample_until_exit(proc: subprocess.Popen[bytes], procs: dict[str, psutil.Process],
-                      every: float) -> tuple[list[float], dict[str, list[float]]]:
+                      every: float, faults: FaultClients | None, faults_until: float,
+                      ) -> tuple[list[float], dict[str, list[float]], dict[str, int]]:
     start = time.monotonic()
     times: list[float] = []
     rss: dict[str, list[float]] = {name: [] for name in procs}
+    fault_counts: dict[str, int] = {}
     while proc.poll() is None:
+        if faults is not None and time.monotonic() - start >= faults_until:
+            fault_counts, faults = faults.stop(), None
         times.append(time.monotonic() - start)
         for name, p in procs.items():
             try:
@@ -42,7 +55,9 @@ def sample_until_exit(proc: subprocess.Popen[bytes], procs: dict[str, psutil.Pro
             proc.wait(every)
         except subprocess.TimeoutExpired:
             pass
-    return times, rss
+    if faults is not None:
+        fault_counts = faults.stop()
+    return times, rss, fault_counts
 
 
 def growth(times: list[float], values: list[float], warmup: float) -> dict[str, Any]:
@@ -66,20 +81,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-growth", type=float, default=0.10)
     parser.add_argument("--model", default="builtin:tiny")
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-tokens-per-tick", type=int, default=None,
+                        help="the pair's tick budget (2048: the 2k prefill is one long tick)")
+    parser.add_argument("--no-faults", dest="faults", action="store_false",
+                        help="leave out the misbehaving clients")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     out = common.results_dir(args.out, "soak")
     common.raise_fd_limit()
 
-    with common.ServerPair(model=args.model, max_num_seqs=args.max_num_seqs) as pair:
+    extra = [] if args.max_tokens_per_tick is None else [
+        "--max-tokens-per-tick", str(args.max_tokens_per_tick)]
+    with common.ServerPair(model=args.model, max_num_seqs=args.max_num_seqs,
+                           extra_args=extra) as pair:
         procs = pair.processes()
         cmd = run_locust.locust_command(pair.base_url, args.duration, args.users,
                                         max(1.0, args.users / 10), out, None,
                                         ["--lt-churn", str(args.churn)])
         print("$", " ".join(cmd), flush=True)
         locust = subprocess.Popen(cmd, cwd=common.REPO)
-        times, rss = sample_until_exit(locust, procs, args.sample_every)
+        faults = FaultClients(pair.base_url).start() if args.faults else None
+        times, rss, fault_counts = sample_until_exit(
+            locust, procs, args.sample_every, faults,
+            max(args.duration - FAULTS_STOP_BEFORE_S, args.duration / 2))
         pids = {name: p.pid for name, p in procs.items()}
+        aborts = common.scrape(pair.base_url).by_label("tether_aborts_total", "cause")
 
     verdicts = {name: growth(times, values, args.warmup) for name, values in rss.items()}
     problems = [f"{name} RSS grew {v['growth']:.1%} after warm-up "
@@ -90,16 +116,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems.append(f"locust exited with {locust.returncode} (see its checks above)")
     if any(v["growth"] is None for v in verdicts.values()):
         problems.append("not enough samples after warm-up to judge memory growth")
+    if fault_counts.get("prefill_5xx"):
+        problems.append(f"{fault_counts['prefill_5xx']} of the 2k-token prefills answered 5xx")
+    if aborts.get("proxy_lost"):
+        problems.append(f"{aborts['proxy_lost']:.0f} proxy_lost aborts: the pipes broke")
 
     print(f"\n=== soak ({args.duration:g} s, {args.users} users, churn {args.churn:g}) ===")
     for name, v in verdicts.items():
         print(common.goal_line(f"{name} RSS growth after warm-up", v["growth"],
                                f"<= {args.max_growth:.0%}",
                                None if v["growth"] is None else v["growth"] <= args.max_growth))
+    print(f"  misbehaving clients: {fault_counts or 'none'}")
+    print(f"  aborts by cause: {aborts}")
     for problem in problems:
         print("  FAIL:", problem)
     common.write_json(out / "soak.json", {"args": vars(args), "pids": pids, "times_s": times,
                                           "rss_mib": rss, "growth": verdicts,
+                                          "faults": fault_counts, "aborts": aborts,
                                           "locust_exit": locust.returncode,
                                           "problems": problems})
     common.plot_lines(out / "rss.png", times, rss, "seconds", "RSS (MiB)",
