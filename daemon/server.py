@@ -222,7 +222,9 @@ class DaemonServer:
             return
         epoch = self.epoch
         if epoch is None or rec.nonce != self._hello_nonce:
-            # A new connection (a repeated Hello of the current one keeps its epoch).
+            # A new connection (a repeated Hello of the current one keeps its epoch). A loss
+            # noticed since the last tick belongs to the old one: settle it first.
+            self._check_proxy()
             epoch = self.epochs.next(at_least=rec.epoch)
             log.info("proxy pid %d connected: epoch %d", rec.pid, epoch)
             self._out += self.engine.abort_epoch_older_than(epoch, AbortCause.PROXY_LOST)
