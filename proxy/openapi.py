@@ -203,11 +203,13 @@ _TYPES = (CompletionRequest, ChatRequest, CreateResponse, ErrorBody, Completion,
 _ERRORS = {"400": "invalid input, named in error.param", "401": "missing or wrong API key",
            "404": "unknown model or response", "413": "request body too large",
            "429": "too many requests waiting", "500": "the engine or the store failed",
-           "503": "the engine is unavailable or the server is stopping"}
+           "503": "the engine is unavailable or the server is stopping",
+           "504": "the engine did not take the request within the request timeout"}
 _RESPONSE_ID = {"name": "response_id", "in": "path", "required": True,
                 "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN}}
 _REQUEST_ID = {"name": "X-Request-Id", "in": "header", "required": False,
-               "description": "the request's id (echoed back; a fresh one when absent)",
+               "description": "the client's id for this request: echoed back and logged, never "
+               "the object's id (a fresh one is echoed when absent)",
                "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN}}
 
 
