@@ -80,12 +80,11 @@ def test_a_new_connection_resyncs_after_a_half_written_frame(tmp_path: Path) -> 
 
 def test_a_request_the_daemon_never_answers_times_out(tmp_path: Path) -> None:
     server = start_server(tmp_path, ["--request-timeout-s", "1"])
-    statuses: dict[str, tuple[int, str, float]] = {}
+    statuses: dict[str, tuple[int, str]] = {}
 
     def ask(name: str, body: dict[str, object]) -> None:
-        t0 = time.monotonic()
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
-        statuses[name] = (r.status_code, r.text, time.monotonic() - t0)
+        statuses[name] = (r.status_code, r.text)
 
     try:
         threads = [threading.Thread(target=ask, args=(name, body)) for name, body in (
@@ -96,10 +95,11 @@ def test_a_request_the_daemon_never_answers_times_out(tmp_path: Path) -> None:
                 t.start()
             for t in threads:
                 t.join(10)
-        for name, (status, text, took) in statuses.items():
+        # A 504, not the 503 of the 3 s silence bound: the deadline ended them.
+        assert sorted(statuses) == ["plain", "stream"]
+        for name, (status, text) in statuses.items():
             assert status == 504, (name, status, text)
             assert '"code":"timeout"' in text.replace(" ", "")
-            assert took < 2.9, (name, took)  # the deadline, not the 3 s silence bound, ended it
         # The daemon read each Abort before its Submit: both count as aborted with cause timeout.
         after = wait_aborts(server, "timeout", 2)
         assert m(after, "tether_proxy_aborts_sent_total", cause="timeout") == 2

@@ -14,6 +14,7 @@ import pytest
 from tests.support.metrics import m
 from tests.support.pair import Server, assert_baseline, start_server, wait_aborts
 from tests.support.streams import Bystanders
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,6 +59,8 @@ def test_a_client_that_never_reads_costs_a_bounded_lead(tmp_path: Path) -> None:
         sock = never_reading_client(server, {
             "prompt": "never read", "n": N, "logprobs": 20, "max_tokens": MAX_TOKENS,
             "ignore_eos": True, "stream": True})
+        wait_for(lambda: m(server.metrics(), "tether_requests_paused") == 1, 60,
+                 "the never-reading client's stream is paused")
         generated = settled(server, "tether_generation_tokens_total")
         paused = server.metrics()
         grown = proxy.memory_info().rss - rss_before
