@@ -17,6 +17,7 @@ from daemon.store import ResponseStore
 from daemon.tokenizer import ByteTokenizer
 from ipc.records import (
     AbortCause,
+    Admitted,
     Delta,
     Error,
     Finish,
@@ -81,8 +82,8 @@ def test_a_read_only_store_costs_each_session_alone(
     engine = make_engine(store)
     for rid in ("resp_done", "resp_gone", "resp_bg"):
         assert engine.submit(response(rid, max_tokens=4 if rid == "resp_done" else 400,
-                                      background=rid == "resp_bg")) == []
-    assert engine.submit(completion("other", 40)) == []
+                                      background=rid == "resp_bg")) == [Admitted(rid)]
+    assert engine.submit(completion("other", 40)) == [Admitted("other")]
     out = engine.step()
     store.db.execute("PRAGMA query_only = ON")  # SQLite now refuses every write
     with caplog.at_level(logging.ERROR):
@@ -110,7 +111,7 @@ def test_a_read_only_store_costs_each_session_alone(
     assert engine.finished["error"] == 1
 
     store.db.execute("PRAGMA query_only = OFF")  # writable again: the store serves as before
-    assert engine.submit(response("resp_later", max_tokens=3)) == []
+    assert engine.submit(response("resp_later", max_tokens=3)) == [Admitted("resp_later")]
     assert finish(run(engine), "resp_later").reason is FinishReason.LENGTH
     assert status(store, "resp_later") == "incomplete"
 
@@ -121,7 +122,7 @@ def test_a_result_too_large_for_the_store_leaves_the_response_failed(
     short failure note does, so a GET says failed rather than in progress forever."""
     store = ResponseStore(tmp_path / "responses.sqlite3", 100, 3600.0)
     engine = make_engine(store)
-    assert engine.submit(response("resp_big", max_tokens=5000)) == []
+    assert engine.submit(response("resp_big", max_tokens=5000)) == [Admitted("resp_big")]
     pages = store.db.execute("PRAGMA page_count").one()[0]
     store.db.execute(f"PRAGMA max_page_count = {pages}")
     with caplog.at_level(logging.ERROR):
