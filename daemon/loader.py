@@ -16,6 +16,8 @@ from safetensors import safe_open
 from daemon.config import ConfigError, ModelConfig
 from daemon.device import pick_device, pick_dtype
 from daemon.model import DecoderLM
+from daemon.parallel import SINGLE, TPGroup
+from daemon.parallel_layers import ShardSpec, check_shardable, shard_of
 from daemon.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -60,27 +62,38 @@ def builtin_config(name: str) -> ModelConfig:
                          "(available: builtin:tiny, builtin:small)")
 
 
-def load_model(spec: str, device: torch.device | str = "cpu",
-               dtype: torch.dtype | str = "auto") -> LoadedModel:
+def load_model(spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = "auto",
+               group: TPGroup = SINGLE) -> LoadedModel:
+    """group: with several tensor-parallel ranks, this rank's shard of the model only."""
     device = pick_device(device) if isinstance(device, str) else device
     dtype = pick_dtype(dtype, device) if isinstance(dtype, str) else dtype
     if spec.startswith("builtin:"):
-        return _load_builtin(spec, device, dtype)
-    return _load_hf_dir(Path(spec), device, dtype)
+        return _load_builtin(spec, device, dtype, group)
+    return _load_hf_dir(Path(spec), device, dtype, group)
 
 
-def _load_builtin(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_builtin(spec: str, device: torch.device, dtype: torch.dtype,
+                  group: TPGroup) -> LoadedModel:
     config = builtin_config(spec.removeprefix("builtin:"))
+    _check_shardable(spec, config, group)
     tokenizer = ByteTokenizer()
     limit = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
-    model = DecoderLM(config, device, dtype, vocab_limit=limit).requires_grad_(False)
-    init_random_(model, BUILTIN_SEED)
+    model = DecoderLM(config, device, dtype, vocab_limit=limit, group=group)
+    init_random_(model.requires_grad_(False), BUILTIN_SEED)
     return LoadedModel(config, model.eval(), tokenizer, spec, config.max_model_len)
+
+
+def _check_shardable(where: object, config: ModelConfig, group: TPGroup) -> None:
+    try:
+        check_shardable(config, group.size)
+    except ConfigError as e:
+        raise ModelLoadError(f"{where}: {e}") from e
 
 
 @torch.no_grad()
 def init_random_(model: DecoderLM, seed: int) -> None:
-    """HF-style init: N(0, 0.02) matrices, unit norms, zero biases; same on any device."""
+    """HF-style init: N(0, 0.02) matrices, unit norms, zero biases; same on any device. A
+    sharded parameter is cut from the full tensor, so every rank count draws the same model."""
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -88,14 +101,17 @@ def init_random_(model: DecoderLM, seed: int) -> None:
         elif name.endswith("bias"):
             param.zero_()
         else:
-            values = torch.empty(param.shape).normal_(0.0, INIT_STD, generator=gen)
-            param.copy_(values)
+            spec = shard_of(param)
+            shape = param.shape if spec is None else spec.full_shape(param.shape)
+            values = torch.empty(shape).normal_(0.0, INIT_STD, generator=gen)
+            param.copy_(values if spec is None else spec.take(values))
 
 
 # ---- Hugging Face checkpoints
 
 
-def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype,
+                 group: TPGroup) -> LoadedModel:
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a directory (expected builtin:tiny, builtin:small "
                              "or a local Hugging Face checkpoint directory)")
@@ -113,7 +129,8 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype) -> Loaded
     except TokenizerLoadError as e:
         raise ModelLoadError(str(e)) from e
     config.eos_token_ids = tokenizer.eos_token_ids
-    model = DecoderLM(config, device, dtype).requires_grad_(False)
+    _check_shardable(path / "config.json", config, group)
+    model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
     load_weights_(model, path)
     return LoadedModel(config, model.eval(), tokenizer, path.name, config.max_model_len)
 
@@ -184,19 +201,16 @@ def load_weights_(model: DecoderLM, path: Path) -> None:
                              f"{model.config.architecture} without extras "
                              f"({len(unused)} such tensors)")
     params = dict(model.named_parameters())
-    handles: dict[Path, Any] = {}
-    try:
-        for ours, theirs in sources.items():
-            parts = [_tensor(n, files, handles, path) for n in theirs]
-            param = params[ours]
-            value = torch.cat(parts) if len(parts) > 1 else parts[0]
-            if value.shape != param.shape:
-                raise ModelLoadError(f"{files[theirs[0]]}: {theirs} has shape "
-                                     f"{tuple(value.shape)}, config.json implies "
-                                     f"{tuple(param.shape)}")
-            param.copy_(value)
-    finally:
-        handles.clear()
+    reader = _Reader(files, path)
+    for ours, theirs in sources.items():
+        param = params[ours]
+        spec = shard_of(param)
+        value = reader.whole(theirs[0]) if spec is None else reader.shard(theirs, spec, param)
+        if value.shape != param.shape:
+            raise ModelLoadError(f"{files[theirs[0]]}: {theirs} has shape "
+                                 f"{tuple(value.shape)}, config.json implies "
+                                 f"{tuple(param.shape)}")
+        param.copy_(value)
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:
@@ -205,14 +219,39 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
         name == "lm_head.weight" and config.tie_word_embeddings)
 
 
-def _tensor(name: str, files: dict[str, Path], handles: dict[Path, Any],
-            path: Path) -> torch.Tensor:
-    if name not in files:
-        raise ModelLoadError(f"{path}: tensor {name!r} is missing from the safetensors files")
-    file = files[name]
-    if file not in handles:
-        try:
-            handles[file] = safe_open(str(file), framework="pt")
-        except Exception as e:
-            raise ModelLoadError(f"{file}: cannot be read: {e}") from e
-    return handles[file].get_tensor(name)
+class _Reader:
+    """Reads whole tensors or this rank's slices of them (safetensors reads only the slice)."""
+
+    def __init__(self, files: dict[str, Path], path: Path) -> None:
+        self.files, self.path = files, path
+        self.handles: dict[Path, Any] = {}
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def shard(self, names: list[str], spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+        """The concatenation of each source tensor's slice (one source per part of `spec`)."""
+        slices = []
+        for name, part in zip(names, spec.parts, strict=True):
+            source = self._handle(name).get_slice(name)
+            shape = tuple(source.get_shape())
+            expected = list(spec.full_shape(param.shape))
+            expected[spec.dim] = part.size
+            if shape != tuple(expected):
+                raise ModelLoadError(f"{self.files[name]}: {name!r} has shape {shape}, "
+                                     f"config.json implies {tuple(expected)}")
+            index = (slice(None),) * spec.dim + (slice(part.start, part.stop),)
+            slices.append(source[index])
+        return spec.assemble(slices)
+
+    def _handle(self, name: str) -> Any:
+        if name not in self.files:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the "
+                                 "safetensors files")
+        file = self.files[name]
+        if file not in self.handles:
+            try:
+                self.handles[file] = safe_open(str(file), framework="pt")
+            except Exception as e:
+                raise ModelLoadError(f"{file}: cannot be read: {e}") from e
+        return self.handles[file]

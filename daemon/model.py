@@ -19,6 +19,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from daemon.config import ModelConfig
+from daemon.parallel import SINGLE, TPGroup
+from daemon.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    Part,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    head_parts,
+    local_kv_heads,
+)
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,28 +94,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class Linear(nn.Module):
-    """nn.Linear without its init: weights always come from a checkpoint or a seeded fill."""
-
-    def __init__(self, n_in: int, n_out: int, bias: bool, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_out, n_in, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(n_out, device=device, dtype=dtype)) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num, dim, device=device, dtype=dtype))
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight)
-
-
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
                     meta: AttentionMetadata) -> Tensor:
     """q [T, H, d], k/v [T, KVH, d] -> [T, H, d]; writes k/v into the cache first."""
@@ -155,14 +143,18 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """This rank's query heads and the KV heads they read (all of them with one rank)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 group: TPGroup) -> None:
         super().__init__()
+        q, kv = head_parts(cfg, group)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, device, dtype)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias,
-                             device, dtype)
+            q.stop - q.start, kv.stop - kv.start, cfg.head_dim)
+        q, kv = q.scaled(cfg.head_dim), kv.scaled(cfg.head_dim)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (q, kv, kv), cfg.qkv_bias,
+                                             device, dtype)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, cfg.o_bias, device, dtype, group)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata) -> Tensor:
@@ -175,11 +167,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 group: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False,
-                                   device, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, device, dtype)
+        part = Part.split(cfg.intermediate_size, group.rank, group.size)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, (part, part), False,
+                                                 device, dtype)
+        self.down_proj = RowParallelLinear(part, cfg.hidden_size, False, device, dtype, group)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -187,12 +181,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 group: TPGroup) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.attn = Attention(cfg, device, dtype)
+        self.attn = Attention(cfg, device, dtype, group)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = MLP(cfg, device, dtype)
+        self.mlp = MLP(cfg, device, dtype, group)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata) -> Tensor:
@@ -205,21 +200,26 @@ class DecoderLM(nn.Module):
 
     vocab_limit: ids >= this get -inf logits (a padded vocabulary the tokenizer cannot
     decode, as in builtin:small); None = every id may be sampled.
+    group: the tensor-parallel ranks; this one holds its shard of every layer
+    (daemon/parallel_layers.py) and the KV heads its query heads read (`num_kv_heads`).
     """
 
     inv_freq: Tensor
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 vocab_limit: int | None = None) -> None:
+                 vocab_limit: int | None = None, group: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         self.vocab_limit = vocab_limit
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device,
+                                                   dtype, group)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype, group)
                                     for _ in range(cfg.num_layers))
+        self.num_kv_heads = local_kv_heads(cfg, group)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else Linear(cfg.hidden_size, cfg.vocab_size, False, device, dtype))
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, device, dtype,
+                                            group))
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
@@ -233,12 +233,7 @@ class DecoderLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """float32 logits for the rows given (only the rows that are sampled)."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.vocab_limit is None:
-            return F.linear(self.norm(hidden), head).float()
-        # Skipping the rows that are never sampled saves reading most of a padded head.
-        logits = hidden.new_full((hidden.shape[0], head.shape[0]), float("-inf"),
-                                 dtype=torch.float32)
-        logits[:, : self.vocab_limit] = F.linear(self.norm(hidden), head[: self.vocab_limit])
-        return logits
+        """float32 logits for the rows given (only the rows that are sampled), gathered on
+        rank 0."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(self.norm(hidden), self.vocab_limit)

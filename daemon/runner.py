@@ -35,17 +35,19 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device) if device is not None else first.device
         self.dtype = dtype if dtype is not None else first.dtype
-        shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # With tensor parallelism this rank's KV heads only (model.num_kv_heads).
+        shape = (2, num_blocks, block_size, model.num_kv_heads, config.head_dim)
         self.kv_caches = [torch.zeros(shape, device=self.device, dtype=self.dtype)
                           for _ in range(config.num_layers)]
 
     @staticmethod
     def blocks_for_budget(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
-                          block_size: int = 16) -> int:
-        """How many KV blocks (K and V of every layer) fit in `budget_bytes`."""
+                          block_size: int = 16, num_kv_heads: int | None = None) -> int:
+        """How many KV blocks (K and V of every layer, of `num_kv_heads`, default all) fit in
+        `budget_bytes`."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        per_block = (2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim
-                     * itemsize)
+        heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+        per_block = 2 * config.num_layers * block_size * heads * config.head_dim * itemsize
         return budget_bytes // per_block
 
     def run(self, chunks: list[ScheduledChunk]) -> Tensor:
@@ -65,9 +67,13 @@ class ModelRunner:
 
     # ---- batch preparation
 
-    def _prepare(self, chunks: list[ScheduledChunk]) -> _Batch:
+    def check(self, chunks: list[ScheduledChunk]) -> None:
+        """Raises ValueError naming the first chunk this runner cannot run."""
         for i, chunk in enumerate(chunks):
             self._check(i, chunk)
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> _Batch:
+        self.check(chunks)
         decode_idx = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         prefill_idx = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
         token_ids: list[int] = []

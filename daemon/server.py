@@ -19,6 +19,7 @@ import socket
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from daemon.engine import Engine, Runner
 from daemon.epochs import EpochCounter
@@ -46,6 +47,9 @@ from ipc.records import (
 )
 from tether.settings import Settings
 
+if TYPE_CHECKING:
+    from daemon.parallel import Ranks
+
 log = logging.getLogger("tether.daemon")
 
 Notify = Callable[[str], object]
@@ -63,7 +67,7 @@ class DaemonServer:
     def __init__(self, engine: Engine, pipes: DaemonPipes, store: ResponseStore,
                  drain_timeout_s: float, notify: Notify | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 epochs: EpochCounter | None = None) -> None:
+                 epochs: EpochCounter | None = None, tensor_parallel_size: int = 1) -> None:
         self.engine = engine
         self.pipes = pipes
         self.store = store
@@ -75,6 +79,9 @@ class DaemonServer:
         self._hello_nonce: int | None = None
         self._refused_nonce: int | None = None
         self.stop_deadline: float | None = None
+        self.tensor_parallel_size = tensor_parallel_size
+        # Set (from any thread) when the daemon cannot go on, e.g. a tensor-parallel rank died.
+        self.failure: str | None = None
         self._out: list[ToProxy] = []
         self._last_stats = 0.0
         self._last_sessions: tuple[int, int, int] | None = None
@@ -90,6 +97,12 @@ class DaemonServer:
         elif force:
             self.stop_deadline = now
 
+    def fail(self, reason: str) -> None:
+        """The daemon cannot go on: end every session with an error and exit non-zero. Safe to
+        call from another thread; the loop sees it within IDLE_WAIT_S."""
+        if self.failure is None:
+            self.failure = reason
+
     def serve(self) -> int:
         self.notify("READY=1")
         while not self._done():
@@ -97,7 +110,7 @@ class DaemonServer:
             if not ran:
                 self.pipes.wait_readable(IDLE_WAIT_S)
         self._shutdown()
-        return 0
+        return 0 if self.failure is None else 1
 
     def tick(self) -> bool:
         """One turn of the loop; returns whether a forward pass ran."""
@@ -230,7 +243,8 @@ class DaemonServer:
             self._out += self.engine.abort_epoch_older_than(epoch, AbortCause.PROXY_LOST)
             self.epoch, self._hello_nonce = epoch, rec.nonce
         self._out.append(Welcome(PROTOCOL_VERSION, os.getpid(), self.engine.model_name,
-                                 self.engine.max_model_len, epoch, rec.nonce))
+                                 self.engine.max_model_len, epoch, rec.nonce,
+                                 self.tensor_parallel_size))
 
     def _response_op(self, op: ResponseOp) -> None:
         running = self.engine.is_running(op.response_id)
@@ -246,12 +260,17 @@ class DaemonServer:
     # --- shutdown -------------------------------------------------------------------------------
 
     def _done(self) -> bool:
+        if self.failure is not None:
+            return True
         if self.stop_deadline is None:
             return False
         return not self.engine.has_work or self.clock() >= self.stop_deadline
 
     def _shutdown(self) -> None:
         self.notify("STOPPING=1")
+        if self.failure is not None:
+            log.error("stopping: %s", self.failure)
+            self._out += self.engine.fail_all(self.failure)
         self._out += self.engine.abort_all(AbortCause.SHUTDOWN)
         self._flush_records(self.clock(), force=True)
         deadline = self.clock() + FLUSH_TIMEOUT_S
@@ -264,16 +283,20 @@ class DaemonServer:
 def run(settings: Settings, notify: Notify | None = None) -> int:
     """Entry point of `tether daemon`; returns the process exit code."""
     t0 = time.monotonic()
-    # A core left to the proxy and the kernel keeps ticks short when everything shares a small
-    # machine: on 2 cores, 1 thread halved the mean abort latency (docs/benchmarks.md).
-    import torch
-
-    torch.set_num_threads(settings.threads or max(1, (os.cpu_count() or 1) - 1))
     try:
-        built = _build_runner(settings)
+        built, ranks = _build_runner(settings)
     except ValueError as e:
         log.error("cannot load model %s: %s", settings.model, e)
         return 1
+    try:
+        return _serve(settings, built, ranks, notify, t0)
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def _serve(settings: Settings, built: Built, ranks: Ranks | None, notify: Notify | None,
+           t0: float) -> int:
     runner, tokenizer, name, max_model_len = built
     try:
         store = ResponseStore(settings.state_url or settings.state_dir / "responses.sqlite3",
@@ -301,12 +324,16 @@ def run(settings: Settings, notify: Notify | None = None) -> int:
         pipes.close()
         store.close()
         return 1
-    log.info("model %s loaded in %.1f s; %d KV blocks of %d tokens; prefix caching %s; "
+    size = settings.tensor_parallel_size
+    log.info("model %s loaded in %.1f s; %d KV blocks of %d tokens%s; prefix caching %s; "
              "pipes in %s", name, time.monotonic() - t0, runner.num_blocks, runner.block_size,
+             f" on each of {size} tensor-parallel ranks" if size > 1 else "",
              "on" if settings.prefix_caching else "off", settings.runtime_dir)
     epoch_file = settings.runtime_dir / "epoch" if settings.runtime_dir.is_dir() else None
     server = DaemonServer(engine, pipes, store, settings.drain_timeout_s, notify,
-                          epochs=EpochCounter(epoch_file))
+                          epochs=EpochCounter(epoch_file), tensor_parallel_size=size)
+    if ranks is not None:
+        ranks.watch(server.fail)
     previous = _install_signals(server)
     try:
         return server.serve()
@@ -322,11 +349,12 @@ def replica_id(settings: Settings) -> str:
     return settings.replica_id or f"{socket.gethostname()}:{settings.port}"
 
 
-def _build_runner(settings: Settings) -> tuple[Runner, Tokenizer, str, int]:
-    """(runner, tokenizer, model name, max model length); ValueError naming what is wrong."""
-    from daemon.loader import ModelLoadError, load_model
-    from daemon.runner import ModelRunner
+Built = tuple[Runner, Tokenizer, str, int]  # runner, tokenizer, model name, max model length
 
+
+def _build_runner(settings: Settings) -> tuple[Built, Ranks | None]:
+    """The runner and what the engine needs of the model, and the tensor-parallel ranks when
+    there are several; ValueError naming what is wrong."""
     if settings.model.startswith("sim:"):
         from daemon import sim
 
@@ -334,23 +362,25 @@ def _build_runner(settings: Settings) -> tuple[Runner, Tokenizer, str, int]:
         if settings.kv_cache_mib:
             raise ValueError("--kv-cache-mib sizes real KV tensors; a sim: model has none, "
                              "give it --kv-cache-blocks")
+        if settings.tensor_parallel_size > 1:
+            raise ValueError("a sim: model has no weights to split; --tensor-parallel-size "
+                             "must be 1")
         tokenizer = sim.SimTokenizer()
         return (sim.SimRunner(tokenizer, settings.kv_cache_blocks, tick_s), tokenizer,
-                settings.model, sim.SIM_MAX_MODEL_LEN)
+                settings.model, sim.SIM_MAX_MODEL_LEN), None
+    from daemon.config import ConfigError
+    from daemon.loader import ModelLoadError
+    from daemon.parallel import StartError
+    from daemon.parallel_runner import load_runner
+
+    # Threads: a core left to the proxy and the kernel keeps ticks short when everything shares
+    # a small machine (on 2 cores, 1 thread halved the mean abort latency: docs/benchmarks.md),
+    # and what remains is shared out between the tensor-parallel ranks (load_runner).
     try:
-        loaded = load_model(settings.model, settings.device, settings.dtype)
-    except (ModelLoadError, OSError) as e:
+        loaded, runner, ranks = load_runner(settings)
+    except (ModelLoadError, ConfigError, StartError, OSError) as e:
         raise ValueError(str(e)) from e
-    num_blocks = settings.kv_cache_blocks
-    if settings.kv_cache_mib:
-        dtype = next(loaded.model.parameters()).dtype
-        num_blocks = ModelRunner.blocks_for_budget(loaded.config, settings.kv_cache_mib << 20,
-                                                   dtype)
-        if num_blocks < 1:
-            raise ValueError(f"--kv-cache-mib {settings.kv_cache_mib} holds no KV block of "
-                             "this model")
-    return (ModelRunner(loaded.model, loaded.config, num_blocks), loaded.tokenizer, loaded.name,
-            loaded.max_model_len)
+    return (runner, loaded.tokenizer, loaded.name, loaded.max_model_len), ranks
 
 
 def _install_signals(server: DaemonServer) -> dict[int, Callable[..., object] | int | None]:

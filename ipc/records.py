@@ -20,8 +20,9 @@ from typing import Annotated, Any
 import msgspec
 
 # 3: logprob tokens travel as bytes; 4: connection epochs assigned by the daemon (Hello
-# nonce, Welcome), Admitted, Alive, Pause/Resume, Submit.client_id, Stats.paused
-PROTOCOL_VERSION = 4
+# nonce, Welcome), Admitted, Alive, Pause/Resume, Submit.client_id, Stats.paused;
+# 5: Welcome.tensor_parallel_size
+PROTOCOL_VERSION = 5
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -212,6 +213,7 @@ class Welcome(msgspec.Struct, tag=Kind.WELCOME.value, tag_field="k"):
     max_model_len: int
     epoch: int  # the epoch this daemon assigned to the connection
     nonce: int = 0  # the Hello's, so the proxy knows the Welcome is for this connection
+    tensor_parallel_size: int = 1  # ranks the model runs on
 
 
 class Admitted(msgspec.Struct, tag=Kind.ADMITTED.value, tag_field="k"):

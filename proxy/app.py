@@ -93,7 +93,8 @@ async def health(request: Request) -> Response:
     engine: EngineClient = request.app.state.engine
     if engine.up:
         return JSONResponse({"status": "ok", "model": engine.model,
-                             "max_model_len": engine.max_model_len})
+                             "max_model_len": engine.max_model_len,
+                             "tensor_parallel_size": engine.tensor_parallel_size})
     return JSONResponse({"status": "unavailable", "reason": engine.down_reason}, status_code=503)
 
 

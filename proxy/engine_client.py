@@ -69,6 +69,7 @@ class EngineClient:
         self.high_water = max_buffered
         self.model: str | None = None
         self.max_model_len: int | None = None
+        self.tensor_parallel_size: int | None = None
         self.last_stats: Stats | None = None  # the connected daemon's; None while it is away
         self.down_reason = "the daemon has not connected yet"
         self.stats_listeners: list[StatsListener] = []
@@ -278,9 +279,10 @@ class EngineClient:
     def _on_welcome(self, record: Welcome) -> None:
         self.model = record.model
         self.max_model_len = record.max_model_len
+        self.tensor_parallel_size = record.tensor_parallel_size
         self._welcomed = True
-        log.info("daemon %d serves %s (max_model_len %d)", record.pid, record.model,
-                 record.max_model_len)
+        log.info("daemon %d serves %s (max_model_len %d, tensor parallel %d)", record.pid,
+                 record.model, record.max_model_len, record.tensor_parallel_size)
 
     def _on_state(self, up: bool, reason: str) -> None:
         self._pipes_up = up

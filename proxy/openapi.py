@@ -194,6 +194,7 @@ class Health(msgspec.Struct):
     status: Literal["ok", "unavailable"]
     model: str | None = None
     max_model_len: int | None = None
+    tensor_parallel_size: int | None = None  # ranks the daemon runs the model on
     reason: str | None = None
 
 

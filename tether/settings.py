@@ -37,6 +37,7 @@ class Settings:
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 0
+    tensor_parallel_size: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = dataclasses.field(default_factory=list)
@@ -72,7 +73,10 @@ _HELP: dict[str, str] = {
     "for tests and benchmarks whose every tick lasts <ms> and yields one word a sequence)",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "auto | cpu | cuda (auto: CUDA when present)",
-    "threads": "CPU threads for the forward pass (0: one per core, less one left to the proxy)",
+    "threads": "CPU threads for the forward pass (0: one per core, less one left to the proxy), "
+    "shared out between the tensor-parallel ranks",
+    "tensor_parallel_size": "ranks (processes) the daemon runs the model on, each holding 1/N of "
+    "every layer: one GPU each on CUDA (CUDA_VISIBLE_DEVICES picks them), gloo on the CPU",
     "host": "HTTP listen address",
     "port": "HTTP listen port",
     "api_key": "accepted API key (repeatable; env: comma-separated); none = no auth",
@@ -172,7 +176,7 @@ def _bool(raw: str) -> bool:
 def _check(s: Settings) -> None:
     positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
                 "max_body_bytes", "response_store_max", "keep_alive_timeout_s",
-                "max_buffered_tokens")
+                "max_buffered_tokens", "tensor_parallel_size")
     for name in positive:
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
