@@ -40,6 +40,8 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group: ranks idle wit
 JOIN_TIMEOUT_S = 120.0  # for the spawned ranks to import torch and join
 STOP_TIMEOUT_S = 5.0  # for the spawned ranks to leave once told to
 _END = -1  # a control message of this length: rank 0 is stopping
+_FIRST = 2048  # int64s in a control message's first broadcast (a decode tick of 64 sequences
+# with 1k-token contexts fits)
 
 
 class StartError(RuntimeError):
@@ -80,23 +82,29 @@ class TPGroup:
     # --- control plane: rank 0 -> every rank ---------------------------------------------------
 
     def send(self, message: Tensor | None) -> None:
-        """Rank 0: broadcast a 1-D int64 CPU tensor; None tells the others to leave."""
-        header = torch.tensor([_END if message is None else message.numel()], dtype=torch.long)
-        dist.broadcast(header, 0, group=self.control)
-        if message is not None and message.numel():
-            dist.broadcast(message, 0, group=self.control)
+        """Rank 0: broadcast a 1-D int64 CPU tensor; None tells the others to leave. A batch
+        fits in the first broadcast (its length first) unless it is large: one round trip."""
+        n = _END if message is None else message.numel()
+        first = torch.zeros(_FIRST, dtype=torch.long)
+        first[0] = n
+        if message is not None:
+            first[1 : 1 + min(n, _FIRST - 1)] = message[: _FIRST - 1]
+        dist.broadcast(first, 0, group=self.control)
+        if message is not None and n > _FIRST - 1:
+            dist.broadcast(message[_FIRST - 1 :].contiguous(), 0, group=self.control)
 
     def receive(self) -> Tensor | None:
         """The other ranks: the next message from rank 0, or None when it is stopping."""
-        header = torch.zeros(1, dtype=torch.long)
-        dist.broadcast(header, 0, group=self.control)
-        n = int(header[0])
+        first = torch.empty(_FIRST, dtype=torch.long)
+        dist.broadcast(first, 0, group=self.control)
+        n = int(first[0])
         if n == _END:
             return None
-        message = torch.empty(n, dtype=torch.long)
-        if n:
-            dist.broadcast(message, 0, group=self.control)
-        return message
+        if n <= _FIRST - 1:
+            return first[1 : 1 + n]
+        rest = torch.empty(n - (_FIRST - 1), dtype=torch.long)
+        dist.broadcast(rest, 0, group=self.control)
+        return torch.cat([first[1:], rest])
 
     def gather_object(self, obj: object) -> list[object] | None:
         out: list[object] | None = [None] * self.size if self.rank == 0 else None
@@ -269,6 +277,8 @@ class Ranks:
                     log.warning("tensor-parallel rank %d did not stop in time; killing it", rank)
                 proc.kill()
                 proc.wait()
+            log.info("tensor-parallel rank %d (pid %d) %s", rank, proc.pid,
+                     describe_exit(proc.returncode))
         if self._watchdog is not None:
             self._watchdog.join()
         os.close(self._wake_r)

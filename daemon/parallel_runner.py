@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,8 +86,9 @@ class RankFigures:
     rank: int
     num_runs: int = 0
     num_tokens: int = 0
-    collective_s: float = 0.0
+    collective_s: float = 0.0  # all-reduces and the logits gather
     num_collectives: int = 0
+    send_s: float = 0.0  # rank 0: broadcasting the batches
     last_block_ids: list[int] = dataclasses.field(default_factory=list)
 
     def ran(self, chunks: Sequence[ScheduledChunk], group: TPGroup) -> None:
@@ -120,7 +122,9 @@ class DriverRunner:
             return self.runner.run(chunks)
         self.runner.check(chunks)  # a bad batch is refused here, before any other rank sees it
         try:
+            t0 = time.perf_counter()
             self.ranks.group.send(encode_run(chunks, self._copies))
+            self.figures.send_s += time.perf_counter() - t0
             self._copies = []
             logits = self.runner.run(chunks)
         except Exception as e:
@@ -140,7 +144,8 @@ class DriverRunner:
         self.ranks.group.send(torch.tensor([REPORT], dtype=torch.long))
         others = self.ranks.group.gather_object(None) or []
         # Plain dicts on the wire: the other ranks run this module as __main__.
-        return [self.figures, *(RankFigures(**f) for f in others[1:] if isinstance(f, dict))]
+        return [dataclasses.replace(self.figures),
+                *(RankFigures(**f) for f in others[1:] if isinstance(f, dict))]
 
 
 def kv_cache_blocks(settings: Settings, loaded: LoadedModel) -> int:

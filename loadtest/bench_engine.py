@@ -15,6 +15,7 @@ the figures include the proxy and the pipes.
 Goals: ours >= 0.9x transformers at batch 1, >= 1.5x on the mix.
 Anchor (this machine class, transformers): 17 tok/s at batch 1, 68 at 8, 191 at 32.
 Writes engine.json under results/bench-engine-<timestamp>/ (or --out).
+--tensor-parallel-size N measures TP=1 against TP=N instead: loadtest/bench_tp.py.
 """
 
 from __future__ import annotations
@@ -41,14 +42,14 @@ SMOLLM_135M: dict[str, Any] = {"vocab_size": 49152, "hidden_size": 576, "interme
 ANCHOR = {"transformers_batch1": 17, "transformers_batch8": 68, "transformers_batch32": 191}
 
 
-def write_checkpoint(path: Path) -> None:
+def write_checkpoint(path: Path, config: dict[str, Any] = SMOLLM_135M) -> None:
     """Random SmolLM-135M-shaped Llama + a byte-level tokenizer (one token per byte)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM_135M)).float()
+    model = LlamaForCausalLM(LlamaConfig(**config)).float()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -169,7 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-ours", action="store_true", help="transformers side only")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="> 1: TP=1 against TP=N instead (loadtest/bench_tp.py)")
+    args, _ = parser.parse_known_args(argv)
+    if args.tensor_parallel_size > 1:
+        import bench_tp
+
+        return bench_tp.main(argv)
     out = common.results_dir(args.out, "bench-engine")
     if not (args.model_dir / "config.json").is_file():
         print(f"writing a random SmolLM-135M-shaped checkpoint to {args.model_dir}", flush=True)

@@ -86,6 +86,19 @@ def test_logits_match_one_process(pair: tuple[DriverRunner, LoadedModel, ModelRu
         assert (got - expected).abs().max() <= 1e-4
 
 
+def test_a_batch_larger_than_one_broadcast_arrives_whole(
+        pair: tuple[DriverRunner, LoadedModel, ModelRunner]) -> None:
+    driver, _, whole = pair
+    blocks = list(range(10))
+    prefill = [ScheduledChunk(list(range(2, 162)), 0, blocks, False)]
+    assert whole.run(prefill).shape[0] == driver.run(prefill).shape[0] == 0
+    # 150 decodes with 10-block tables: ~2,250 integers, more than the first broadcast holds.
+    decodes = [ScheduledChunk([7 + i], i, blocks, True) for i in range(150)]
+    expected, got = whole.run(decodes), driver.run(decodes)
+    assert got.shape == expected.shape == (150, expected.shape[1])
+    assert (got - expected).abs().max() <= 1e-4
+
+
 def completion(rid: str, prompt: str, n: int = 1, max_tokens: int = 24) -> Submit:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return Submit(rid, 1, RequestKind.COMPLETION, params, n=n, prompts=[prompt])

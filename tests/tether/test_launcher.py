@@ -7,8 +7,6 @@ import functools
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,51 +16,8 @@ import psutil
 import pytest
 
 from tests.support.raw_http import post_raw, read_events
+from tests.support.serve import DRAIN_S, READY_TIMEOUT_S, Serve, gone
 from tests.support.wait import free_port, wait_for
-from tests.tether.helpers import child_env
-
-READY_TIMEOUT_S = 180.0
-DRAIN_S = 2.0
-
-
-class Serve:
-    def __init__(self, tmp_path: Path, port: int, drain_s: float = DRAIN_S) -> None:
-        self.tmp = tmp_path
-        self.port = port
-        self.run_dir = tmp_path / "run"
-        self.log_path = tmp_path / "serve.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tether.cli", "serve", "--runtime-dir", str(self.run_dir),
-                 "--state-dir", str(tmp_path / "state"), "--port", str(port),
-                 "--log-format", "json", "--drain-timeout-s", str(drain_s)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env())
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        def ready() -> bool:
-            assert self.proc.poll() is None, f"tether serve exited early:\n{self.log()}"
-            return "tether: ready at" in self.log()
-        wait_for(ready, READY_TIMEOUT_S, "the ready line")
-
-    def children(self) -> dict[str, psutil.Process]:
-        out = {}
-        for child in psutil.Process(self.proc.pid).children():
-            try:
-                cmdline = child.cmdline()
-            except psutil.Error:  # exited, not reaped yet
-                continue
-            if cmdline[-1:] in (["daemon"], ["proxy"]):
-                out[cmdline[-1]] = child
-        return out
-
-    def health(self) -> int:
-        try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0).status_code
-        except httpx.HTTPError:
-            return 0
 
 
 @pytest.fixture
@@ -73,13 +28,6 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
         server.proc.kill()
         server.proc.wait()
     print(server.log()[-6000:])
-
-
-def _gone(proc: psutil.Process) -> bool:
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def _assert_fifos_unused(run_dir: Path) -> None:
@@ -116,7 +64,7 @@ def test_serve_restarts_a_killed_daemon_and_stops_cleanly(serve: Serve) -> None:
     serve.proc.send_signal(signal.SIGTERM)
     assert serve.proc.wait(DRAIN_S + 30) == 0
     for proc in (*first.values(), *second.values()):
-        assert _gone(proc), f"{proc.pid} outlived tether serve"
+        assert gone(proc), f"{proc.pid} outlived tether serve"
     _assert_fifos_unused(serve.run_dir)
 
 
@@ -127,7 +75,7 @@ def test_children_do_not_outlive_a_killed_launcher(serve: Serve) -> None:
     serve.proc.kill()  # no chance to clean up: PR_SET_PDEATHSIG has to do it
     serve.proc.wait()
     for proc in children:
-        wait_for(functools.partial(_gone, proc), DRAIN_S + 30, f"pid {proc.pid} to exit")
+        wait_for(functools.partial(gone, proc), DRAIN_S + 30, f"pid {proc.pid} to exit")
     _assert_fifos_unused(serve.run_dir)
 
 
