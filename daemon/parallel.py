@@ -56,7 +56,11 @@ class TPGroup:
                  control: dist.ProcessGroup | None = None) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.control = control
-        # Time spent in the data collectives (synchronised first on CUDA, where they are async).
+        # Time spent in the data collectives. On CUDA, where they are asynchronous, timing
+        # them means synchronising at each one, so it is off unless TETHER_TP_TIMING=1 (the
+        # benchmarks set it).
+        self.timed = (device is None or device.type != "cuda"
+                      or os.environ.get("TETHER_TP_TIMING") == "1")
         self.collective_s = 0.0
         self.num_collectives = 0
 
@@ -112,6 +116,8 @@ class TPGroup:
         return out
 
     def _clock(self) -> float:
+        if not self.timed:
+            return 0.0
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
@@ -140,11 +146,13 @@ def _init(rank: int, size: int, device_type: str, store: dist.Store) -> TPGroup:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     device = device_for(rank, device_type)
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                            world_size=size,
-                            timeout=datetime.timedelta(seconds=HANG_TIMEOUT_S))
+    # device_id: NCCL's communicator is made now, not by the first all-reduce of a tick.
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=HANG_TIMEOUT_S),
+                            device_id=device if cuda else None)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return TPGroup(rank, size, device, control)
 

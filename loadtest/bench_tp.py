@@ -21,6 +21,7 @@ Writes tp.json under results/bench-tp-<timestamp>/ (or --out).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -128,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=1024)
     parser.add_argument("--out", default=None)
     args, _ = parser.parse_known_args(argv)
+    os.environ["TETHER_TP_TIMING"] = "1"  # time the collectives on CUDA too (every rank)
     out = common.results_dir(args.out, "bench-tp")
     specs = {"tiny": "builtin:tiny", "tp135m": str(args.model_dir)}
     models = [m for m in args.models.split(",") if m]
