@@ -179,12 +179,21 @@ def start(size: int, device_type: str, spawn: Spawn) -> Ranks:
     if device_type == "cuda" and torch.cuda.device_count() < size:
         raise StartError(f"--tensor-parallel-size {size} needs {size} GPUs, "
                          f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES picks them)")
-    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    except RuntimeError as e:
+        raise StartError(f"the ranks meet on a loopback TCP port, which failed: {e} (under "
+                         "systemd the daemon's unit must allow AF_INET: see README.md)") from e
     ranks = Ranks([spawn(rank, store.port) for rank in range(1, size)])
     try:
         ranks.await_joins(store)
         ranks.group = _init(0, size, device_type, store)
+    except Exception as e:
+        ranks.close()
+        if isinstance(e, StartError):
+            raise
+        raise StartError(f"forming the tensor-parallel group failed: {e}") from e
     except BaseException:
         ranks.close()
         raise
@@ -276,17 +285,21 @@ class Ranks:
             except Exception as e:  # a rank died while we were stopping
                 log.warning("telling the tensor-parallel ranks to stop failed: %s", e)
                 self.failure = str(e)
+        # After a failure the others hold nothing worth waiting for: they are killed at once.
         deadline = time.monotonic() + (STOP_TIMEOUT_S if self.failure is None else 0.0)
         for rank, proc in enumerate(self.procs, start=1):
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                log.info("tensor-parallel rank %d (pid %d) %s", rank, proc.pid,
+                         describe_exit(proc.returncode))
             except subprocess.TimeoutExpired:
                 if self.failure is None:
                     log.warning("tensor-parallel rank %d did not stop in time; killing it", rank)
+                else:
+                    log.info("tensor-parallel rank %d (pid %d) killed: the group has failed",
+                             rank, proc.pid)
                 proc.kill()
                 proc.wait()
-            log.info("tensor-parallel rank %d (pid %d) %s", rank, proc.pid,
-                     describe_exit(proc.returncode))
         if self._watchdog is not None:
             self._watchdog.join()
         os.close(self._wake_r)

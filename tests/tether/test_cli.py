@@ -76,6 +76,7 @@ def test_a_bad_boolean_variable_lists_the_accepted_words(
     (["serve", "--port", "70000"], "--port"),
     (["daemon", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["daemon", "--dtype", "int3"], "--dtype"),
+    (["daemon", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["proxy", "--drain-timeout-s", "soon"], "--drain-timeout-s"),
     (["proxy", "--log-format", "xml"], "--log-format"),
     (["proxy", "--log-level", "loud"], "--log-level"),
@@ -131,4 +132,15 @@ def test_daemon_with_a_missing_model_exits_1_naming_it(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1
     assert str(tmp_path / "nope") in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_daemon_with_a_model_that_does_not_split_exits_1_naming_the_field(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "daemon", "--model", "builtin:small",
+         "--tensor-parallel-size", "2", "--runtime-dir", str(tmp_path / "run"),
+         "--state-dir", str(tmp_path / "state"), "--log-format", "text"],
+        capture_output=True, text=True, timeout=120, check=False, env=child_env())
+    assert proc.returncode == 1
+    assert "num_attention_heads (9) is not divisible by --tensor-parallel-size 2" in proc.stderr
     assert "Traceback" not in proc.stderr
