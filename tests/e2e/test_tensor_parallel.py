@@ -49,6 +49,7 @@ def test_rank_death_restarts_the_daemon_and_sigterm_stops_every_rank(tmp_path: P
     serve = Serve(tmp_path, free_port(), extra=["--tensor-parallel-size", "2"])
     try:
         serve.wait_ready()
+        wait_for(lambda: serve.health() == 200, 30, "/health 200")
         health = httpx.get(f"http://127.0.0.1:{serve.port}/health", timeout=5.0).json()
         assert health["tensor_parallel_size"] == 2
         daemon = serve.children()["daemon"]
