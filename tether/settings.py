@@ -83,7 +83,8 @@ _HELP: dict[str, str] = {
     "max_num_seqs": "most sequences running at once",
     "max_tokens_per_tick": "token budget of one forward pass (prefill chunks + decodes)",
     "kv_cache_blocks": "KV cache pool size in blocks of 16 tokens",
-    "kv_cache_mib": "KV cache pool as a memory budget in MiB; when > 0 it sets the block count",
+    "kv_cache_mib": "KV cache pool as a memory budget in MiB (per tensor-parallel rank, which "
+    "holds its own heads); when > 0 it sets the block count",
     "prefix_caching": "reuse the KV of full blocks of earlier prompts with the same start "
     "(--no-prefix-caching turns it off)",
     "max_waiting": "most requests waiting in the proxy before it answers 429",

@@ -113,3 +113,13 @@ def test_checkpoint_shards_read_only_their_slices(tmp_path: Path) -> None:
     assert torch.equal(shards[1].embed_tokens.weight[-1], torch.zeros(64))
     for name, param in whole.named_parameters():
         assert torch.equal(_whole(shards, name), param), name
+
+
+def test_a_kv_memory_budget_holds_twice_the_blocks_when_each_rank_holds_half_the_heads() -> None:
+    from daemon.parallel_runner import kv_cache_blocks
+    from tether.settings import Settings
+
+    settings = Settings(kv_cache_mib=8)
+    whole = load_model("builtin:tiny", "cpu", torch.float32)
+    half = load_model("builtin:tiny", "cpu", torch.float32, group=TPGroup(1, 2))
+    assert kv_cache_blocks(settings, half) == 2 * kv_cache_blocks(settings, whole) > 0
