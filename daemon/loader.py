@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from daemon.config import ConfigError, ModelConfig
 from daemon.device import pick_device, pick_dtype
+from daemon.kernels import install as install_kernels
 from daemon.model import DecoderLM
 from daemon.parallel import SINGLE, TPGroup
 from daemon.parallel_layers import ShardSpec, check_shardable, shard_of
@@ -43,6 +44,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # the model id reported to clients
     max_model_len: int
+    kernels: str = "torch"  # what the forward pass runs on: 'cpu', 'triton' or 'torch'
 
 
 def builtin_config(name: str) -> ModelConfig:
@@ -63,13 +65,22 @@ def builtin_config(name: str) -> ModelConfig:
 
 
 def load_model(spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = "auto",
-               group: TPGroup = SINGLE) -> LoadedModel:
-    """group: with several tensor-parallel ranks, this rank's shard of the model only."""
+               group: TPGroup = SINGLE, *, kernels: str = "auto",
+               quantization: str | None = None) -> LoadedModel:
+    """group: with several tensor-parallel ranks, this rank's shard of the model only.
+    kernels: 'auto' (compiled kernels for the device, see daemon/kernels) or 'torch';
+    quantization: None or 'int8' (weight-only, per output row; CPU kernels only)."""
     device = pick_device(device) if isinstance(device, str) else device
     dtype = pick_dtype(dtype, device) if isinstance(dtype, str) else dtype
     if spec.startswith("builtin:"):
-        return _load_builtin(spec, device, dtype, group)
-    return _load_hf_dir(Path(spec), device, dtype, group)
+        loaded = _load_builtin(spec, device, dtype, group)
+    else:
+        loaded = _load_hf_dir(Path(spec), device, dtype, group)
+    try:
+        loaded.kernels = install_kernels(loaded.model, device, kernels, quantization)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    return loaded
 
 
 def _load_builtin(spec: str, device: torch.device, dtype: torch.dtype,

@@ -2,22 +2,24 @@
 
 The model knows nothing about sequences. It sees tokens [T], their positions [T] and an
 `AttentionMetadata` saying where each token's K/V goes in the paged cache and which cached
-keys each query may read. Per layer the cache is one tensor
-``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+keys each query may read (daemon/attention.py). Rows of the batch are ordered decode tokens
+first (one per sequence), then prefill chunks.
 
-Rows of the batch are ordered decode tokens first (one per sequence, attended in a single
-batched SDPA call), then prefill chunks (one SDPA call each, causal with an offset).
+The modules here are the torch reference. On CUDA the loader swaps in a Triton decode
+attention (`Attention.paged`); on CPU, with one rank, it swaps each whole `DecoderLayer`, the
+final norm, the embedding and the head for compiled kernels over packed weights, keeping the
+forward signatures (daemon/kernels/).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from daemon.attention import AttentionMetadata, PagedAttention
 from daemon.config import ModelConfig
 from daemon.parallel import SINGLE, TPGroup
 from daemon.parallel_layers import (
@@ -29,25 +31,6 @@ from daemon.parallel_layers import (
     head_parts,
     local_kv_heads,
 )
-
-
-@dataclasses.dataclass(slots=True)
-class PrefillSpan:
-    rows: slice  # this chunk's rows in the flattened batch
-    context_len: int  # tokens in the cache once this chunk is written
-    block_ids: Tensor  # long [ceil(context_len / block_size)]
-    # [n, context_len] bool, True = visible. None when nothing precedes the chunk in the
-    # cache: plain causal attention over the chunk's own K/V, no gather needed.
-    mask: Tensor | None
-
-
-@dataclasses.dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: Tensor  # long [T]: block * block_size + offset of each new token's K/V
-    num_decode_tokens: int  # rows [0, num_decode_tokens) are single-token chunks
-    decode_block_tables: Tensor | None  # long [D, max_blocks], padded with any valid id
-    decode_mask: Tensor | None  # bool [D, 1, 1, max_blocks * block_size], True = visible
-    prefills: list[PrefillSpan]
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -94,54 +77,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
-                    meta: AttentionMetadata) -> Tensor:
-    """q [T, H, d], k/v [T, KVH, d] -> [T, H, d]; writes k/v into the cache first."""
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    if not meta.prefills:
-        return _decode_attention(q, k_cache, v_cache, meta)
-    out = torch.empty_like(q)
-    num_decode = meta.num_decode_tokens
-    if num_decode:
-        out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta)
-    for span in meta.prefills:
-        out[span.rows] = _prefill_attention(q[span.rows], k[span.rows], v[span.rows],
-                                            k_cache, v_cache, span)
-    return out
-
-
-def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                      meta: AttentionMetadata) -> Tensor:
-    assert meta.decode_block_tables is not None
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    # [D, blocks, block_size, KVH, d] -> [D, KVH, L, d]
-    keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    # One query per sequence, so the query heads sharing a KV head can stand in as that
-    # head's query rows: GQA without repeating K/V.
-    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask)
-    return out.reshape(num_seqs, num_heads, head_dim)
-
-
-def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                       span: PrefillSpan) -> Tensor:
-    if span.mask is None:
-        keys, values = k, v
-    else:
-        keys = k_cache[span.block_ids].flatten(0, 1)[: span.context_len]
-        values = v_cache[span.block_ids].flatten(0, 1)[: span.context_len]
-    # 4-D inputs: CPU SDPA only takes its fused (flash) kernel for batched 4-D tensors.
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
-    return out[0].transpose(0, 1)
-
-
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they read (all of them with one rank)."""
 
@@ -155,6 +90,7 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (q, kv, kv), cfg.qkv_bias,
                                              device, dtype)
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, cfg.o_bias, device, dtype, group)
+        self.paged = PagedAttention()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata) -> Tensor:
@@ -162,7 +98,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(x.shape[0], qk_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rope(qkv[:, :qk_heads], cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, qkv[:, qk_heads:], kv_cache, meta)
+        out = self.paged(q, k, qkv[:, qk_heads:], kv_cache, meta)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
@@ -210,6 +146,7 @@ class DecoderLM(nn.Module):
                  vocab_limit: int | None = None, group: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.dtype = dtype  # the weights' and the KV cache's
         self.vocab_limit = vocab_limit
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device,
                                                    dtype, group)

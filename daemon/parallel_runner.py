@@ -152,9 +152,9 @@ def kv_cache_blocks(settings: Settings, loaded: LoadedModel) -> int:
     """--kv-cache-blocks, or what --kv-cache-mib holds of this rank's KV heads."""
     if not settings.kv_cache_mib:
         return settings.kv_cache_blocks
-    dtype = next(loaded.model.parameters()).dtype
     num_blocks = ModelRunner.blocks_for_budget(loaded.config, settings.kv_cache_mib << 20,
-                                               dtype, num_kv_heads=loaded.model.num_kv_heads)
+                                               loaded.model.dtype,
+                                               num_kv_heads=loaded.model.num_kv_heads)
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-mib {settings.kv_cache_mib} holds no KV block of this "
                          "model")
@@ -167,14 +167,17 @@ def load_runner(settings: Settings) -> tuple[LoadedModel, ModelRunner | DriverRu
     size = settings.tensor_parallel_size
     torch.set_num_threads(parallel.threads_per_rank(settings.threads, size))
     device = pick_device(settings.device)
+    quantization = None if settings.quantization == "none" else settings.quantization
     if size == 1:
-        loaded = load_model(settings.model, device, settings.dtype)
+        loaded = load_model(settings.model, device, settings.dtype, kernels=settings.kernels,
+                            quantization=quantization)
         runner = ModelRunner(loaded.model, loaded.config, kv_cache_blocks(settings, loaded))
         return loaded, runner, None
     ranks = parallel.start(size, device.type, _spawner(settings))
     try:
         loaded = load_model(settings.model, ranks.group.device or device, settings.dtype,
-                            group=ranks.group)
+                            group=ranks.group, kernels=settings.kernels,
+                            quantization=quantization)
         driver = DriverRunner(ModelRunner(loaded.model, loaded.config,
                                           kv_cache_blocks(settings, loaded)), ranks)
         driver.start()
@@ -192,8 +195,8 @@ def _spawner(settings: Settings) -> parallel.Spawn:
     def spawn(rank: int, port: int) -> subprocess.Popen[bytes]:
         spec = {"rank": rank, "size": settings.tensor_parallel_size, "port": port,
                 "parent": os.getpid(), "model": settings.model, "device": settings.device,
-                "dtype": settings.dtype, "threads": torch.get_num_threads(),
-                "log_format": settings.log_format, "log_level": settings.log_level}
+                "dtype": settings.dtype, "kernels": settings.kernels,
+                "threads": torch.get_num_threads(), "log_format": settings.log_format, "log_level": settings.log_level}
         return subprocess.Popen([sys.executable, "-m", "daemon.parallel_runner", json.dumps(spec)],
                                 env=env, stdin=subprocess.DEVNULL)
 
@@ -244,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("rank %d cannot join rank 0: %s", rank, e)
         return 1
     try:
-        loaded = load_model(spec["model"], group.device or device, spec["dtype"], group=group)
+        loaded = load_model(spec["model"], group.device or device, spec["dtype"], group=group,
+                            kernels=spec["kernels"])
         init = group.receive()
         if init is None:
             return 0

@@ -11,8 +11,9 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from daemon.attention import AttentionMetadata, PrefillSpan
 from daemon.config import ModelConfig
-from daemon.model import AttentionMetadata, DecoderLM, PrefillSpan
+from daemon.model import DecoderLM
 from daemon.scheduler import ScheduledChunk  # the scheduler owns it: it must stay torch-free
 
 
@@ -28,15 +29,15 @@ class ModelRunner:
     def __init__(self, model: DecoderLM, config: ModelConfig, num_blocks: int,
                  block_size: int = 16, device: torch.device | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        first = next(model.parameters())
         self.model = model
         self.config = config
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.device = torch.device(device) if device is not None else first.device
-        self.dtype = dtype if dtype is not None else first.dtype
+        self.device = (torch.device(device) if device is not None
+                       else model.inv_freq.device)
+        self.dtype = dtype if dtype is not None else model.dtype
         # With tensor parallelism this rank's KV heads only (model.num_kv_heads).
-        shape = (2, num_blocks, block_size, model.num_kv_heads, config.head_dim)
+        shape = (2, num_blocks, model.num_kv_heads, block_size, config.head_dim)
         self.kv_caches = [torch.zeros(shape, device=self.device, dtype=self.dtype)
                           for _ in range(config.num_layers)]
 
@@ -84,14 +85,14 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids)))
             last_row[i] = len(token_ids) - 1
-        decode_slots, tables, mask = self._decode_meta([chunks[i] for i in decode_idx])
+        decode_slots, tables, lens = self._decode_meta([chunks[i] for i in decode_idx])
         prefill_slots, spans = self._prefill_meta([chunks[i] for i in prefill_idx],
                                                   len(decode_idx))
         meta = AttentionMetadata(
-            slot_mapping=torch.cat([decode_slots, *prefill_slots]).to(self.device),
+            write_rows=self._write_rows(torch.cat([decode_slots, *prefill_slots])),
             num_decode_tokens=len(decode_idx),
             decode_block_tables=tables,
-            decode_mask=mask,
+            decode_context_lens=lens,
             prefills=spans,
         )
         rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
@@ -101,6 +102,14 @@ class ModelRunner:
             meta=meta,
             logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
         )
+
+    def _write_rows(self, slots: Tensor) -> Tensor:
+        """Slots (block * block_size + offset) -> cache rows of every KV head, see
+        `AttentionMetadata.write_rows`."""
+        bs, heads = self.block_size, self.model.num_kv_heads
+        blocks, offsets = slots // bs, slots % bs
+        rows = (blocks[:, None] * heads + torch.arange(heads)) * bs + offsets[:, None]
+        return rows.flatten().to(self.device)
 
     def _check(self, index: int, chunk: ScheduledChunk) -> None:
         end = chunk.start_pos + len(chunk.token_ids)
@@ -126,14 +135,12 @@ class ModelRunner:
         slots = [c.block_table[c.start_pos // bs] * bs + c.start_pos % bs for c in chunks]
         context_lens = [c.start_pos + 1 for c in chunks]
         max_blocks = (max(context_lens) + bs - 1) // bs
-        # Padding points at block 0; the mask hides whatever it holds.
+        # Padding points at block 0; attention stops at each context length.
         tables = [c.block_table[:max_blocks] + [0] * (max_blocks - len(c.block_table))
                   for c in chunks]
-        lens = torch.tensor(context_lens, device=self.device)
-        visible = torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None]
         return (torch.tensor(slots, dtype=torch.long),
                 torch.tensor(tables, dtype=torch.long, device=self.device),
-                visible[:, None, None, :])
+                torch.tensor(context_lens, dtype=torch.long, device=self.device))
 
     def _prefill_meta(self, chunks: list[ScheduledChunk], first_row: int
                       ) -> tuple[list[Tensor], list[PrefillSpan]]:

@@ -380,6 +380,7 @@ def _build_runner(settings: Settings) -> tuple[Built, Ranks | None]:
         loaded, runner, ranks = load_runner(settings)
     except (ModelLoadError, ConfigError, StartError, OSError) as e:
         raise ValueError(str(e)) from e
+    log.info("forward pass on %s kernels", loaded.kernels)
     return (runner, loaded.tokenizer, loaded.name, loaded.max_model_len), ranks
 
 

@@ -1,20 +1,22 @@
-"""Our engine against transformers `generate` on one 135M checkpoint, fp32, CPU.
+"""Decode speed: the machine's roofline, our engine and transformers `generate`, one run.
 
-    python loadtest/bench_engine.py [--model-dir DIR] [--mix 64] [--out DIR]
+    python loadtest/bench_engine.py [--threads 2] [--baseline] [--kl] [--out DIR]
 
-The checkpoint is a randomly initialised LlamaForCausalLM of SmolLM-135M's shape, written once
-with save_pretrained (plus a byte-level tokenizer.json) to --model-dir (default
-/tmp/tether-bench-smollm135m); both sides load that directory. Ours is driven over HTTP
-(`tether serve --model DIR --dtype float32`, non-streaming completions with ignore_eos), so
-the figures include the proxy and the pipes.
-
-  batch 1  one request, --prompt-len prompt tokens, --gen-len new tokens; tok/s = new / wall
-  mix      --mix requests, prompts 16..256 and outputs 16..128 tokens (seeded); transformers
-           in static batches of --batch (left-padded, each batch runs to its longest
-           output), ours all at once (continuous batching); tok/s = requested new tokens / wall
-Goals: ours >= 0.9x transformers at batch 1, >= 1.5x on the mix.
-Anchor (this machine class, transformers): 17 tok/s at batch 1, 68 at 8, 191 at 32.
-Writes engine.json under results/bench-engine-<timestamp>/ (or --out).
+Figures, all measured in this run (A/B interleaved where both sides share the process):
+  bandwidth  read bandwidth (`a.sum()` over 1 GiB) at 1 thread and at --threads
+  roofline   weight bytes per decode token / bandwidth; batch-1 forward (in process) and
+             inter-token latency over HTTP as a fraction of it, for builtin:small and for an
+             HF checkpoint of SmolLM-135M's shape with its full 49k-row head, at --threads
+             and at the daemon's default thread count (against the 1-thread bandwidth)
+  streams    --streams (8) concurrent requests: our tok/s vs transformers generate at batch 8
+  mix        --mix requests of mixed lengths, continuous batching vs static batches of 32
+  ticks      builtin:tiny decode tick at 1 and 64 streams, 256 / 400 / 1024 / 2040 context
+  kl         (--kl) logit KL of int8 and bf16 weights against fp32, fixed prompt set
+--baseline adds the torch-ops path (`--kernels torch`, what tether ran before the kernels) to
+every figure. The checkpoint is random, written once with save_pretrained (plus a byte-level
+tokenizer) to --model-dir. Writes engine.json under results/bench-engine-<timestamp>/.
+Goals: >= 80% of the roofline at batch 1; >= 2.5x transformers at 8 streams; tiny at 64
+streams <= 3x its 1-stream tick at 400 tokens of context.
 --tensor-parallel-size N measures TP=1 against TP=N instead: loadtest/bench_tp.py.
 """
 
@@ -23,15 +25,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import common
+import decode_figures as figs
 import sse_client
+import torch
 
 DEFAULT_DIR = Path("/tmp/tether-bench-smollm135m")
 SMOLLM_135M: dict[str, Any] = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -40,6 +45,7 @@ SMOLLM_135M: dict[str, Any] = {"vocab_size": 49152, "hidden_size": 576, "interme
                "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
                "pad_token_id": 0}
 ANCHOR = {"transformers_batch1": 17, "transformers_batch8": 68, "transformers_batch32": 191}
+CONFIGS = {"ours": "auto", "baseline": "torch"}  # server name -> --kernels
 
 
 def write_checkpoint(path: Path, config: dict[str, Any] = SMOLLM_135M) -> None:
@@ -89,86 +95,219 @@ async def ours_requests(base: str, model: str, jobs: list[tuple[int, int]]) -> d
             "prompt_tokens": [p for p, _ in usage]}
 
 
+def ours_itl(base: str, model: str, prompt_len: int, gen_len: int) -> float:
+    """Seconds per token after the first, one request at a time: (time for gen_len tokens -
+    time for one) / (gen_len - 1), the same subtraction as for transformers. (Arrival times
+    of streamed events would not do: a random byte-level model's tokens are often partial
+    UTF-8, held back until they make text.)"""
+    many = asyncio.run(ours_requests(base, model, [(prompt_len, gen_len)]))["wall_s"]
+    one = asyncio.run(ours_requests(base, model, [(prompt_len, 1)]))["wall_s"]
+    return (many - one) / (gen_len - 1)
+
+
+def serve(model_dir: Path, kernels: str, args: argparse.Namespace,
+          threads: int | None) -> common.ServerPair:
+    extra = ["--dtype", args.dtype, "--device", "cpu", "--kernels", kernels]
+    if threads is not None:
+        extra += ["--threads", str(threads)]
+    return common.ServerPair(model=str(model_dir), max_num_seqs=max(64, args.mix),
+                             extra_args=extra)
+
+
 def run_ours(model_dir: Path, args: argparse.Namespace,
              mix: list[tuple[int, int]]) -> dict[str, Any]:
-    extra = ["--dtype", "float32", "--device", "cpu"]
-    with common.ServerPair(model=str(model_dir), max_num_seqs=max(64, args.mix),
-                           extra_args=extra) as pair:
+    """Each server's figures, the servers taking turns round by round."""
+    names = ["ours", "baseline"] if args.baseline else ["ours"]
+    pairs: dict[str, common.ServerPair] = {}
+    try:
+        for name in names:
+            pairs[name] = serve(model_dir, CONFIGS[name], args, args.threads).start()
+        models = {n: common.served_model(p.base_url) or str(model_dir) for n, p in pairs.items()}
+        res: dict[str, Any] = {n: {"itl_s": float("inf")} for n in names}
+        streams = [(args.prompt_len, args.gen_len)] * args.streams
+        for _ in range(args.rounds):
+            for n, pair in pairs.items():
+                asyncio.run(ours_requests(pair.base_url, models[n], [(8, 4)]))  # warm-up
+                itl = ours_itl(pair.base_url, models[n], args.prompt_len, args.gen_len)
+                res[n]["itl_s"] = min(res[n]["itl_s"], itl)
+                got = asyncio.run(ours_requests(pair.base_url, models[n], streams))
+                if got["tok_per_s"] > res[n].get("streams", {}).get("tok_per_s", 0):
+                    res[n]["streams"] = got
+        for n, pair in pairs.items():
+            res[n]["mix"] = asyncio.run(ours_requests(pair.base_url, models[n], mix))
+        return res
+    finally:
+        for pair in pairs.values():
+            pair.stop()
+
+
+def default_threads_itl(model_dir: Path, args: argparse.Namespace) -> float:
+    """Inter-token latency with the daemon's own thread count (--threads left out)."""
+    with serve(model_dir, "auto", args, None) as pair:
         model = common.served_model(pair.base_url) or str(model_dir)
-        asyncio.run(ours_requests(pair.base_url, model, [(8, 4)]))  # warm-up
-        b1 = asyncio.run(ours_requests(pair.base_url, model, [(args.prompt_len, args.gen_len)]))
-        mixed = asyncio.run(ours_requests(pair.base_url, model, mix))
-    return {"batch1": b1, "mix": mixed}
+        asyncio.run(ours_requests(pair.base_url, model, [(8, 4)]))
+        return min(ours_itl(pair.base_url, model, args.prompt_len, args.gen_len)
+                   for _ in range(args.rounds))
 
 
 # --- transformers ----------------------------------------------------------------------------
 
 
-def run_transformers(model_dir: Path, args: argparse.Namespace,
-                     prompt_lens: list[int], gen_lens: list[int],
-                     batch1_prompt: int) -> dict[str, Any]:
-    import torch
+def run_transformers(model_dir: Path, args: argparse.Namespace, prompt_lens: list[int],
+                     gen_lens: list[int], batch1_prompt: int) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(args.threads)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = getattr(torch, args.dtype)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     gen = torch.Generator().manual_seed(0)
 
-    def generate(lens: list[int], new: int) -> None:
+    def generate(lens: list[int], new: int) -> float:
         width = max(lens)
         ids = torch.zeros((len(lens), width), dtype=torch.long)
         mask = torch.zeros((len(lens), width), dtype=torch.long)
         for row, n in enumerate(lens):  # left padding: every row ends at the same column
             ids[row, width - n:] = torch.randint(1, 257, (n,), generator=gen)
             mask[row, width - n:] = 1
+        start = time.perf_counter()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                            min_new_tokens=new, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
+        return time.perf_counter() - start
 
     generate([8], 4)  # warm-up
-    start = time.perf_counter()
-    generate([batch1_prompt], args.gen_len)
-    b1_wall = time.perf_counter() - start
+    n, b = args.gen_len, args.streams
+    # Per token after the first: the prefill and first token are timed apart and taken off.
+    itl = min((generate([batch1_prompt], n) - generate([batch1_prompt], 1)) / (n - 1)
+              for _ in range(args.rounds))
+    streams = min(generate([batch1_prompt] * b, n) for _ in range(args.rounds))
     start = time.perf_counter()
     for i in range(0, len(prompt_lens), args.batch):
         generate(prompt_lens[i:i + args.batch], max(gen_lens[i:i + args.batch]))
     mix_wall = time.perf_counter() - start
-    useful = sum(gen_lens)
-    return {"batch1": {"wall_s": b1_wall, "new_tokens": args.gen_len,
-                       "tok_per_s": args.gen_len / b1_wall},
-            "mix": {"wall_s": mix_wall, "new_tokens": useful, "tok_per_s": useful / mix_wall,
+    return {"itl_s": itl, "streams": {"wall_s": streams, "tok_per_s": b * n / streams},
+            "mix": {"wall_s": mix_wall, "tok_per_s": sum(gen_lens) / mix_wall,
                     "batch": args.batch}}
 
 
-# --- driver ----------------------------------------------------------------------------------
+# --- in process ------------------------------------------------------------------------------
+
+
+def run_in_process(model_dir: Path, args: argparse.Namespace,
+                   default_threads: int) -> dict[str, Any]:
+    """Bandwidth, batch-1 forward ticks against the roofline, tiny's tick scaling, KL."""
+    kernels = {"ours": "auto", "baseline": "torch"} if args.baseline else {"ours": "auto"}
+    bandwidth = figs.Bandwidth()
+    # Keyed by thread count as a string, so that engine.json stays plain JSON.
+    out: dict[str, Any] = {"bandwidth": {}, "forward": {}}
+    for spec in ("builtin:small", str(model_dir)):
+        tickers = {n: figs.Ticker(spec, k, args.dtype, max_tokens=4096)
+                   for n, k in kernels.items()}
+        nbytes = figs.model_weight_bytes(next(iter(tickers.values())).loaded, None)
+        batches = {n: t.chunks(1, args.prompt_len) for n, t in tickers.items()}
+        row: dict[str, Any] = {"weight_bytes": nbytes}
+        for threads in sorted({1, args.threads, default_threads}):
+            torch.set_num_threads(threads)
+            for n, t in tickers.items():
+                t.tick(batches[n])  # warm
+            # The bandwidth is read between the ticks, so both see the same background load.
+            calls: dict[str, Callable[[], float]] = {"read": bandwidth.seconds}
+            calls.update({n: (lambda t=t, b=batches[n]: t.tick(b)) for n, t in tickers.items()})
+            best = figs.interleaved(calls, args.rounds * 5)
+            bytes_s = max(bandwidth.nbytes / best["read"],
+                          out["bandwidth"].get(str(threads), 0.0))
+            out["bandwidth"][str(threads)] = bytes_s
+            row[str(threads)] = {"roofline_ms": nbytes / bytes_s * 1e3,
+                                 **{n: best[n] * 1e3 for n in kernels}}
+        out["forward"]["builtin:small" if spec.startswith("builtin") else "hf"] = row
+        del tickers
+    del bandwidth
+    torch.set_num_threads(default_threads)
+    tiny = {n: figs.Ticker("builtin:tiny", k) for n, k in kernels.items()}
+    # 2040, not 2048: the new token of a 2048-token context would sit past tiny's positions.
+    out["ticks"] = figs.tick_scaling(tiny, [1, 64], [256, 400, 1024, 2040], args.rounds)
+    if args.kl:
+        out["kl"] = kl_figures(model_dir, args)
+    torch.set_num_threads(args.threads)
+    return out
+
+
+def kl_figures(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    ref = figs.Ticker(str(model_dir), "auto", "float32", max_tokens=4096)
+    variants = {"int8": figs.Ticker(str(model_dir), "auto", "float32", "int8", 4096),
+                "bfloat16": figs.Ticker(str(model_dir), "auto", "bfloat16", None, 4096)}
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 257, (32,), generator=gen).tolist() for _ in range(8)]
+    return figs.logit_kl(ref, variants, prompts, steps=32)
+
+
+# --- report --------------------------------------------------------------------------------
 
 
 def report(res: dict[str, Any]) -> None:
-    print(f"\n=== engine benchmark (SmolLM-135M shape, fp32, {res['threads']} threads) ===")
-    print(f"  {'case':<10} {'transformers tok/s':>20} {'tether tok/s':>14} {'ratio':>7}")
-    goals = {"batch1": 0.9, "mix": 1.5}
-    for case, goal in goals.items():
-        theirs = res["transformers"][case]["tok_per_s"]
-        ours = res["tether"][case]["tok_per_s"] if res.get("tether") else None
-        ratio = ours / theirs if ours else None
-        print(f"  {case:<10} {theirs:>20.1f} {ours or float('nan'):>14.1f} "
-              f"{ratio or float('nan'):>7.2f}")
-        print(common.goal_line(f"tether / transformers, {case}", ratio, f">= {goal}x",
-                               None if ratio is None else ratio >= goal))
-    print(f"  anchor (transformers): {ANCHOR}")
+    proc, threads = res["in_process"], res["threads"]
+    bw = proc["bandwidth"]
+    print(f"\n=== decode at the machine's limit ({res['dtype']}, {threads} threads; "
+          f"daemon default {res['default_threads']}) ===")
+    print("  read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s"
+                                           for t, b in bw.items()))
+    names = [n for n in CONFIGS if n in res["tether"]]
+    for model, row in proc["forward"].items():
+        for t in sorted(k for k in row if k.isdigit()):
+            cell = row[t]
+            shown = "  ".join(f"{n} {cell[n]:6.2f} ms ({cell['roofline_ms'] / cell[n]:4.0%})"
+                              for n in names)
+            print(f"  forward, batch 1, {model:<13} {t} thr: roofline {cell['roofline_ms']:6.2f} "
+                  f"ms ({row['weight_bytes'] / 1e6:.0f} MB)  {shown}")
+    hf = proc["forward"]["hf"]
+    itls = {threads: res["tether"]["ours"]["itl_s"],
+            res["default_threads"]: res["default_threads_itl_s"]}  # roofline: that count's
+    for t, itl in itls.items():
+        frac = hf[str(t)]["roofline_ms"] / (itl * 1e3)
+        print(common.goal_line(f"HTTP inter-token latency / roofline, {t} thr", frac, ">= 0.8",
+                               frac >= 0.8))
+    theirs = res["transformers"]
+    print(f"  transformers generate: {theirs['itl_s'] * 1e3:.1f} ms/token at batch 1, "
+          f"{theirs['streams']['tok_per_s']:.1f} tok/s at batch {res['streams']}")
+    for n in names:
+        ours = res["tether"][n]
+        ratio = ours["streams"]["tok_per_s"] / theirs["streams"]["tok_per_s"]
+        print(f"  {n}: {ours['itl_s'] * 1e3:.1f} ms/token at batch 1, "
+              f"{ours['streams']['tok_per_s']:.1f} tok/s at {res['streams']} streams, "
+              f"mix {ours['mix']['tok_per_s']:.1f} tok/s "
+              f"(transformers static {theirs['mix']['tok_per_s']:.1f})")
+        print(common.goal_line(f"{n} / transformers, {res['streams']} streams", ratio,
+                               ">= 2.5x", ratio >= 2.5))
+    print("  builtin:tiny decode tick, ms (" + " / ".join(names) + "):")
+    for row in proc["ticks"]:
+        print(f"    {row['streams']:>3} streams x {row['context']:>5} context: "
+              + " / ".join(f"{row[n]:8.2f}" for n in names))
+    by = {(r["streams"], r["context"]): r["ours"] for r in proc["ticks"]}
+    ratio = by[64, 400] / by[1, 400]
+    print(common.goal_line("tiny tick, 64 streams / 1 stream, 400 ctx", ratio, "<= 3x",
+                           ratio <= 3))
+    for name, kl in proc.get("kl", {}).items():
+        print(f"  logit KL vs fp32, {name}: mean {kl['kl_mean']:.2e}, max {kl['kl_max']:.2e}, "
+              f"top-1 agreement {kl['top1_agree']:.1%}")
+    print(f"  anchor (transformers, another run): {ANCHOR}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also measure the torch-ops path (--kernels torch)")
+    parser.add_argument("--kl", action="store_true", help="logit KL of int8 and bf16 weights")
+    parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--mix", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--gen-len", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-ours", action="store_true", help="transformers side only")
     parser.add_argument("--out", default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="> 1: TP=1 against TP=N instead (loadtest/bench_tp.py)")
@@ -177,22 +316,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         import bench_tp
 
         return bench_tp.main(argv)
+    args = parser.parse_args(argv)  # the flags of this benchmark, strictly
     out = common.results_dir(args.out, "bench-engine")
     if not (args.model_dir / "config.json").is_file():
         print(f"writing a random SmolLM-135M-shaped checkpoint to {args.model_dir}", flush=True)
         write_checkpoint(args.model_dir)
+    default_threads = max(1, (os.cpu_count() or 1) - 1)  # as daemon/server.py picks
     mix = workload(args.mix, args.seed)
     res: dict[str, Any] = {"model_dir": str(args.model_dir), "threads": args.threads,
-                           "workload": mix}
-    prompt_lens = [p for p, _ in mix]
-    batch1_prompt = args.prompt_len
-    if not args.skip_ours:
-        res["tether"] = run_ours(args.model_dir, args, mix)
-        # Give transformers exactly the prompt lengths our tokenizer produced.
-        prompt_lens = res["tether"]["mix"]["prompt_tokens"]
-        batch1_prompt = res["tether"]["batch1"]["prompt_tokens"][0]
+                           "default_threads": default_threads, "dtype": args.dtype,
+                           "streams": args.streams, "workload": mix}
+    res["in_process"] = run_in_process(args.model_dir, args, default_threads)
+    res["tether"] = run_ours(args.model_dir, args, mix)
+    res["default_threads_itl_s"] = (res["tether"]["ours"]["itl_s"]
+                                    if default_threads == args.threads
+                                    else default_threads_itl(args.model_dir, args))
+    prompt_lens = res["tether"]["ours"]["mix"]["prompt_tokens"]
     res["transformers"] = run_transformers(args.model_dir, args, prompt_lens,
-                                           [g for _, g in mix], batch1_prompt)
+                                           [g for _, g in mix],
+                                           res["tether"]["ours"]["streams"]["prompt_tokens"][0])
     report(res)
     common.write_json(out / "engine.json", res)
     print(f"  results in {out}")

@@ -38,6 +38,8 @@ class Settings:
     device: str = "auto"
     threads: int = 0
     tensor_parallel_size: int = 1
+    kernels: str = "auto"
+    quantization: str = "none"
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = dataclasses.field(default_factory=list)
@@ -77,6 +79,9 @@ _HELP: dict[str, str] = {
     "shared out between the tensor-parallel ranks",
     "tensor_parallel_size": "ranks (processes) the daemon runs the model on, each holding 1/N of "
     "every layer: one GPU each on CUDA (CUDA_VISIBLE_DEVICES picks them), gloo on the CPU",
+    "kernels": "auto (compiled kernels: C on CPU, Triton attention on CUDA) | torch (torch ops only)",
+    "quantization": "none | int8 (weight-only, per output row; CPU kernels only; opt-in, see "
+    "docs/benchmarks.md for its logit KL)",
     "host": "HTTP listen address",
     "port": "HTTP listen port",
     "api_key": "accepted API key (repeatable; env: comma-separated); none = no auth",
@@ -200,5 +205,9 @@ def _check(s: Settings) -> None:
         raise ValueError(f"--log-format must be auto, json or text, got {s.log_format!r}")
     if s.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {s.dtype!r}")
+    if s.kernels not in ("auto", "torch"):
+        raise ValueError(f"--kernels must be auto or torch, got {s.kernels!r}")
+    if s.quantization not in ("none", "int8"):
+        raise ValueError(f"--quantization must be none or int8, got {s.quantization!r}")
     if s.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {s.device!r}")

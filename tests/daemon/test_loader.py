@@ -39,8 +39,8 @@ def test_hf_directory_loads_config_tokenizer_and_eos(llama_checkpoint: Checkpoin
     assert loaded.name == path.name and loaded.max_model_len == 512
     assert loaded.config.rope_scaling is not None
     assert loaded.config.rope_scaling["rope_type"] == "llama3"
-    assert loaded.config.tie_word_embeddings and loaded.model.lm_head is None
-    assert next(loaded.model.parameters()).dtype == torch.float32
+    assert loaded.config.tie_word_embeddings
+    assert loaded.model.dtype == torch.float32
     assert isinstance(loaded.tokenizer, HFTokenizer)
     assert loaded.tokenizer.eos_token_ids == [1]
     assert loaded.tokenizer.encode("hello")[0] == loaded.tokenizer.bos_token_id == 0
@@ -51,8 +51,9 @@ def test_sharded_checkpoint_matches_single_file(tmp_path: Path,
     single, _ = llama_checkpoint("none", False)
     save_llama(tmp_path, "none", False, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    a = load_model(str(single), "cpu", torch.float32).model
-    b = load_model(str(tmp_path), "cpu", torch.float32).model
+    a = load_model(str(single), "cpu", torch.float32, kernels="torch").model
+    b = load_model(str(tmp_path), "cpu", torch.float32, kernels="torch").model
+    assert len(list(a.parameters())) == 3 + 2 * 6  # embedding, head, final norm + 6 per layer
     for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(x, y), name
 
@@ -170,3 +171,13 @@ def test_pick_device_and_dtype() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             pick_device("cuda")
+
+
+def test_kernel_choices_are_checked(llama_checkpoint: Checkpoint) -> None:
+    path, _ = llama_checkpoint("none", False)
+    assert load_model(str(path), "cpu", torch.float32).kernels == "cpu"
+    assert load_model(str(path), "cpu", torch.float16).kernels == "torch"  # no fp16 kernels
+    with pytest.raises(ModelLoadError, match="--quantization int8 needs the CPU kernels"):
+        load_model(str(path), "cpu", torch.float32, kernels="torch", quantization="int8")
+    with pytest.raises(ModelLoadError, match="--kernels must be one of auto, torch"):
+        load_model(str(path), "cpu", torch.float32, kernels="fast")

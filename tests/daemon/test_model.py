@@ -1,7 +1,10 @@
-"""The paged-cache decoder against transformers' reference Llama (fp32, max abs diff 1e-4)."""
+"""The paged-cache decoder against transformers' reference Llama (fp32, max abs diff 1e-4), on
+both paths: the CPU kernels (`kernels="auto"`, the default here) and the torch reference
+modules (`kernels="torch"`, what CUDA runs around its attention kernel)."""
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -52,17 +55,22 @@ def make_seqs(lengths: list[int], num_blocks: int = 64, seed: int = 0) -> list[S
     return seqs
 
 
-def load(path: Path) -> ModelRunner:
-    loaded = load_model(str(path), "cpu", torch.float32)
+KERNELS = pytest.mark.parametrize("kernels", ["auto", "torch"])
+
+
+def load(path: Path, kernels: str = "auto") -> ModelRunner:
+    loaded = load_model(str(path), "cpu", torch.float32, kernels)
+    assert loaded.kernels == ("cpu" if kernels == "auto" else "torch")
     return ModelRunner(loaded.model, loaded.config, num_blocks=64)
 
 
 @pytest.mark.parametrize("rope", ["none", "llama3", "linear"])
 @pytest.mark.parametrize("tie", [False, True])
+@KERNELS
 def test_prefill_logits_match_transformers(llama_checkpoint: Checkpoint, rope: str,
-                                           tie: bool) -> None:
+                                           tie: bool, kernels: str) -> None:
     path, hf = llama_checkpoint(rope, tie)
-    runner = load(path)
+    runner = load(path, kernels)
     seqs = make_seqs([37, 5, 60])
     logits = runner.run([s.chunk() for s in seqs])
     assert logits.dtype == torch.float32 and logits.shape == (3, VOCAB)
@@ -71,9 +79,11 @@ def test_prefill_logits_match_transformers(llama_checkpoint: Checkpoint, rope: s
 
 
 @pytest.mark.parametrize("rope", ["none", "llama3"])
-def test_batched_decode_matches_every_position(llama_checkpoint: Checkpoint, rope: str) -> None:
+@KERNELS
+def test_batched_decode_matches_every_position(llama_checkpoint: Checkpoint, rope: str,
+                                               kernels: str) -> None:
     path, hf = llama_checkpoint(rope, False)
-    runner = load(path)
+    runner = load(path, kernels)
     seqs = make_seqs([3, 15, 16, 33], seed=1)  # decodes cross block boundaries
     prompt_lens = [len(s.ids) for s in seqs]
     runner.run([s.chunk() for s in seqs])
@@ -87,9 +97,11 @@ def test_batched_decode_matches_every_position(llama_checkpoint: Checkpoint, rop
     assert [len(s.ids) for s in seqs] == [n + 20 for n in prompt_lens]
 
 
-def test_mixed_prefill_chunks_and_decodes_in_one_run(llama_checkpoint: Checkpoint) -> None:
+@KERNELS
+def test_mixed_prefill_chunks_and_decodes_in_one_run(llama_checkpoint: Checkpoint,
+                                                     kernels: str) -> None:
     path, hf = llama_checkpoint("llama3", False)
-    runner = load(path)
+    runner = load(path, kernels)
     decoding, resumed, fresh, silent = make_seqs([20, 40, 25, 30], seed=3)
     runner.run([decoding.chunk(), resumed.chunk(17)])
     decoding.ids.append(7)
@@ -101,9 +113,10 @@ def test_mixed_prefill_chunks_and_decodes_in_one_run(llama_checkpoint: Checkpoin
         assert (row - reference_logits(hf, seq.ids)[-1]).abs().max() <= TOL
 
 
-def test_chunked_prefill_then_decode(llama_checkpoint: Checkpoint) -> None:
+@KERNELS
+def test_chunked_prefill_then_decode(llama_checkpoint: Checkpoint, kernels: str) -> None:
     path, hf = llama_checkpoint("none", True)
-    runner = load(path)
+    runner = load(path, kernels)
     (seq,) = make_seqs([50], seed=4)
     for size in (5, 11, 16, 1):
         assert runner.run([seq.chunk(size)]).shape == (0, VOCAB)
@@ -114,9 +127,11 @@ def test_chunked_prefill_then_decode(llama_checkpoint: Checkpoint) -> None:
     assert (step[0] - reference_logits(hf, seq.ids)[-1]).abs().max() <= TOL
 
 
-def test_greedy_generation_matches_transformers_generate(llama_checkpoint: Checkpoint) -> None:
+@KERNELS
+def test_greedy_generation_matches_transformers_generate(llama_checkpoint: Checkpoint,
+                                                         kernels: str) -> None:
     path, hf = llama_checkpoint("llama3", True)
-    runner = load(path)
+    runner = load(path, kernels)
     seqs = make_seqs([6, 19, 31], seed=5)
     prompts = [list(s.ids) for s in seqs]
     chunks = [s.chunk() for s in seqs]
@@ -131,9 +146,10 @@ def test_greedy_generation_matches_transformers_generate(llama_checkpoint: Check
         assert seq.ids == out[0].tolist()
 
 
-def test_copy_block_forks_a_sequence(llama_checkpoint: Checkpoint) -> None:
+@KERNELS
+def test_copy_block_forks_a_sequence(llama_checkpoint: Checkpoint, kernels: str) -> None:
     path, hf = llama_checkpoint("none", False)
-    runner = load(path)
+    runner = load(path, kernels)
     (parent,) = make_seqs([21], seed=6)  # second block partially filled
     runner.run([parent.chunk()])
     child = Seq(list(parent.ids), [parent.blocks[0], 60])
@@ -161,17 +177,36 @@ def test_run_without_chunks_returns_no_logits(llama_checkpoint: Checkpoint) -> N
     assert load(path).run([]).shape == (0, VOCAB)
 
 
-def test_bfloat16_stays_close_to_float32(llama_checkpoint: Checkpoint) -> None:
-    path, _ = llama_checkpoint("none", False)
-    results = []
-    for dtype in (torch.float32, torch.bfloat16):
-        loaded = load_model(str(path), "cpu", dtype)
-        runner = ModelRunner(loaded.model, loaded.config, num_blocks=8)
-        assert runner.kv_caches[0].dtype == dtype
-        seqs = make_seqs([30], num_blocks=8, seed=7)
-        results.append(runner.run([s.chunk() for s in seqs]))
-    assert results[1].dtype == torch.float32
-    assert (results[0] - results[1]).abs().max() < 0.1 * results[0].abs().max()
+@KERNELS
+def test_bfloat16_is_as_close_to_float32_as_transformers_in_bfloat16(
+        llama_checkpoint: Checkpoint, kernels: str) -> None:
+    path, hf = llama_checkpoint("none", False)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    loaded = load_model(str(path), "cpu", torch.bfloat16, kernels)
+    runner = ModelRunner(loaded.model, loaded.config, num_blocks=8)
+    assert runner.kv_caches[0].dtype == torch.bfloat16
+    (seq,) = make_seqs([30], num_blocks=8, seed=7)
+    prompt_len = len(seq.ids)
+    ours = [runner.run([seq.chunk()])[0]]
+    for token in (5, 9, 17):  # decodes read the bf16 cache back
+        seq.ids.append(token)
+        ours.append(runner.run([seq.chunk()])[0])
+    assert ours[0].dtype == torch.float32
+    for i, row in enumerate(ours):
+        ids = seq.ids[: prompt_len + i]
+        exact, theirs = reference_logits(hf, ids)[-1], reference_logits(hf16, ids)[-1]
+        assert (row - theirs).abs().max() <= 2 * (theirs - exact).abs().max() + 1e-3
+
+
+def test_int8_weights_stay_close_to_float32(llama_checkpoint: Checkpoint) -> None:
+    path, hf = llama_checkpoint("none", False)
+    loaded = load_model(str(path), "cpu", torch.float32, quantization="int8")
+    runner = ModelRunner(loaded.model, loaded.config, num_blocks=8)
+    (seq,) = make_seqs([30], num_blocks=8, seed=7)
+    logits = runner.run([seq.chunk()])[0]
+    exact = reference_logits(hf, seq.ids)[-1]
+    kl = (exact.log_softmax(-1).exp() * (exact.log_softmax(-1) - logits.log_softmax(-1))).sum()
+    assert 0 < kl < 1e-2
 
 
 def test_vocab_limit_masks_padded_ids() -> None:

@@ -77,6 +77,8 @@ def test_a_bad_boolean_variable_lists_the_accepted_words(
     (["daemon", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["daemon", "--dtype", "int3"], "--dtype"),
     (["daemon", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["daemon", "--kernels", "fast"], "--kernels"),
+    (["daemon", "--quantization", "int4"], "--quantization"),
     (["proxy", "--drain-timeout-s", "soon"], "--drain-timeout-s"),
     (["proxy", "--log-format", "xml"], "--log-format"),
     (["proxy", "--log-level", "loud"], "--log-level"),

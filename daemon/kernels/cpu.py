@@ -1,0 +1,197 @@
+"""Builds, caches and calls the CPU kernels of cpu_kernels.c; packs weights for them.
+
+The shared library is compiled on first use with the system C compiler (``$CC``, else ``cc``)
+for this CPU (``-march=native``) and cached under ``$TETHER_CACHE_DIR`` (else systemd's
+``$CACHE_DIRECTORY``, else ``~/.cache/tether``) by a hash of the source, the flags, the
+compiler and the CPU's flags, so a daemon start pays the compile (about a second) once per
+machine. Without a compiler the model
+keeps its torch modules (`load` returns None and says why).
+
+It must be loaded after torch: its ``#pragma omp`` regions then bind to the libgomp that torch
+already loaded and share its thread pool (``torch.set_num_threads`` applies to both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
+BLOCK = 32  # output rows per packed block (NB in the C source)
+F32, BF16, I8 = 0, 1, 2  # weight and cache element types (TL_* in the C source)
+STORE, SILU_MUL = 0, 2  # a packed weight's output: plain, or silu(gate) * up
+WEIGHT_TYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.int8: I8}
+
+_P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class Weights(ctypes.Structure):
+    """tl_weights of cpu_kernels.c, field for field."""
+
+    _fields_ = [("w", _P), ("scale", _P), ("bias", _P), ("blocks", _I), ("n_in", _I),
+                ("n_out", _I), ("type", ctypes.c_int32), ("mode", ctypes.c_int32)]
+
+
+class Layer(ctypes.Structure):
+    """tl_layer of cpu_kernels.c, field for field."""
+
+    _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("eps", _F), ("input_norm", _P), ("post_attention_norm", _P),
+                ("qkv", Weights), ("o", Weights), ("gate_up", Weights), ("down", Weights)]
+
+
+_W, _L = ctypes.POINTER(Weights), ctypes.POINTER(Layer)
+_SIGNATURES = {
+    "tl_linear": [_P, _I, _I, _W, _P, _I],
+    "tl_rmsnorm": [_P, _I, _I, _P, _F, _P],
+    "tl_decode_attention": [_P, _I, _P, _P, _C, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P],
+    "tl_layer_attn_in": [_L, _P, _I, _P, _P, _P, _P, _P, _C, _P],
+    "tl_layer_attn_out_mlp": [_L, _P, _I, _P],
+}
+
+
+class Kernels:
+    """The loaded library, one typed ctypes function per kernel."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+            setattr(self, name.removeprefix("tl_"), fn)
+
+    # Attribute types for mypy; each is set in __init__ from the library.
+    linear: Callable[..., None]
+    rmsnorm: Callable[..., None]
+    decode_attention: Callable[..., None]
+    layer_attn_in: Callable[..., None]
+    layer_attn_out_mlp: Callable[..., None]
+
+
+_loaded: Kernels | None = None
+_failure: str | None = None
+
+
+def load() -> Kernels | None:
+    """The kernels, compiled and loaded once per process; None (and a warning) if impossible."""
+    global _loaded, _failure
+    if _loaded is None and _failure is None:
+        try:
+            _loaded = Kernels(_build())
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            _failure = str(e)
+            log.warning("CPU kernels unavailable, using torch ops: %s", e)
+    return _loaded
+
+
+def failure() -> str | None:
+    return _failure
+
+
+def cache_dir() -> Path:
+    # CACHE_DIRECTORY: systemd's CacheDirectory= (the daemon unit's home is read-only).
+    env = os.environ.get("TETHER_CACHE_DIR") or os.environ.get("CACHE_DIRECTORY")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tether"
+
+
+def _build(arch: str = "native") -> Path:
+    """The library for `-march=arch` (tests build other vector widths), compiled if needed."""
+    flags = [*FLAGS, f"-march={arch}"]
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version, platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: daemons starting together never load half a file.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("compiled CPU kernels into %s", target)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+# ---- packing
+
+
+def pack(weight: Tensor, gate_up: bool = False) -> Tensor:
+    """[N, K] -> [ceil(N / 32), K, 32], zero rows padding N. With gate_up the two halves of
+    weight (gate rows, then up rows) are interleaved 16 by 16, so that each block holds 16 gate
+    rows and their 16 up rows and the kernel can write silu(gate) * up."""
+    if gate_up:
+        gate, up = weight.chunk(2)
+        half = BLOCK // 2
+        gate, up = _pad_rows(gate, half), _pad_rows(up, half)
+        n_in = gate.shape[1]
+        weight = torch.stack([gate.view(-1, half, n_in), up.view(-1, half, n_in)], 1)
+        weight = weight.reshape(-1, n_in)
+    weight = _pad_rows(weight, BLOCK)
+    n, k = weight.shape
+    return weight.view(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def pack_vector(values: Tensor, gate_up: bool = False) -> Tensor:
+    """A per-row vector (bias, scale) in the order `pack` puts the rows in, as float32."""
+    return pack(values.float()[:, None], gate_up).flatten().contiguous()
+
+
+def unpack_rows(packed: Tensor, rows: Tensor) -> Tensor:
+    """Rows `rows` of the weight `pack` was given (no gate_up): [len(rows), K]."""
+    return packed[rows // BLOCK, :, rows % BLOCK]
+
+
+def _pad_rows(weight: Tensor, multiple: int) -> Tensor:
+    extra = -weight.shape[0] % multiple
+    if not extra:
+        return weight
+    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])])
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8: weight ~= q * scale[:, None]. Rows of zeros get scale 1."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
