@@ -196,7 +196,8 @@ def _spawner(settings: Settings) -> parallel.Spawn:
         spec = {"rank": rank, "size": settings.tensor_parallel_size, "port": port,
                 "parent": os.getpid(), "model": settings.model, "device": settings.device,
                 "dtype": settings.dtype, "kernels": settings.kernels,
-                "threads": torch.get_num_threads(), "log_format": settings.log_format, "log_level": settings.log_level}
+                "threads": torch.get_num_threads(), "log_format": settings.log_format,
+                "log_level": settings.log_level}
         return subprocess.Popen([sys.executable, "-m", "daemon.parallel_runner", json.dumps(spec)],
                                 env=env, stdin=subprocess.DEVNULL)
 

@@ -12,6 +12,7 @@ import torch
 
 from daemon.config import ConfigError, ModelConfig
 from daemon.loader import ModelLoadError, load_model, pick_device, pick_dtype
+from daemon.parallel import TPGroup
 from daemon.runner import ModelRunner, ScheduledChunk
 from daemon.tokenizer import HFTokenizer
 
@@ -181,3 +182,7 @@ def test_kernel_choices_are_checked(llama_checkpoint: Checkpoint) -> None:
         load_model(str(path), "cpu", torch.float32, kernels="torch", quantization="int8")
     with pytest.raises(ModelLoadError, match="--kernels must be one of auto, torch"):
         load_model(str(path), "cpu", torch.float32, kernels="fast")
+    # A fused CPU layer would skip a row-parallel linear's all-reduce: ranks keep torch ops.
+    assert load_model(str(path), "cpu", torch.float32, group=TPGroup(0, 2)).kernels == "torch"
+    with pytest.raises(ModelLoadError, match="CPU kernels run one rank, not 2"):
+        load_model(str(path), "cpu", torch.float32, group=TPGroup(1, 2), quantization="int8")

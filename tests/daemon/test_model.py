@@ -59,7 +59,7 @@ KERNELS = pytest.mark.parametrize("kernels", ["auto", "torch"])
 
 
 def load(path: Path, kernels: str = "auto") -> ModelRunner:
-    loaded = load_model(str(path), "cpu", torch.float32, kernels)
+    loaded = load_model(str(path), "cpu", torch.float32, kernels=kernels)
     assert loaded.kernels == ("cpu" if kernels == "auto" else "torch")
     return ModelRunner(loaded.model, loaded.config, num_blocks=64)
 
@@ -182,7 +182,7 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_in_bfloat16(
         llama_checkpoint: Checkpoint, kernels: str) -> None:
     path, hf = llama_checkpoint("none", False)
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
-    loaded = load_model(str(path), "cpu", torch.bfloat16, kernels)
+    loaded = load_model(str(path), "cpu", torch.bfloat16, kernels=kernels)
     runner = ModelRunner(loaded.model, loaded.config, num_blocks=8)
     assert runner.kv_caches[0].dtype == torch.bfloat16
     (seq,) = make_seqs([30], num_blocks=8, seed=7)
