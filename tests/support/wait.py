@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Callable
+
+# Below Linux's ephemeral range (32768-60999): a port handed out for some client's outgoing
+# connection can never collide with a block chosen here.
+_BLOCK_RANGE = (20000, 32000)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_block(count: int) -> int:
+    """The first of `count` consecutive ports that are free now (for a command that takes a
+    base port and uses the ones after it, like `tether cluster`)."""
+    for _ in range(200):
+        base = random.randrange(_BLOCK_RANGE[0], _BLOCK_RANGE[1] - count)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no block of {count} free ports in {_BLOCK_RANGE}")
 
 
 def wait_for(cond: Callable[[], object], timeout: float, what: str | Callable[[], str]) -> None:

@@ -12,15 +12,22 @@ import httpx
 import psutil
 import pytest
 
-from tests.support.wait import free_port, wait_for
+from tests.support.wait import free_port_block, wait_for
 from tether.cluster import replica_settings
 from tether.settings import Settings
 
 pytestmark = pytest.mark.timeout(300)
 
 
+def announced(proc: subprocess.Popen[bytes], log: Path, text: str) -> bool:
+    """The cluster printed `text`; AssertionError with its log if it exited instead."""
+    seen = log.read_text(errors="replace")
+    assert proc.poll() is None or text in seen, f"the cluster exited {proc.returncode}:\n{seen[-3000:]}"
+    return text in seen
+
+
 def test_cluster_serves_through_smg_shares_the_store_and_stops_on_ctrl_c(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_port_block(4)  # smg, two replicas, smg's metrics
     log = tmp_path / "cluster.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
     proc = subprocess.Popen(
@@ -29,7 +36,7 @@ def test_cluster_serves_through_smg_shares_the_store_and_stops_on_ctrl_c(tmp_pat
          "--threads", "1", "--drain-timeout-s", "2", "--log-format", "text"],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     try:
-        wait_for(lambda: "tether cluster: 2 replicas behind smg" in log.read_text(errors="replace"),
+        wait_for(lambda: announced(proc, log, "tether cluster: 2 replicas behind smg"),
                  180, lambda: f"the cluster's announcement\n{log.read_text(errors='replace')[-3000:]}")
         replicas = [f"http://127.0.0.1:{replica_settings(Settings(port=port), i).port}"
                     for i in range(2)]
@@ -56,7 +63,7 @@ def test_cluster_serves_through_smg_shares_the_store_and_stops_on_ctrl_c(tmp_pat
 
 
 def test_kill_9_of_the_cluster_leaves_no_orphans(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_port_block(3)  # smg, one replica, smg's metrics
     log = tmp_path / "cluster.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tether.cli", "cluster", "--replicas", "1", "--port", str(port),
@@ -64,7 +71,7 @@ def test_kill_9_of_the_cluster_leaves_no_orphans(tmp_path: Path) -> None:
          "--threads", "1", "--log-format", "text"], stdout=open(log, "wb"),
         stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: "tether cluster: 1 replicas" in log.read_text(errors="replace"), 180,
+        wait_for(lambda: announced(proc, log, "tether cluster: 1 replicas"), 180,
                  lambda: f"the cluster's announcement\n{log.read_text(errors='replace')[-3000:]}")
         children = psutil.Process(proc.pid).children(recursive=True)
         proc.kill()
