@@ -46,6 +46,14 @@ class AttentionMetadata:
     decode_mask: Tensor | None = None
 
 
+def cache_rows(slots: Tensor, num_kv_heads: int, block_size: int) -> Tensor:
+    """Slots (block * block_size + offset) -> `AttentionMetadata.write_rows`, on the slots'
+    device."""
+    blocks, offsets = slots // block_size, slots % block_size
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    return ((blocks[:, None] * num_kv_heads + heads) * block_size + offsets[:, None]).flatten()
+
+
 class PagedAttention(nn.Module):
     """q [T, H, d], k/v [T, KVH, d] -> [T, H, d]; writes k/v into the cache first."""
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from daemon import parallel
+from daemon import gpu_memory, parallel
 from daemon.loader import LoadedModel, load_model, pick_device
 from daemon.parallel import Ranks, StartError, TPGroup
 from daemon.runner import ModelRunner
@@ -168,23 +168,57 @@ def load_runner(settings: Settings) -> tuple[LoadedModel, ModelRunner | DriverRu
     torch.set_num_threads(parallel.threads_per_rank(settings.threads, size))
     device = pick_device(settings.device)
     quantization = None if settings.quantization == "none" else settings.quantization
+    if settings.gpu_memory_utilization and device.type != "cuda":
+        raise ValueError(f"--gpu-memory-utilization sizes the KV cache from free GPU memory; "
+                         f"the daemon runs on {device.type}: size it with --kv-cache-blocks "
+                         "or --kv-cache-mib")
     if size == 1:
+        start = gpu_memory.snapshot_at_start(device) if settings.gpu_memory_utilization else None
         loaded = load_model(settings.model, device, settings.dtype, kernels=settings.kernels,
                             quantization=quantization)
-        runner = ModelRunner(loaded.model, loaded.config, kv_cache_blocks(settings, loaded))
-        return loaded, runner, None
+        return loaded, make_runner(settings, loaded, start), None
     ranks = parallel.start(size, device.type, _spawner(settings))
     try:
-        loaded = load_model(settings.model, ranks.group.device or device, settings.dtype,
+        device = ranks.group.device or device
+        start = gpu_memory.snapshot_at_start(device) if settings.gpu_memory_utilization else None
+        loaded = load_model(settings.model, device, settings.dtype,
                             group=ranks.group, kernels=settings.kernels,
                             quantization=quantization)
-        driver = DriverRunner(ModelRunner(loaded.model, loaded.config,
-                                          kv_cache_blocks(settings, loaded)), ranks)
+        driver = DriverRunner(make_runner(settings, loaded, start), ranks)
         driver.start()
     except BaseException:
         ranks.close()
         raise
     return loaded, driver, ranks
+
+
+def make_runner(settings: Settings, loaded: LoadedModel,
+                start: gpu_memory.Start | None = None) -> ModelRunner:
+    """This rank's runner: the KV cache sized by the settings (from `start`, the GPU's memory
+    before loading, under --gpu-memory-utilization), the decode buckets captured as CUDA
+    graphs where they can be (the Triton kernels, one rank)."""
+    graphs = (settings.cuda_graphs and loaded.kernels == "triton"
+              and loaded.model.embed_tokens.group.size == 1)
+    if start is None:
+        num_blocks = kv_cache_blocks(settings, loaded)
+    else:
+        measured = gpu_memory.measure(loaded, settings.max_num_seqs,
+                                      settings.max_tokens_per_tick)
+        per_block = ModelRunner.block_bytes(loaded.config, loaded.model.dtype,
+                                            num_kv_heads=loaded.model.num_kv_heads)
+        plan = gpu_memory.plan_kv_cache(start, measured, settings.gpu_memory_utilization,
+                                        per_block, graphs)
+        log.info("--gpu-memory-utilization %s: %s", settings.gpu_memory_utilization,
+                 plan.describe())
+        num_blocks = plan.num_blocks
+    runner = ModelRunner(loaded.model, loaded.config, num_blocks,
+                         graph_max_batch=settings.max_num_seqs if graphs else 0)
+    if graphs:
+        t0 = time.monotonic()
+        runner.capture()
+        log.info("captured %d CUDA graphs of decode ticks (batch %s) in %.1f s",
+                 len(runner.graphs.buckets), runner.graphs.buckets, time.monotonic() - t0)
+    return runner
 
 
 def _spawner(settings: Settings) -> parallel.Spawn:

@@ -1,7 +1,10 @@
 """Turns the scheduler's chunks into one forward pass over the paged KV cache.
 
 The runner owns the cache tensors and nothing else: which blocks belong to which sequence
-is the scheduler's business, handed over as a block table per chunk.
+is the scheduler's business, handed over as a block table per chunk. A tick's metadata
+(token ids, positions, cache slots, block tables, context lengths) are built on the host as
+one int64 tensor and cross to the device in one copy. With `graph_max_batch`, decode-only
+ticks run through the fixed-shape buffers of daemon/decode_graphs.py (CUDA graphs on CUDA).
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from daemon.attention import AttentionMetadata, PrefillSpan
+from daemon.attention import AttentionMetadata, PrefillSpan, cache_rows
 from daemon.config import ModelConfig
+from daemon.decode_graphs import DecodeGraphs
 from daemon.model import DecoderLM
 from daemon.scheduler import ScheduledChunk  # the scheduler owns it: it must stay torch-free
 
@@ -25,10 +29,25 @@ class _Batch:
     logit_rows: Tensor
 
 
+class _Cursor:
+    """Consecutive slices of the tick's one metadata tensor."""
+
+    def __init__(self, values: Tensor) -> None:
+        self.values, self.at = values, 0
+
+    def take(self, n: int) -> Tensor:
+        self.at += n
+        return self.values[self.at - n : self.at]
+
+
 class ModelRunner:
+    """graph_max_batch: when > 0, decode-only ticks of up to that many sequences run through
+    fixed-shape buffers padded to a bucket (DecodeGraphs), captured as CUDA graphs on CUDA
+    (`capture`); the cache then has one more block, the padding rows' scratch block."""
+
     def __init__(self, model: DecoderLM, config: ModelConfig, num_blocks: int,
                  block_size: int = 16, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, graph_max_batch: int = 0) -> None:
         self.model = model
         self.config = config
         self.num_blocks = num_blocks
@@ -37,25 +56,49 @@ class ModelRunner:
                        else model.inv_freq.device)
         self.dtype = dtype if dtype is not None else model.dtype
         # With tensor parallelism this rank's KV heads only (model.num_kv_heads).
-        shape = (2, num_blocks, model.num_kv_heads, block_size, config.head_dim)
+        shape = (2, num_blocks + (graph_max_batch > 0), model.num_kv_heads, block_size,
+                 config.head_dim)
         self.kv_caches = [torch.zeros(shape, device=self.device, dtype=self.dtype)
                           for _ in range(config.num_layers)]
+        self.graphs: DecodeGraphs | None = None
+        if graph_max_batch > 0:
+            width = -(-config.max_position_embeddings // block_size)
+            self.graphs = DecodeGraphs(model, self.kv_caches, block_size, width,
+                                       graph_max_batch, model.num_kv_heads)
+        self.num_static_ticks = 0  # ticks run through the padded buckets (graphs on CUDA)
+        self.num_eager_ticks = 0
+
+    def capture(self) -> None:
+        """Capture the decode buckets as CUDA graphs (CUDA only; needs graph_max_batch)."""
+        if self.graphs is None or self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device and graph_max_batch > 0")
+        self.graphs.capture()
+
+    @staticmethod
+    def block_bytes(config: ModelConfig, dtype: torch.dtype, block_size: int = 16,
+                    num_kv_heads: int | None = None) -> int:
+        """Bytes of one KV block: K and V of every layer, of `num_kv_heads` (default all)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * config.num_layers * block_size * heads * config.head_dim * itemsize
 
     @staticmethod
     def blocks_for_budget(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
                           block_size: int = 16, num_kv_heads: int | None = None) -> int:
-        """How many KV blocks (K and V of every layer, of `num_kv_heads`, default all) fit in
-        `budget_bytes`."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-        per_block = 2 * config.num_layers * block_size * heads * config.head_dim * itemsize
-        return budget_bytes // per_block
+        """How many KV blocks fit in `budget_bytes`."""
+        return budget_bytes // ModelRunner.block_bytes(config, dtype, block_size, num_kv_heads)
 
     def run(self, chunks: list[ScheduledChunk]) -> Tensor:
-        """float32 logits [number of chunks with needs_logits, vocab], in chunk order."""
+        """float32 logits [number of chunks with needs_logits, vocab], in chunk order (a
+        decode bucket's are valid until the next call)."""
         with torch.inference_mode():
             if not chunks:
                 return torch.empty(0, self.config.vocab_size, device=self.device)
+            if self.graphs is not None and self.graphs.fits(chunks):
+                self.check(chunks)
+                self.num_static_ticks += 1
+                return self.graphs.run(chunks)
+            self.num_eager_ticks += 1
             batch = self._prepare(chunks)
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
             return self.model.compute_logits(hidden[batch.logit_rows])
@@ -75,41 +118,60 @@ class ModelRunner:
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> _Batch:
         self.check(chunks)
-        decode_idx = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        prefill_idx = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+        bs = self.block_size
+        decode = [c for c in chunks if len(c.token_ids) == 1]
+        prefill = [c for c in chunks if len(c.token_ids) > 1]
         token_ids: list[int] = []
         positions: list[int] = []
-        last_row = [0] * len(chunks)
-        for i in decode_idx + prefill_idx:
-            chunk = chunks[i]
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids)))
-            last_row[i] = len(token_ids) - 1
-        decode_slots, tables, lens = self._decode_meta([chunks[i] for i in decode_idx])
-        prefill_slots, spans = self._prefill_meta([chunks[i] for i in prefill_idx],
-                                                  len(decode_idx))
+        slots: list[int] = []
+        last_row: dict[int, int] = {}
+        for chunk in decode + prefill:
+            span = range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids))
+            table = chunk.block_table
+            token_ids += chunk.token_ids
+            positions += span
+            slots += [table[p // bs] * bs + p % bs for p in span]
+            last_row[id(chunk)] = len(token_ids) - 1
+        rows = [last_row[id(c)] for c in chunks if c.needs_logits]
+        lens = [c.start_pos + 1 for c in decode]
+        width = -(-max(lens) // bs) if decode else 0
+        # Padding points at block 0; attention stops at each context length.
+        tables = [x for c in decode for x in c.block_table[:width]
+                  + [0] * (width - len(c.block_table))]
+        spans = [c.block_table[: -(-(c.start_pos + len(c.token_ids)) // bs)] for c in prefill]
+        host = torch.tensor([*token_ids, *positions, *slots, *rows, *lens, *tables,
+                             *(x for s in spans for x in s)], dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        cursor = _Cursor(host.to(self.device, non_blocking=True))
+        num = len(token_ids)
+        input_ids, pos, slot_t, logit_rows = (cursor.take(num), cursor.take(num),
+                                              cursor.take(num), cursor.take(len(rows)))
+        lens_t, tables_t = cursor.take(len(lens)), cursor.take(len(tables))
         meta = AttentionMetadata(
-            write_rows=self._write_rows(torch.cat([decode_slots, *prefill_slots])),
-            num_decode_tokens=len(decode_idx),
-            decode_block_tables=tables,
-            decode_context_lens=lens,
-            prefills=spans,
+            write_rows=cache_rows(slot_t, self.model.num_kv_heads, bs),
+            num_decode_tokens=len(decode),
+            decode_block_tables=tables_t.view(len(decode), width) if decode else None,
+            decode_context_lens=lens_t if decode else None,
+            prefills=self._spans(prefill, spans, cursor, pos, len(decode)),
         )
-        rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
-        return _Batch(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            meta=meta,
-            logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
-        )
+        return _Batch(input_ids=input_ids, positions=pos, meta=meta, logit_rows=logit_rows)
 
-    def _write_rows(self, slots: Tensor) -> Tensor:
-        """Slots (block * block_size + offset) -> cache rows of every KV head, see
-        `AttentionMetadata.write_rows`."""
-        bs, heads = self.block_size, self.model.num_kv_heads
-        blocks, offsets = slots // bs, slots % bs
-        rows = (blocks[:, None] * heads + torch.arange(heads)) * bs + offsets[:, None]
-        return rows.flatten().to(self.device)
+    def _spans(self, chunks: list[ScheduledChunk], blocks: list[list[int]], cursor: _Cursor,
+               positions: Tensor, first_row: int) -> list[PrefillSpan]:
+        spans: list[PrefillSpan] = []
+        row = first_row
+        for c, ids in zip(chunks, blocks, strict=True):
+            n = len(c.token_ids)
+            context_len = c.start_pos + n
+            mask = None
+            if c.start_pos:
+                keys = torch.arange(context_len, device=self.device)
+                mask = keys[None, :] <= positions[row : row + n, None]
+            spans.append(PrefillSpan(rows=slice(row, row + n), context_len=context_len,
+                                     block_ids=cursor.take(len(ids)), mask=mask))
+            row += n
+        return spans
 
     def _check(self, index: int, chunk: ScheduledChunk) -> None:
         end = chunk.start_pos + len(chunk.token_ids)
@@ -120,46 +182,10 @@ class ModelRunner:
         if len(chunk.block_table) * self.block_size < end:
             raise ValueError(f"chunk {index}: block_table has {len(chunk.block_table)} blocks, "
                              f"too few for {end} positions of {self.block_size}")
-        if any(not 0 <= b < self.num_blocks for b in chunk.block_table):
+        table = chunk.block_table
+        if table and (min(table) < 0 or max(table) >= self.num_blocks):
             raise ValueError(f"chunk {index}: block_table holds an id outside "
                              f"0..{self.num_blocks - 1}")
         if end > self.config.max_position_embeddings:
             raise ValueError(f"chunk {index}: position {end - 1} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-
-    def _decode_meta(self, chunks: list[ScheduledChunk]
-                     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        if not chunks:
-            return torch.empty(0, dtype=torch.long), None, None
-        bs = self.block_size
-        slots = [c.block_table[c.start_pos // bs] * bs + c.start_pos % bs for c in chunks]
-        context_lens = [c.start_pos + 1 for c in chunks]
-        max_blocks = (max(context_lens) + bs - 1) // bs
-        # Padding points at block 0; attention stops at each context length.
-        tables = [c.block_table[:max_blocks] + [0] * (max_blocks - len(c.block_table))
-                  for c in chunks]
-        return (torch.tensor(slots, dtype=torch.long),
-                torch.tensor(tables, dtype=torch.long, device=self.device),
-                torch.tensor(context_lens, dtype=torch.long, device=self.device))
-
-    def _prefill_meta(self, chunks: list[ScheduledChunk], first_row: int
-                      ) -> tuple[list[Tensor], list[PrefillSpan]]:
-        bs = self.block_size
-        slots: list[Tensor] = []
-        spans: list[PrefillSpan] = []
-        row = first_row
-        for c in chunks:
-            n = len(c.token_ids)
-            context_len = c.start_pos + n
-            block_ids = torch.tensor(c.block_table[: (context_len + bs - 1) // bs],
-                                     dtype=torch.long)
-            pos = torch.arange(c.start_pos, context_len)
-            slots.append(block_ids[pos // bs] * bs + pos % bs)
-            mask = None
-            if c.start_pos:
-                keys = torch.arange(context_len, device=self.device)
-                mask = keys[None, :] <= pos.to(self.device)[:, None]
-            spans.append(PrefillSpan(rows=slice(row, row + n), context_len=context_len,
-                                     block_ids=block_ids.to(self.device), mask=mask))
-            row += n
-        return slots, spans

@@ -25,28 +25,38 @@ class Sampler:
         self.device = torch.device(device)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row of `logits` ([len(seqs), vocab], float32) for `seqs` in order."""
+        """One token per row of `logits` ([len(seqs), vocab], float32) for `seqs` in order.
+
+        Everything runs on the logits' device; the sampled ids cross to the host once, and no
+        other value is read back (which sequences are greedy is known on the host)."""
         if not seqs:
             return []
-        logits = logits.float().clone()
-        self._mask_early_stops(logits, seqs)
-        temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
-        greedy = temps == 0.0
+        logits = logits.float()
+        banned = self._early_stops(seqs)
+        if banned[0]:
+            logits = logits.clone()  # never write into the runner's output
+            logits[banned] = float("-inf")
+        greedy = [s.params.temperature == 0.0 for s in seqs]
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(greedy):
+            temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
             sampled = self._sample(logits, seqs, temps)
-            tokens = torch.where(greedy, tokens, sampled)
+            tokens = sampled if not any(greedy) else torch.where(temps == 0.0, tokens, sampled)
         return tokens.tolist()
 
-    def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        # min_tokens: EOS and stop_token_ids cannot be chosen until enough tokens exist.
+    def _early_stops(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """(rows, ids) that min_tokens forbids: EOS and stop_token_ids cannot be chosen until
+        enough tokens exist."""
+        rows: list[int] = []
+        ids: list[int] = []
         for row, seq in enumerate(seqs):
             p = seq.params
             if seq.num_generated >= p.min_tokens:
                 continue
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-            if banned:
-                logits[row, banned] = float("-inf")
+            rows += [row] * len(banned)
+            ids += banned
+        return rows, ids
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 temps: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,8 @@ class Settings:
     max_tokens_per_tick: int = 512
     kv_cache_blocks: int = 2048
     kv_cache_mib: int = 0
+    gpu_memory_utilization: float = 0.0
+    cuda_graphs: bool = True
     prefix_caching: bool = True
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
@@ -90,6 +92,11 @@ _HELP: dict[str, str] = {
     "kv_cache_blocks": "KV cache pool size in blocks of 16 tokens",
     "kv_cache_mib": "KV cache pool as a memory budget in MiB (per tensor-parallel rank, which "
     "holds its own heads); when > 0 it sets the block count",
+    "gpu_memory_utilization": "share of the GPU's total memory the daemon may use (weights, "
+    "activations, CUDA graphs, KV cache), as vLLM's: the KV cache gets what is left after a "
+    "profile pass; 0 = size it with --kv-cache-blocks or --kv-cache-mib (CUDA only)",
+    "cuda_graphs": "replay decode-only ticks as CUDA graphs, one per batch-size bucket up to "
+    "--max-num-seqs (CUDA, Triton kernels, one rank; --no-cuda-graphs runs every tick eagerly)",
     "prefix_caching": "reuse the KV of full blocks of earlier prompts with the same start "
     "(--no-prefix-caching turns it off)",
     "max_waiting": "most requests waiting in the proxy before it answers 429",
@@ -194,6 +201,12 @@ def _check(s: Settings) -> None:
         raise ValueError(f"--replica-lease-s must be > 0, got {s.replica_lease_s}")
     if s.kv_cache_mib < 0:
         raise ValueError(f"--kv-cache-mib must be >= 0, got {s.kv_cache_mib}")
+    if not 0.0 <= s.gpu_memory_utilization <= 1.0:
+        raise ValueError("--gpu-memory-utilization must be in [0, 1] (0 = off), got "
+                         f"{s.gpu_memory_utilization}")
+    if s.gpu_memory_utilization and s.kv_cache_mib:
+        raise ValueError("--gpu-memory-utilization and --kv-cache-mib both size the KV cache: "
+                         "give one of them")
     for name in ("request_timeout_s", "stall_timeout_s"):
         if not getattr(s, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(s, name)}")
