@@ -17,9 +17,10 @@ the block manager never hands out), so they never write a real block's KV.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from daemon.attention import AttentionMetadata, cache_rows
+from daemon.model import DecoderLM
 from daemon.scheduler import ScheduledChunk
 
 
@@ -33,10 +34,10 @@ def buckets_for(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """model: a DecoderLM (or its kernel-swapped variant); kv_caches: the runner's, whose last
-    block is `scratch`; width: block-table columns (enough for the longest context)."""
+    """kv_caches: the runner's, whose last block is `scratch`; width: block-table columns
+    (enough for the longest context)."""
 
-    def __init__(self, model: nn.Module, kv_caches: list[Tensor], block_size: int,
+    def __init__(self, model: DecoderLM, kv_caches: list[Tensor], block_size: int,
                  width: int, max_batch: int, num_kv_heads: int) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.width, self.num_kv_heads = block_size, width, num_kv_heads

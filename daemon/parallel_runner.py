@@ -213,9 +213,15 @@ def make_runner(settings: Settings, loaded: LoadedModel,
         num_blocks = plan.num_blocks
     runner = ModelRunner(loaded.model, loaded.config, num_blocks,
                          graph_max_batch=settings.max_num_seqs if graphs else 0)
-    if graphs:
+    if graphs and runner.graphs is not None:
         t0 = time.monotonic()
-        runner.capture()
+        try:
+            runner.capture()
+        except Exception as e:  # a model op that cannot be captured: still serve, eagerly
+            log.warning("CUDA graphs not captured (%s: %s); every tick runs eagerly",
+                        type(e).__name__, e)
+            runner.graphs = None
+            return runner
         log.info("captured %d CUDA graphs of decode ticks (batch %s) in %.1f s",
                  len(runner.graphs.buckets), runner.graphs.buckets, time.monotonic() - t0)
     return runner

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -364,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base-url", default=None, help="server to test (default: our own pair)")
     parser.add_argument("--model", default=None, help="model name (default: /v1/models)")
     parser.add_argument("--serve-model", default="builtin:tiny", help="model our own pair loads")
+    parser.add_argument("--serve-args", default="",
+                        help="more flags for our own pair, e.g. '--device cuda --dtype bfloat16'")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="the server's limit (our own pair: 16)")
     parser.add_argument("--trials", type=int, default=30)
@@ -380,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.raise_fd_limit()
     out = common.results_dir(args.out, "bench-abort")
     with common.server_or_url(args.base_url, model=args.serve_model,
-                              max_num_seqs=args.max_num_seqs) as (base, _pair):
+                              max_num_seqs=args.max_num_seqs,
+                              extra_args=shlex.split(args.serve_args)) as (base, _pair):
         results = asyncio.run(run(args, base))
     hist, ticks = results.pop("_hist"), results.pop("_ticks")
     plot(out / "abort_latency_cdf.png", results, hist)

@@ -51,13 +51,19 @@ CONFIGS = {"ours": "auto", "baseline": "torch"}  # server name -> --kernels
 def write_checkpoint(path: Path, config: dict[str, Any] = SMOLLM_135M) -> None:
     """Random SmolLM-135M-shaped Llama + a byte-level tokenizer (one token per byte)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**config)).float()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    write_byte_tokenizer(path)
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer without merges: id 0 is <|endoftext|>, ids 1..256 the bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<|endoftext|>": 0, **{ch: i + 1 for i, ch in enumerate(sorted(alphabet))}}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -163,12 +169,7 @@ def run_transformers(model_dir: Path, args: argparse.Namespace, prompt_lens: lis
     gen = torch.Generator().manual_seed(0)
 
     def generate(lens: list[int], new: int) -> float:
-        width = max(lens)
-        ids = torch.zeros((len(lens), width), dtype=torch.long)
-        mask = torch.zeros((len(lens), width), dtype=torch.long)
-        for row, n in enumerate(lens):  # left padding: every row ends at the same column
-            ids[row, width - n:] = torch.randint(1, 257, (n,), generator=gen)
-            mask[row, width - n:] = 1
+        ids, mask = left_padded(lens, gen)
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
@@ -189,6 +190,18 @@ def run_transformers(model_dir: Path, args: argparse.Namespace, prompt_lens: lis
     return {"itl_s": itl, "streams": {"wall_s": streams, "tok_per_s": b * n / streams},
             "mix": {"wall_s": mix_wall, "tok_per_s": sum(gen_lens) / mix_wall,
                     "batch": args.batch}}
+
+
+def left_padded(lens: list[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random byte-token prompts of `lens` as (input_ids, attention_mask), left-padded so that
+    every row ends at the same column, as `generate` wants them."""
+    width = max(lens)
+    ids = torch.zeros((len(lens), width), dtype=torch.long)
+    mask = torch.zeros((len(lens), width), dtype=torch.long)
+    for row, n in enumerate(lens):
+        ids[row, width - n:] = torch.randint(1, 257, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask
 
 
 # --- in process ------------------------------------------------------------------------------
