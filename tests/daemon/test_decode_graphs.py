@@ -133,3 +133,26 @@ def test_engine_tokens_are_the_same_through_the_buckets(tiny: LoadedModel) -> No
         outputs.append((tokens, runner.num_static_ticks))
     assert outputs[0][0] == outputs[1][0]
     assert outputs[0][1] == 0 and outputs[1][1] > 0
+
+
+@pytest.mark.parametrize("max_batch", [0, 8])
+def test_a_tick_builds_its_metadata_as_one_tensor(tiny: LoadedModel, max_batch: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One host tensor per tick, so one copy to the device: decodes, a chunk continuing a
+    prompt and a fresh prompt in one eager tick, then a decode-only tick."""
+    runner = ModelRunner(tiny.model, tiny.config, NUM_BLOCKS, graph_max_batch=max_batch)
+    runner.run([ScheduledChunk(list(range(1, 21)), 0, [3, 4], True),
+                ScheduledChunk(list(range(1, 9)), 0, [5], False)])
+    made: list[tuple[int, ...]] = []
+    real = torch.tensor
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch, "tensor", counted)
+    runner.run([ScheduledChunk([7], 20, [3, 4], True), ScheduledChunk([1, 2, 3], 8, [5], True),
+                ScheduledChunk([9, 8, 7, 6], 0, [6], True)])
+    runner.run([ScheduledChunk([7], 21, [3, 4], True), ScheduledChunk([5], 11, [5], True)])
+    assert len(made) == 2

@@ -90,3 +90,24 @@ def test_ignore_eos_leaves_eos_to_min_tokens_rules():
     s = seq(temperature=0.0, min_tokens=3, ignore_eos=True)
     # ignore_eos means EOS does not end the sequence; it is not masked.
     assert Sampler([EOS])(logits, [s]) == [EOS]
+
+
+def test_only_the_sampled_ids_are_read_back(monkeypatch):
+    """On a GPU every value read on the host waits for the device: a tick reads the ids once
+    (which rows are greedy is known on the host), and never writes into the runner's logits."""
+    reads: list[str] = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            reads.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    logits = torch.randn(4, VOCAB)
+    before = logits.clone()
+    seqs = [seq(temperature=0.0), seq(temperature=0.8, top_p=0.9), seq(temperature=0.0),
+            seq(temperature=1.0, min_tokens=3, top_k=5)]
+    Sampler([EOS])(logits, seqs)
+    assert reads == ["tolist"]
+    assert torch.equal(logits, before)

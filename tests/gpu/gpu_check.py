@@ -20,6 +20,7 @@ under its estimate. --dry-run runs every section on the CPU with builtin:tiny an
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import logging
@@ -74,6 +75,8 @@ def run_section(name: str, estimate: float, fn: Callable[[Case, Budget], dict[st
     else:
         t0 = time.time()
         print(f"== {name} ({left:.0f} s left)", flush=True)
+        # A section stuck past twice its estimate prints every thread's stack to the log.
+        faulthandler.dump_traceback_later(2 * estimate * case.estimate_scale, repeat=True)
         try:
             result = fn(case, budget)
             record.update(status="ok" if result.pop("passed", True) else "fail", result=result)
@@ -81,6 +84,8 @@ def run_section(name: str, estimate: float, fn: Callable[[Case, Budget], dict[st
             record.update(status="error", error=f"{type(e).__name__}: {e}",
                           traceback=traceback.format_exc())
             print(record["traceback"], flush=True)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         record["seconds"] = round(time.time() - t0, 1)
     gc.collect()
     if torch.cuda.is_available():
