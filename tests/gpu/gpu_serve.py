@@ -66,11 +66,11 @@ class FreeMemory:
 
 
 def memory(case: Case, left: Left) -> dict[str, Any]:
-    KEPT.clear()  # every byte this process holds on the GPU is counted against the server's
+    model = _checkpoint(case)
+    KEPT.clear()  # what this process holds on the GPU would be missing to the server
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    model = _checkpoint(case)
     out: dict[str, Any] = {"model": model, "streams": case.serve_streams}
     if case.device == "cuda":
         sizing = ["--gpu-memory-utilization", str(UTILIZATION)]
