@@ -171,7 +171,8 @@ def abort(case: Case, left: Left) -> dict[str, Any]:
     tick = results["tick_s"]
     latency = stream.get("server_abort_latency_s") or {}
     ticks_bucket = stream.get("server_abort_ticks_p99")
-    out = {"model": model, "args": list(case.abort_args), "tick_ms": tick * 1e3,
+    out = {"model": model, "args": list(case.abort_args),
+           "tick_ms": None if tick is None else tick * 1e3,
            "abort_latency_ms": {k: (v * 1e3 if isinstance(v, float) and k != "count" else v)
                                 for k, v in latency.items()},
            "ticks_before_eviction_p99_bucket": ticks_bucket,
@@ -182,9 +183,11 @@ def abort(case: Case, left: Left) -> dict[str, Any]:
     p99 = latency.get("p99")
     out["goals"] = {
         "ticks <= 1": ticks_bucket is not None and ticks_bucket[1] <= 1,
-        "latency p99 <= tick + 2 ms": p99 is not None and p99 <= tick + 0.002,
+        "latency p99 <= tick + 2 ms": (None if p99 is None or tick is None
+                                       else p99 <= tick + 0.002),
         "queued prefill == 0": queued.get("prefill_tokens_of_dropped") == 0}
-    out["headline"] = (f"tick {tick * 1e3:.2f} ms, ticks p99 bucket {ticks_bucket}, latency "
+    shown = "not measured" if tick is None else f"{tick * 1e3:.2f} ms"
+    out["headline"] = (f"tick {shown}, ticks p99 bucket {ticks_bucket}, latency "
                        f"p99 {p99 * 1e3 if p99 is not None else float('nan'):.2f} ms, queued "
                        f"prefill {out['prefill_tokens_of_queued_drops']}, goodput "
                        f"{out['goodput']}")
