@@ -48,6 +48,9 @@ request_log = logging.getLogger("tether.requests")
 
 # Tick start times kept for tests and for abort latency in ticks.
 TICK_LOG_SIZE = 4096
+# An aborted request's log line carries its newest ticks: enough to show any tick that started
+# after the client left, and one from before.
+LOGGED_TICKS = 4
 
 
 class Runner(Protocol):
@@ -224,14 +227,18 @@ class Engine:
         extra: dict[str, Any] = {}
         if cause is not None:
             self.aborts[cause.value] += 1
+            # Monotonic stamps (CLOCK_MONOTONIC is system-wide): a client can set its own
+            # close time against them, and count the tokens sampled after it.
+            extra = {"evicted_at": round(now, 6),
+                     "last_ticks": [[round(t, 6), n] for t, n in session.ticks.tail(LOGGED_TICKS)]}
         if session.t_disconnect is not None:
             t = session.t_disconnect
             ticks, tokens = session.tokens_after(t)
             self.num_tokens_after_disconnect += tokens
             self._latency_obs.append(now - t)
             self._latency_ticks_obs.append(self._ticks_since(t))
-            extra = {"abort_latency_s": round(now - t, 6), "ticks_after_disconnect": ticks,
-                     "tokens_after_disconnect": tokens}
+            extra |= {"abort_latency_s": round(now - t, 6), "ticks_after_disconnect": ticks,
+                      "tokens_after_disconnect": tokens}
             if t_read is not None:
                 extra["abort_read_s"] = round(t_read - t, 6)
         self._log_end(session, reason, cause, extra)

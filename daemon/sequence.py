@@ -50,6 +50,10 @@ class TickHistory:
         first = bisect.bisect_right(self.starts, t)
         return len(self.starts) - first, sum(self.counts[first:])
 
+    def tail(self, count: int) -> list[tuple[float, int]]:
+        """The newest `count` ticks as (start, tokens), oldest first."""
+        return list(zip(self.starts[-count:], self.counts[-count:], strict=True))
+
 
 class Detokenizer(Protocol):
     def push(self, token_id: int) -> str: ...

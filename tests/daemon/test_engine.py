@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.engine import Engine
+from daemon.engine import LOGGED_TICKS, Engine
 from daemon.loader import load_model
 from daemon.runner import ModelRunner
 from daemon.store import ResponseStore
@@ -341,6 +341,23 @@ def test_request_end_is_logged_with_fields(caplog):
     assert fields["rid"] == "a" and fields["finish_reason"] == "stop"
     assert fields["prompt_tokens"] == 6 and fields["generated_tokens"] == 3
     assert fields["duration_s"] > 0
+
+
+def test_an_aborted_request_logs_its_eviction_time_and_last_ticks(caplog):
+    engine, _ = make_engine()
+    engine.submit(completion("a", max_tokens=100, ignore_eos=True, n=2))
+    for _ in range(6):
+        engine.step()
+    starts = list(engine.sessions["a"].ticks.starts)
+    with caplog.at_level(logging.INFO, logger="tether.requests"):
+        engine.abort("a", AbortCause.CLIENT_DISCONNECT, t_disconnect=starts[-2] + 0.0001)
+    [rec] = [r for r in caplog.records if r.name == "tether.requests"]
+    fields = rec.fields  # type: ignore[attr-defined]
+    assert fields["cause"] == "client_disconnect" and fields["evicted_at"] > starts[-1]
+    # The newest ticks, oldest first: enough to count the tokens sampled after any time in them.
+    assert [t for t, _ in fields["last_ticks"]] == pytest.approx(starts[-LOGGED_TICKS:])
+    assert [n for _, n in fields["last_ticks"]] == [2] * LOGGED_TICKS
+    assert fields["ticks_after_disconnect"] == 1 and fields["tokens_after_disconnect"] == 2
 
 
 def test_stats_report_gauges_and_counters():

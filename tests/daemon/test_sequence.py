@@ -18,3 +18,12 @@ def test_history_stays_bounded_and_keeps_the_newest_ticks() -> None:
     assert len(history.starts) <= _TICK_MEMORY
     assert history.starts[-1] == total - 1
     assert history.after(total - 11.0) == (10, 10)
+
+
+def test_tail_is_the_newest_ticks_oldest_first() -> None:
+    history = TickHistory()
+    assert history.tail(4) == []
+    for i in range(6):
+        history.append(float(i), i % 2)
+    assert history.tail(4) == [(2.0, 0), (3.0, 1), (4.0, 0), (5.0, 1)]
+    assert history.tail(10) == [(float(i), i % 2) for i in range(6)]
