@@ -6,7 +6,7 @@ from daemon.engine import Engine
 from daemon.store import ResponseStore
 from daemon.tokenizer import ByteTokenizer
 from ipc.records import Delta, Finish, RequestKind, SamplingParams, Submit, ToProxy
-from tests.daemon.fake_runner import FakeRunner, Script
+from tests.support.fake_runner import FakeRunner, Script
 
 TOK = ByteTokenizer()
 EOS = TOK.eos_token_ids[0]

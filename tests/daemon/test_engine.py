@@ -34,7 +34,7 @@ from tests.daemon.engine_kit import (
     run,
     texts,
 )
-from tests.daemon.fake_runner import Script
+from tests.support.fake_runner import Script
 
 
 def writer(text: str, prompt: str) -> Script:

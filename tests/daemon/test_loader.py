@@ -15,8 +15,7 @@ from daemon.loader import ModelLoadError, load_model, pick_device, pick_dtype
 from daemon.parallel import TPGroup
 from daemon.runner import ModelRunner, ScheduledChunk
 from daemon.tokenizer import HFTokenizer
-
-from .conftest import save_llama, write_tokenizer
+from tests.support.checkpoints import save_llama, write_tokenizer
 
 Checkpoint = Callable[..., tuple[Path, torch.nn.Module]]
 

@@ -17,8 +17,7 @@ from daemon.config import ModelConfig
 from daemon.loader import init_random_, load_model
 from daemon.model import DecoderLM
 from daemon.runner import ModelRunner, ScheduledChunk
-
-from .conftest import VOCAB
+from tests.support.checkpoints import VOCAB
 
 TOL = 1e-4
 BS = 16

@@ -92,7 +92,7 @@ def test_builtin_shards_are_cut_from_the_same_seeded_model(size: int) -> None:
 def test_checkpoint_shards_read_only_their_slices(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .conftest import write_tokenizer
+    from tests.support.checkpoints import write_tokenizer
 
     # An odd vocabulary (padded on the last rank), one KV head (replicated), biases, untied.
     cfg = LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=128,

@@ -22,9 +22,8 @@ from daemon.parallel_runner import DriverRunner, decode_run, encode_run, load_ru
 from daemon.runner import ModelRunner
 from daemon.scheduler import ScheduledChunk
 from ipc.records import AbortCause, Delta, RequestKind, SamplingParams, Submit, ToProxy
+from tests.support.checkpoints import write_tokenizer
 from tether.settings import Settings
-
-from .conftest import write_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -46,7 +46,7 @@ from ipc.records import (
     ToProxy,
     Welcome,
 )
-from tests.daemon.fake_runner import FakeRunner
+from tests.support.fake_runner import FakeRunner
 
 TOK = ByteTokenizer()
 

@@ -30,7 +30,7 @@ from ipc.records import (
     Submit,
     ToProxy,
 )
-from tests.daemon.fake_runner import FakeRunner
+from tests.support.fake_runner import FakeRunner
 
 TOK = ByteTokenizer()
 

@@ -18,8 +18,7 @@ from daemon.tokenizer import (
     Tokenizer,
     TokenizerLoadError,
 )
-
-from .conftest import CHAT_TEMPLATE, CORPUS
+from tests.support.checkpoints import CHAT_TEMPLATE, CORPUS
 
 BYTES = ByteTokenizer()
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}]

@@ -11,8 +11,9 @@ import pytest
 from starlette.types import Message
 
 from proxy.app import create_app
-from tests.proxy.conftest import MODEL, Peer, wait_until
 from tests.support.metrics import parse_metrics
+from tests.support.peer import MODEL, Peer
+from tests.support.wait import wait_until
 from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio

@@ -13,7 +13,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from ipc.records import RequestKind, TokenLogprob
 from proxy.app import create_app
 from proxy.completions import CHAT, COMPLETION
-from tests.proxy.conftest import MODEL, Peer, wait_until
+from tests.support.peer import MODEL, Peer
+from tests.support.wait import wait_until
 from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio

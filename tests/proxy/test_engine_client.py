@@ -11,7 +11,8 @@ import pytest
 from ipc.records import AbortCause, Finish, RequestKind, ResponseOpKind, SamplingParams, Submit
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
-from tests.proxy.conftest import Peer, wait_until
+from tests.support.peer import Peer
+from tests.support.wait import wait_until
 from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio
@@ -122,7 +123,8 @@ async def test_duplicate_rid_is_refused(engine: EngineClient, peer: Peer) -> Non
     await first.aclose()
 
 
-async def test_unanswered_response_op_is_503(engine: EngineClient) -> None:
+async def test_unanswered_response_op_is_503(engine: EngineClient, peer: Peer) -> None:
+    peer.answer_ops = False
     with pytest.raises(ApiError) as info:
         await engine.response_op(ResponseOpKind.GET, "resp_x", timeout=0.1)
     assert info.value.status == 503

@@ -12,7 +12,8 @@ from starlette.types import Message
 
 from proxy.app import create_app
 from proxy.errors import CLIENT_CLOSED_REQUEST
-from tests.proxy.conftest import Peer, wait_until
+from tests.support.peer import Peer
+from tests.support.wait import wait_until
 from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio

@@ -36,7 +36,9 @@ from ipc.records import (
     ToProxy,
 )
 from proxy.app import create_app
-from tests.proxy.conftest import CACHED_TOKENS, MODEL, PROMPT_TOKENS, LiveProxy, Peer, wait_until
+from tests.support.live_proxy import LiveProxy
+from tests.support.peer import CACHED_TOKENS, MODEL, PROMPT_TOKENS, Peer
+from tests.support.wait import wait_until
 from tether.settings import Settings
 
 STREAM_EVENTS = TypeAdapter(ResponseStreamEvent)

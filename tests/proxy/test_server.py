@@ -20,8 +20,9 @@ import psutil
 import pytest
 
 from ipc.records import AbortCause
-from tests.proxy.conftest import LiveProxy, Peer, start_live, stop_live
 from tests.support import raw_http
+from tests.support.live_proxy import LiveProxy, start_live, stop_live
+from tests.support.peer import Peer
 from tests.support.raw_http import read_events, read_to_end
 from tether.settings import Settings
 

@@ -48,7 +48,7 @@ class Server:
                    "sys.exit(main(sys.argv[1:]))"]
         cmd = [*run, what,
                "--runtime-dir", str(self.tmp / "run"), "--state-dir", str(self.tmp / "state"),
-               "--port", str(self.port), "--log-format", "text", *self.extra]
+               "--port", str(self.port), "--log-format", "json", *self.extra]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tests.support.systemd import child_env
 from tests.support.wait import wait_for
-from tests.tether.helpers import child_env
 
 READY_TIMEOUT_S = 180.0
 DRAIN_S = 2.0

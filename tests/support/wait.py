@@ -1,7 +1,8 @@
-"""Free ports and polling with a deadline."""
+"""Free ports and polling with a deadline (blocking, and for async tests)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 import time
@@ -50,3 +51,11 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str | Callable[[]
             text = what() if callable(what) else what
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {text}")
         time.sleep(0.02)
+
+
+async def wait_until(cond: Callable[[], object], timeout: float = 5.0) -> None:  # noqa: ASYNC109
+    """`wait_for` on the event loop: polls without blocking it."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s"
+        await asyncio.sleep(0.01)

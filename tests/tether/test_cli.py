@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tether.helpers import child_env
+from tests.support.systemd import child_env
 from tether import cli, settings
 from tether.launcher import child_environ
 from tether.settings import Settings

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tether.helpers import child_env
+from tests.support.systemd import child_env
 from tether import sdnotify
 from tether.sdnotify import NotifyListener, notify, parse, watchdog_interval
 

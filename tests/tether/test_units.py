@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.wait import free_port
-from tests.tether.helpers import (
+from tests.support.systemd import (
     INSTALLED_TETHER,
     UNITS,
     child_env,
@@ -26,6 +25,7 @@ from tests.tether.helpers import (
     unit_settings,
     wait_notification,
 )
+from tests.support.wait import free_port
 from tether import launcher, settings
 from tether.cluster import smg_command, smg_path
 from tether.sdnotify import NotifyListener

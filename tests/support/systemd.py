@@ -1,4 +1,4 @@
-"""Shared by the tether tests: ports, waiting, notifications and unit files."""
+"""Shared by the tests of tether/: notifications, unit files and a child's environment."""
 
 from __future__ import annotations
 
