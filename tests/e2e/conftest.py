@@ -6,11 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.pair import Server, start_server
+from tests.support.pair import ABORT_MODEL, Server, start_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("e2e"), ["--max-num-seqs", "8"])
+    """builtin:small (ticks of ~50 ms), so a drop is measured from the client's close."""
+    s = start_server(tmp_path_factory.mktemp("e2e"), ["--max-num-seqs", "8", *ABORT_MODEL])
     yield s
     s.stop()

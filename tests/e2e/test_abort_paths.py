@@ -1,9 +1,10 @@
 """Every abort path, on the real daemon and proxy: drop a real connection, then assert the daemon's
-state (running, waiting, KV blocks, placeholders) is back to baseline in the tick that applied it."""
+state (running, waiting, KV blocks, placeholders) is back to baseline in the tick that applied it,
+and, per request on the client's clock, how many tokens were generated after the close."""
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,14 +17,16 @@ from tests.support.pair import (
     assert_baseline,
     check_abort,
     drop,
+    new_rid,
     post_raw,
     start_server,
     wait_aborts,
     wait_running,
 )
-from tests.support.raw_http import read_events
+from tests.support.raw_http import read_events, read_to_end
 
 pytestmark = pytest.mark.timeout(180)
+
 
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {**CHAT, "stream": True}),
@@ -32,10 +35,10 @@ pytestmark = pytest.mark.timeout(180)
 def test_streaming_disconnect_evicts_session(server: Server, path: str,
                                              body: dict[str, Any]) -> None:
     before = server.metrics()
-    sock = post_raw(server, path, body)
+    rid = new_rid("stream-drop")
+    sock = post_raw(server, path, body, rid)
     read_events(sock, 5)
-    drop(sock)
-    check_abort(server, before, "client_disconnect", sequences=1)
+    check_abort(server, before, rid, drop(sock), sequences=1)
 
 
 @pytest.mark.parametrize(("path", "body"), [
@@ -45,28 +48,28 @@ def test_streaming_disconnect_evicts_session(server: Server, path: str,
 def test_non_streaming_disconnect_evicts_session(server: Server, path: str,
                                                  body: dict[str, Any]) -> None:
     before = server.metrics()
-    sock = post_raw(server, path, body)
+    rid = new_rid("plain-drop")
+    sock = post_raw(server, path, body, rid)
     wait_running(server)
-    drop(sock)
-    check_abort(server, before, "client_disconnect", sequences=1)
+    check_abort(server, before, rid, drop(sock), sequences=1)
 
 
 def test_prompt_list_and_n_evict_every_sequence(server: Server) -> None:
     before = server.metrics()
     body = {"prompt": ["first prompt", "second prompt"], "n": 2, "stream": True, **LONG}
-    sock = post_raw(server, "/v1/completions", body)
+    sock = post_raw(server, "/v1/completions", body, "list-drop")
     read_events(sock, 8)
     assert m(server.metrics(), "tether_requests_running") == 1  # one request, four sequences
-    drop(sock)
-    check_abort(server, before, "client_disconnect", sequences=4)
+    check_abort(server, before, "list-drop", drop(sock), sequences=4)
 
 
-def test_queued_request_is_never_prefilled(tmp_path: Any) -> None:
+def test_queued_request_is_never_prefilled(tmp_path: Path) -> None:
     server = start_server(tmp_path, ["--max-num-seqs", "1"])
     try:
         busy = post_raw(server, "/v1/completions", {"prompt": "hold the slot", "stream": True, **LONG})
         read_events(busy, 2)
-        queued = post_raw(server, "/v1/completions", {"prompt": "never computed " * 20, **LONG})
+        queued = post_raw(server, "/v1/completions", {"prompt": "never computed " * 20, **LONG},
+                          "queued-drop")
         wait_running(server, 1, "tether_requests_waiting")
         before = server.metrics()
         drop(queued)
@@ -75,6 +78,9 @@ def test_queued_request_is_never_prefilled(tmp_path: Any) -> None:
         assert m(after, "tether_requests_running") == 1
         assert m(after, "tether_prompt_tokens_total") == m(before, "tether_prompt_tokens_total")
         assert m(after, "tether_tokens_after_disconnect_total") == 0
+        # In no forward pass at all: not a prefill chunk, not a token.
+        line = server.request_line("queued-drop")
+        assert line["cause"] == "client_disconnect" and line["last_ticks"] == [], line
         drop(busy)
         assert_baseline(wait_aborts(server, "client_disconnect", 2))
     finally:
@@ -82,6 +88,8 @@ def test_queued_request_is_never_prefilled(tmp_path: Any) -> None:
 
 
 def test_normal_finish_writes_no_abort(server: Server) -> None:
+    """The proxy counts each Abort as it writes it, in the handler's cleanup, before the response
+    ends: a stray abort after a normal finish would show in this figure at once."""
     before = server.metrics()
     with server.client() as c:
         r = c.post("/v1/completions", json={"prompt": "short", "max_tokens": 5, "ignore_eos": True})
@@ -90,8 +98,14 @@ def test_normal_finish_writes_no_abort(server: Server) -> None:
         with c.stream("POST", "/v1/chat/completions",
                       json={**CHAT, "max_tokens": 5, "stream": True}) as s:
             assert [line for line in s.iter_lines() if line][-1] == "data: [DONE]"
-    time.sleep(0.5)  # give a stray abort record every chance to arrive
+    sock = post_raw(server, "/v1/completions", {"prompt": "p", "max_tokens": 3, "stream": True,
+                                                "ignore_eos": True})
+    assert read_to_end(sock).endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    sock.close()
     after = server.metrics()
+    for cause in ("client_disconnect", "cancel", "shutdown"):
+        assert m(after, "tether_proxy_aborts_sent_total", cause=cause) == m(
+            before, "tether_proxy_aborts_sent_total", cause=cause), cause
     assert sum(v for k, v in after.items() if k.startswith("tether_aborts_total")) == sum(
         v for k, v in before.items() if k.startswith("tether_aborts_total"))
     assert_baseline(after)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import httpx
-import orjson
 import pytest
 
 from tests.support.metrics import m
@@ -15,11 +13,12 @@ from tests.support.pair import (
     assert_baseline,
     check_abort,
     drop,
+    new_rid,
     post_raw,
     wait_aborts,
     wait_running,
 )
-from tests.support.raw_http import read_events, response_id_from_stream
+from tests.support.raw_http import collect_events, read_events, response_id_from_stream
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,36 +32,47 @@ def test_streaming_response_disconnect_removes_placeholder(server: Server) -> No
     raw = read_events(sock, 8)
     rid = response_id_from_stream(raw)
     assert m(server.metrics(), "tether_conversation_placeholders") == 1
-    drop(sock)
-    check_abort(server, before, "client_disconnect", sequences=1)
+    check_abort(server, before, rid, drop(sock), sequences=1)
     with server.client() as c:
         assert c.get(f"/v1/responses/{rid}").status_code == 404
 
 
 def test_non_streaming_response_disconnect_removes_placeholder(server: Server) -> None:
     before = server.metrics()
-    sock = post_raw(server, "/v1/responses", {"input": "talk to me", **LONG})
+    rid = new_rid("resp")  # a Responses request's id is its response id
+    sock = post_raw(server, "/v1/responses", {"input": "talk to me", **LONG}, rid)
     wait_running(server)
     assert m(server.metrics(), "tether_conversation_placeholders") == 1
-    drop(sock)
-    check_abort(server, before, "client_disconnect", sequences=1)
-
-
-def test_background_response_survives_disconnect_and_cancel_sticks(server: Server) -> None:
-    before = server.metrics()
-    sock = post_raw(server, "/v1/responses", {"input": "work in the background",
-                                              "background": True, **LONG})
-    head = b""
-    while b"\r\n\r\n" not in head or not head.rstrip().endswith(b"}"):
-        head += sock.recv(65536)
-    rid = orjson.loads(head.split(b"\r\n\r\n", 1)[1])["id"]
-    drop(sock)
-    wait_running(server)
+    check_abort(server, before, rid, drop(sock), sequences=1)
     with server.client() as c:
-        assert c.get(f"/v1/responses/{rid}").json()["status"] in ("queued", "in_progress")
-        assert m(server.metrics(), "tether_aborts_total", cause="client_disconnect") == m(
-            before, "tether_aborts_total", cause="client_disconnect")
+        assert c.get(f"/v1/responses/{rid}").status_code == 404
 
+
+def test_background_stream_survives_its_client_and_cancel_sticks(server: Server) -> None:
+    """Dropped right after response.created, a background stream goes on; a foreground stream
+    dropped at the same moment is the control that the proxy handled the disconnects."""
+    before = server.metrics()
+    background = post_raw(server, "/v1/responses", {"input": "work in the background",
+                                                    "background": True, "stream": True, **LONG})
+    rid = response_id_from_stream(read_events(background, 1))
+    foreground = post_raw(server, "/v1/responses", {"input": "in the foreground", "stream": True,
+                                                    **LONG})
+    read_events(foreground, 8)
+    drop(background)
+    drop(foreground)
+    dropped = wait_aborts(server, "client_disconnect",
+                          m(before, "tether_aborts_total", cause="client_disconnect") + 1)
+    # Generation goes on for many more ticks than a drop takes to be evicted (about one).
+    wait_for(lambda: m(server.metrics(), "tether_generation_tokens_total")
+             >= m(dropped, "tether_generation_tokens_total") + 20, 60, "20 more tokens")
+    now = server.metrics()
+    assert m(now, "tether_requests_running") == 1
+    for figure in ("tether_aborts_total", "tether_proxy_aborts_sent_total"):
+        assert m(now, figure, cause="client_disconnect") == m(
+            before, figure, cause="client_disconnect") + 1, figure
+        assert m(now, figure, cause="cancel") == m(before, figure, cause="cancel"), figure
+    with server.client() as c:
+        assert c.get(f"/v1/responses/{rid}").json()["status"] == "in_progress"
         r = c.post(f"/v1/responses/{rid}/cancel")
         assert r.status_code == 200, r.text
         assert r.json()["status"] == "cancelled"
@@ -74,28 +84,30 @@ def test_background_response_survives_disconnect_and_cancel_sticks(server: Serve
         assert again.json()["status"] == "cancelled"
 
 
-def test_background_stream_reader_gets_terminal_event_on_cancel(server: Server) -> None:
-    events: list[str] = []
-    rid_box: list[str] = []
+def test_every_reader_of_a_background_stream_gets_a_terminal_event_on_cancel(
+        server: Server) -> None:
+    events: list[list[dict[str, Any]]] = [[], [], []]
+    body = {"input": "stream me", "background": True, "stream": True, **LONG}
 
-    def read() -> None:
-        with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
-            body: dict[str, Any] = {"input": "stream me", "background": True, "stream": True, **LONG}
-            with c.stream("POST", "/v1/responses", json=body) as s:
-                for line in s.iter_lines():
-                    if line.startswith("event: "):
-                        events.append(line[7:])
-                    if line.startswith("data: ") and not rid_box and "response.created" in line:
-                        rid_box.append(orjson.loads(line[6:])["response"]["id"])
+    def read(i: int, method: str, path: str, body: dict[str, Any] | None = None) -> None:
+        collect_events(server.url, method, path, events[i], body, server.headers)
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    wait_for(lambda: len(events) > 6, 60, "background stream events")
+    readers = [threading.Thread(target=read, args=(0, "POST", "/v1/responses", body))]
+    readers[0].start()
+    wait_for(lambda: bool(events[0]), 60, "the background response is created")
+    rid = events[0][0]["response"]["id"]
+    # Later readers of the same stream: from its start, and from the middle.
+    for i, query in ((1, ""), (2, "&starting_after=2")):
+        readers.append(threading.Thread(
+            target=read, args=(i, "GET", f"/v1/responses/{rid}?stream=true{query}")))
+        readers[i].start()
+    wait_for(lambda: all(len(e) > 4 for e in events), 60, "every reader is reading")
     with server.client() as c:
-        assert c.post(f"/v1/responses/{rid_box[0]}/cancel").status_code == 200
-    reader.join(30)
-    assert not reader.is_alive(), "the background stream reader hangs after cancel"
-    assert events[-1] == "response.cancelled", events[-5:]
+        assert c.post(f"/v1/responses/{rid}/cancel").status_code == 200
+    for reader, seen in zip(readers, events, strict=True):
+        reader.join(30)
+        assert not reader.is_alive(), "a background stream reader hangs after cancel"
+        assert seen[-1]["type"] == "response.cancelled", seen[-3:]
 
 
 def test_completed_response_cannot_be_cancelled(server: Server) -> None:

@@ -9,11 +9,13 @@ import httpx
 import pytest
 
 from tests.support.pair import (
+    ABORT_MODEL,
     CHAT,
     LONG,
     Server,
     check_abort,
     drop,
+    new_rid,
     post_raw,
     start_server,
     wait_running,
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("auth"), api_key="sk-test-key")
+    s = start_server(tmp_path_factory.mktemp("auth"), ABORT_MODEL, api_key="sk-test-key")
     yield s
     s.stop()
 
@@ -47,13 +49,13 @@ def test_wrong_key_is_401(auth_server: Server) -> None:
 def test_streaming_drop_aborts_with_auth(auth_server: Server, path: str,
                                          body: dict[str, Any]) -> None:
     before = auth_server.metrics()
-    sock = post_raw(auth_server, path, body)
+    rid = new_rid("resp" if path == "/v1/responses" else "auth")
+    sock = post_raw(auth_server, path, body, rid)
     raw = read_events(sock, 8)
     if path == "/v1/responses":
-        rid = response_id_from_stream(raw)
-    drop(sock)
+        assert response_id_from_stream(raw) == rid
     sequences = 4 if path == "/v1/completions" else 1
-    check_abort(auth_server, before, "client_disconnect", sequences=sequences)
+    check_abort(auth_server, before, rid, drop(sock), sequences=sequences)
     if path == "/v1/responses":
         with auth_server.client() as c:
             assert c.get(f"/v1/responses/{rid}").status_code == 404
@@ -66,7 +68,7 @@ def test_streaming_drop_aborts_with_auth(auth_server: Server, path: str,
 def test_non_streaming_drop_aborts_with_auth(auth_server: Server, path: str,
                                              body: dict[str, Any]) -> None:
     before = auth_server.metrics()
-    sock = post_raw(auth_server, path, body)
+    rid = new_rid("resp" if path == "/v1/responses" else "auth")
+    sock = post_raw(auth_server, path, body, rid)
     wait_running(auth_server)
-    drop(sock)
-    check_abort(auth_server, before, "client_disconnect", sequences=1)
+    check_abort(auth_server, before, rid, drop(sock), sequences=1)

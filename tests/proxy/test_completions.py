@@ -14,19 +14,11 @@ from ipc.records import RequestKind, TokenLogprob
 from proxy.app import create_app
 from proxy.completions import CHAT, COMPLETION
 from tests.support.peer import MODEL, Peer
+from tests.support.raw_http import sse_events
 from tests.support.wait import wait_until
 from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio
-
-
-def events(text: str) -> list[dict[str, object] | str]:
-    out: list[dict[str, object] | str] = []
-    for block in text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else orjson.loads(data))
-    return out
 
 
 async def test_completion_choices_cover_prompts_times_n(client: httpx.AsyncClient,
@@ -54,7 +46,7 @@ async def test_completion_stream_ends_with_usage_and_done(client: httpx.AsyncCli
         "stream_options": {"include_usage": True}})
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
-    got = events(r.text)
+    got = sse_events(r.text)
     assert got[-1] == "[DONE]"
     chunks = [e for e in got[:-1] if isinstance(e, dict)]
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "tok0 tok1 "
@@ -83,7 +75,7 @@ async def test_chat_non_streaming_shape(client: httpx.AsyncClient, peer: Peer) -
 async def test_chat_stream_deltas(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
-    got = events(r.text)
+    got = sse_events(r.text)
     assert got[-1] == "[DONE]"
     deltas = [e["choices"][0] for e in got[:-1] if isinstance(e, dict)]
     assert deltas[0]["delta"]["role"] == "assistant"
@@ -183,7 +175,7 @@ async def test_chat_logprobs_in_openai_shape(client: httpx.AsyncClient, peer: Pe
     assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("tok0 ", -0.25),
                                                                         ("alt", -1.5)]
     r = await client.post("/v1/chat/completions", json={**body, "stream": True})
-    chunks = [ChatCompletionChunk.model_validate(e) for e in events(r.text) if isinstance(e, dict)]
+    chunks = [ChatCompletionChunk.model_validate(e) for e in sse_events(r.text) if isinstance(e, dict)]
     streamed = [c.token for chunk in chunks for choice in chunk.choices
                 if choice.logprobs is not None for c in choice.logprobs.content or ()]
     assert streamed == ["tok0 ", "tok1 "]
@@ -204,7 +196,7 @@ async def test_completion_logprobs_in_legacy_shape(client: httpx.AsyncClient,
     assert lp.top_logprobs == [{"tok0 ": -0.25}, {"tok1 ": -0.25}]
     r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2, "logprobs": 0,
                                                    "stream": True})
-    got = [e["choices"][0]["logprobs"] for e in events(r.text) if isinstance(e, dict)]
+    got = [e["choices"][0]["logprobs"] for e in sse_events(r.text) if isinstance(e, dict)]
     assert [g["text_offset"] for g in got if g] == [[0], [5]]
     assert all(g["top_logprobs"] == [{}] for g in got if g)
 

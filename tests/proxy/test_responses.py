@@ -38,6 +38,7 @@ from ipc.records import (
 from proxy.app import create_app
 from tests.support.live_proxy import LiveProxy
 from tests.support.peer import CACHED_TOKENS, MODEL, PROMPT_TOKENS, Peer
+from tests.support.raw_http import sse_events
 from tests.support.wait import wait_until
 from tether.settings import Settings
 
@@ -117,18 +118,6 @@ async def client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
 
 def tokens(n: int) -> str:
     return "".join(f"tok{k} " for k in range(n))
-
-
-def parse_sse(raw: bytes) -> list[dict[str, Any]]:
-    events = []
-    for block in raw.split(b"\n\n"):
-        if not block.strip():
-            continue
-        head, data = block.split(b"\n", 1)
-        event = orjson.loads(data.removeprefix(b"data: "))
-        assert head == b"event: " + event["type"].encode()
-        events.append(event)
-    return events
 
 
 # --- foreground -----------------------------------------------------------------------------
@@ -421,7 +410,7 @@ async def test_a_lost_daemon_fails_background_responses(client: httpx.AsyncClien
     await wait_until(lambda: len(peer.submits) == 1)
     peer.stop()
     r = await client.get(f"/v1/responses/{created['id']}", params={"stream": "true"})
-    events = parse_sse(r.content)
+    events = sse_events(r.content)
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"]["message"]
     got = (await client.get(f"/v1/responses/{created['id']}")).json()

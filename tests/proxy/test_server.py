@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,33 +19,15 @@ import psutil
 import pytest
 
 from ipc.records import AbortCause
-from tests.support import raw_http
 from tests.support.live_proxy import LiveProxy, start_live, stop_live
 from tests.support.peer import Peer
-from tests.support.raw_http import read_events, read_to_end
+from tests.support.raw_http import post_raw, read_events, read_plain, read_to_end
 from tether.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
 
 ENDLESS = {"max_tokens": 4000}  # 20 s of tokens at the peer's pace: longer than any test
 CHAT = {"messages": [{"role": "user", "content": "go on"}], **ENDLESS}
-
-
-def post_raw(port: int, path: str, body: dict[str, Any], rid: str,
-             key: str | None = None) -> socket.socket:
-    return raw_http.post_raw(port, path, body, rid, key, timeout=10)
-
-
-def read_plain(sock: socket.socket) -> tuple[bytes, bytes]:
-    """Status line and body of a response with a Content-Length."""
-    got = b""
-    while b"\r\n\r\n" not in got:
-        got += sock.recv(65536)
-    head, _, body = got.partition(b"\r\n\r\n")
-    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-    while len(body) < length:
-        body += sock.recv(65536)
-    return head.split(b"\r\n")[0], body
 
 
 def assert_one_abort(peer: Peer, client_id: str,

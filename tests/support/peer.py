@@ -4,8 +4,9 @@
 Hello with Welcome, plays every Submit as a fixed script (one token per sequence per step,
 "tok<k> " with logprob -0.25 when asked, until max_tokens; a prompt "echo:<text>" makes every
 token "<text>"), applies Aborts, Pauses and Resumes, and sends Stats. Prompts containing
-"TOO LONG" are rejected with a context-length Error record, as the real daemon does. A ResponseOp is answered 404: it
-is read after every control record written before it, so a test can use one as a barrier.
+"TOO LONG" are rejected with a context-length Error record, as the real daemon does. A
+ResponseOp is answered 404: it is read after every control record written before it, so a test
+can use one as a barrier.
 
 It stands in for the daemon only where a test is about the proxy: what the proxy writes and how
 it renders what it reads. Daemon rules (eviction, the store's placeholders, figures) are proven on

@@ -1,11 +1,12 @@
 """A client on its own TCP connection that can vanish at any moment (what the abort tests drop),
-and SSE parsing."""
+its readers, and SSE parsing."""
 
 from __future__ import annotations
 
 import socket
 from typing import Any
 
+import httpx
 import orjson
 
 
@@ -35,7 +36,7 @@ def read_events(sock: socket.socket, count: int) -> bytes:
 
 
 def read_to_end(sock: socket.socket) -> bytes:
-    """Reads a chunked response until its last chunk (or until the server closes)."""
+    """Reads a chunked body until its last chunk, or until the server closes the connection."""
     got = b""
     while not got.endswith(b"0\r\n\r\n"):
         chunk = sock.recv(65536)
@@ -43,6 +44,40 @@ def read_to_end(sock: socket.socket) -> bytes:
             break
         got += chunk
     return got
+
+
+def read_plain(sock: socket.socket) -> tuple[bytes, bytes]:
+    """Status line and body of a response with a Content-Length."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before the headers ended: {got!r}"
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before the body ended"
+        body += chunk
+    return head.split(b"\r\n")[0], body
+
+
+def sse_events(raw: bytes | str) -> list[Any]:
+    """Each event's data in a whole SSE body: its JSON, or the string ``[DONE]``. An ``event:``
+    line, where there is one, must name the type its data carries."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        lines = block.strip("\r\n").split("\n")
+        data = [line[6:] for line in lines if line.startswith("data: ")]
+        if not data:
+            continue
+        event = data[0] if data[0] == "[DONE]" else orjson.loads(data[0])
+        for line in lines:
+            if line.startswith("event: "):
+                assert isinstance(event, dict) and line[7:] == event.get("type"), block
+        out.append(event)
+    return out
 
 
 def sse_json(line: str) -> dict[str, Any] | None:
@@ -58,3 +93,19 @@ def response_id_from_stream(raw: bytes) -> str:
         if line.startswith(b"data: ") and b'"response.created"' in line:
             return str(orjson.loads(line[6:])["response"]["id"])
     raise AssertionError(f"no response.created event in {raw[:500]!r}")
+
+
+def collect_events(base_url: str, method: str, path: str, events: list[dict[str, Any]],
+                   body: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+                   ) -> None:
+    """Reads one SSE stream to its end, appending each event's JSON as it arrives (for a reader
+    thread: the caller watches `events` grow)."""
+    try:
+        with httpx.Client(base_url=base_url, headers=headers, timeout=60) as c:
+            with c.stream(method, path, json=body) as s:
+                for line in s.iter_lines():
+                    event = sse_json(line)
+                    if event is not None:
+                        events.append(event)
+    except httpx.TransportError as exc:  # the server went away mid-stream: no terminal event
+        events.append({"type": "(connection lost)", "error": str(exc)})

@@ -1,0 +1,134 @@
+"""A process that hangs alive is caught by silence, on the real pair.
+
+SIGSTOP leaves a process's pipe ends open, so its peer sees no EOF: only the silence bound can
+catch it. The bound and the intervals below are the README's figures, not the code's constants,
+so a change to either shows here. The intervals are read off the frames each process wrote
+while its peer was stopped: each frame carries its writer's own clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import statistics
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from ipc.pipes import CONTROL, TOKENS
+from ipc.records import Heartbeat, Stats
+from tests.support.metrics import m
+from tests.support.pair import (
+    LONG,
+    Server,
+    assert_baseline,
+    new_rid,
+    post_raw,
+    start_server,
+    wait_aborts,
+)
+from tests.support.raw_http import read_events, read_to_end
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+SILENCE_S = 3.0  # README: "3 s of silence counts as lost"
+HEARTBEAT_S = 0.25  # README: "the proxy heartbeats every 250 ms"
+STATS_S = 0.1  # README: "the daemon sends Stats every 100 ms"
+# How late a lost peer may be declared on a busy machine; being early is never allowed.
+LATE_S = 1.5
+# Frames written while the peer is stopped; read well before it would be declared lost.
+SAMPLE_S = 1.2
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = start_server(tmp_path_factory.mktemp("silence"), ["--max-num-seqs", "4"])
+    yield s
+    s.stop()
+
+
+def new_messages(server: Server, which: str, mark: int, prefix: str) -> list[str]:
+    return [x["msg"] for x in server.log_lines(which)[mark:] if x["msg"].startswith(prefix)]
+
+
+def check_intervals(stamps: list[float], every: float) -> None:
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    assert len(gaps) >= SAMPLE_S / every / 2, stamps
+    assert every <= statistics.median(gaps) <= every * 1.3, gaps
+    assert max(gaps) < SILENCE_S / 2, gaps  # far from being taken for silence
+
+
+def test_an_idle_healthy_pair_stays_connected_for_twice_the_bound(pair: Server) -> None:
+    marks = {which: len(pair.log_lines(which)) for which in ("daemon", "proxy")}
+    start = time.monotonic()
+    while time.monotonic() - start < 2 * SILENCE_S + 0.5:
+        assert pair.health() == 200
+        time.sleep(0.1)
+    for which, mark in marks.items():
+        assert not [x for x in pair.log_lines(which)[mark:] if "lost" in x["msg"]], which
+    assert m(pair.metrics(), "tether_daemon_up") == 1
+
+
+def test_a_hung_daemon_is_lost_after_the_bound_and_its_epoch_evicted(pair: Server) -> None:
+    before = pair.metrics()
+    marks = {which: len(pair.log_lines(which)) for which in ("daemon", "proxy")}
+    rid = new_rid("hung-daemon")
+    sock = post_raw(pair, "/v1/completions", {"prompt": "go on", "stream": True, **LONG}, rid)
+    read_events(sock, 3)
+    sock.settimeout(SILENCE_S + LATE_S + 5)
+    stopped_at = pair.signal("daemon", signal.SIGSTOP)
+    try:
+        time.sleep(SAMPLE_S)
+        beats = [r.t for r in pair.take_frames(CONTROL) if isinstance(r, Heartbeat)]
+        rest = read_to_end(sock)
+        silent_for = time.monotonic() - stopped_at
+        assert SILENCE_S - 0.1 <= silent_for <= SILENCE_S + LATE_S, silent_for
+        assert b'"error"' in rest.split(b"data: ")[-1], rest[-300:]
+        assert new_messages(pair, "proxy", marks["proxy"], "ipc: daemon lost: ") == [
+            f"ipc: daemon lost: no record from the daemon for {SILENCE_S:g} s"]
+        assert pair.health() == 503
+        # Resumed once the proxy has reopened its pipe ends, the daemon sees no EOF (nor
+        # silence: records are waiting); only the new epoch in the proxy's Hello tells it.
+        wait_for(lambda: new_messages(pair, "proxy", marks["proxy"], "ipc: pipes open"), 10,
+                 "the proxy reconnects")
+    finally:
+        pair.signal("daemon", signal.SIGCONT)
+        sock.close()
+    check_intervals(beats, HEARTBEAT_S)
+    pair.wait_health(200)
+    line = pair.request_line(rid)
+    assert line["cause"] == "proxy_lost", line
+    assert new_messages(pair, "daemon", marks["daemon"], "proxy lost (") == []
+    assert new_messages(pair, "daemon", marks["daemon"], "new proxy epoch ")
+    after = wait_aborts(pair, "proxy_lost", m(before, "tether_aborts_total", cause="proxy_lost") + 1)
+    assert_baseline(after)
+
+
+def test_a_hung_proxy_is_lost_after_the_bound(pair: Server) -> None:
+    before = pair.metrics()
+    marks = {which: len(pair.log_lines(which)) for which in ("daemon", "proxy")}
+    rid = new_rid("hung-proxy")
+    sock = post_raw(pair, "/v1/completions", {"prompt": "go on", "stream": True, **LONG}, rid)
+    read_events(sock, 3)
+    sock.settimeout(30)
+    stopped_at = pair.signal("proxy", signal.SIGSTOP)
+    try:
+        time.sleep(SAMPLE_S)
+        stats = [r.t for r in pair.take_frames(TOKENS) if isinstance(r, Stats)]
+        line = pair.request_line(rid, timeout=SILENCE_S + LATE_S + 5)
+        # Its last heartbeat came at most one interval before the stop.
+        silent_for = line["evicted_at"] - stopped_at
+        assert SILENCE_S - HEARTBEAT_S - 0.1 <= silent_for <= SILENCE_S + LATE_S, silent_for
+        assert line["cause"] == "proxy_lost", line
+        assert new_messages(pair, "daemon", marks["daemon"], "proxy lost (") == [
+            f"proxy lost (no heartbeat from the proxy for {SILENCE_S:g} s); aborting its requests"]
+    finally:
+        pair.signal("proxy", signal.SIGCONT)
+    check_intervals(stats, STATS_S)
+    assert b'"error"' in read_to_end(sock).split(b"data: ")[-1]
+    sock.close()
+    pair.wait_health(200)
+    after = wait_aborts(pair, "proxy_lost", m(before, "tether_aborts_total", cause="proxy_lost") + 1)
+    assert_baseline(after)
