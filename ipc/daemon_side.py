@@ -18,6 +18,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -231,7 +232,8 @@ class DaemonPipes:
 
     def __init__(self, runtime_dir: Path, group: str | None = None,
                  inherited: dict[str, int] | None = None, *,
-                 heartbeat_timeout: float | None = SILENCE_TIMEOUT_S) -> None:
+                 heartbeat_timeout: float | None = SILENCE_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         inherited = dict(inherited or {})
         for fd in inherited.values():
             os.set_blocking(fd, False)
@@ -242,6 +244,7 @@ class DaemonPipes:
         self._requests = _Reader(REQUESTS, paths[REQUESTS], inherited.get(REQUESTS))
         self._tokens = _TokensWriter(paths[TOKENS], inherited.get(TOKENS))
         self.heartbeat_timeout = heartbeat_timeout
+        self.clock = clock  # the silence and flush bounds are measured on it
         self._last_control: float | None = None
         self._lost: str | None = None
         # A systemd-held tokens pipe never tells us whether a proxy reads it: wait for a Hello.
@@ -255,13 +258,13 @@ class DaemonPipes:
 
     def _keep_alive(self) -> None:
         while not self._closing.wait(KEEPALIVE_S / 2):
-            self._tokens.keepalive(time.monotonic())
+            self._tokens.keepalive(self.clock())
 
     # -- reading ---------------------------------------------------------------------------
 
     def read_control(self) -> list[ToDaemon]:
         records, eof = self._read(self._control)
-        now = time.monotonic()
+        now = self.clock()
         if records:
             self._last_control = now
             if any(isinstance(r, Hello) for r in records):
@@ -292,10 +295,10 @@ class DaemonPipes:
 
         Meanwhile keeps flushing the tokens backlog as the proxy drains it.
         """
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         already_lost = self._lost is not None
         while True:
-            now = time.monotonic()
+            now = self.clock()
             if self._open_tokens(now):
                 self._flush(now)
             remaining = deadline - now
@@ -316,7 +319,7 @@ class DaemonPipes:
 
     def send(self, records: list[ToProxy]) -> None:
         """Queue records for the proxy and write what the pipe takes; dropped if no proxy."""
-        now = time.monotonic()
+        now = self.clock()
         if not self._open_tokens(now):
             self.num_dropped += len(records)
             return

@@ -98,6 +98,20 @@ class RawProxy:
                 continue
             self.received += list(self.decoder.feed(data))
 
+    def wait_eof(self, timeout: float = 5.0) -> None:
+        """Reads tokens until the daemon has closed its end (what it does to a lost proxy)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            select.select([self.tokens], [], [], 0.05)
+            try:
+                data = os.read(self.tokens, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not data:
+                return
+            self.received += list(self.decoder.feed(data))
+        raise AssertionError(f"the daemon kept the tokens pipe open for {timeout} s")
+
     def close(self) -> None:
         for fd in (self.control, self.requests, self.tokens):
             os.close(fd)
@@ -204,7 +218,7 @@ def test_heartbeat_silence_aborts_with_proxy_lost(daemon):
     proxy.send(completion("a", max_tokens=490, ignore_eos=True))  # > 0.5 s of ticks
     proxy.wait_for(lambda r: isinstance(r, Stats) and r.running == 1)
     # A silent proxy is a lost one: the daemon stops writing to it until it says hello again.
-    time.sleep(1.0)
+    proxy.wait_eof()
     hello(proxy)
     stats = proxy.wait_for(lambda r: isinstance(r, Stats) and r.aborts.get("proxy_lost") == 1)
     assert isinstance(stats, Stats) and (stats.running, stats.kv_blocks_used) == (0, 0)

@@ -35,6 +35,7 @@ from ipc.records import (
     Usage,
     Welcome,
 )
+from tests.support.wait import wait_until
 
 FORK = multiprocessing.get_context("fork")
 
@@ -187,8 +188,11 @@ def test_proxy_without_daemon_stays_down(tmp_path: Path) -> None:
     async def main() -> None:
         states: list[tuple[bool, str]] = []
         pipes = ProxyPipes(tmp_path, lambda r: None, lambda up, why: states.append((up, why)))
+        attempts: list[None] = []
+        try_connect = pipes._try_connect
+        pipes._try_connect = lambda: (attempts.append(None), try_connect())[1]  # type: ignore[method-assign]
         await pipes.start()
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: len(attempts) >= 3)  # it keeps trying, and stays down
         assert not pipes.up and not pipes.connected and states == []
         assert pipes.control(Abort("r", AbortCause.CANCEL, 1)) is False
         with pytest.raises(DaemonUnavailable):
@@ -251,8 +255,22 @@ def test_corrupt_bytes_are_counted_and_neighbours_survive(tmp_path: Path) -> Non
     pipes.close()
 
 
-def test_tokens_backlog_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pipes = DaemonPipes(tmp_path)
+class StepClock:
+    """A clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_tokens_backlog_is_bounded(tmp_path: Path) -> None:
+    clock = StepClock()
+    pipes = DaemonPipes(tmp_path, clock=clock)
     reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)  # never reads
     delta = Delta("r", 0, "y" * 4000, [1])
     pipes.send([delta])
@@ -271,11 +289,13 @@ def test_tokens_backlog_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert isinstance(_drain(pipes, time.monotonic() + 1, 1)[0], Hello)
     os.close(reader)
     reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)
-    monkeypatch.setattr(daemon_side, "MAX_STALL_S", 0.2)
-    time.sleep(daemon_side.TOKENS_RETRY_S)
+    clock.advance(daemon_side.TOKENS_RETRY_S)
     pipes.send([delta] * 300)  # > pipe size, < 8 MiB: trips the time bound instead
     assert pipes.proxy_connected and pipes.tokens_backlog > 0
-    time.sleep(0.25)
+    clock.advance(daemon_side.MAX_STALL_S - 0.01)
+    pipes.send([])
+    assert pipes.take_lost() is None  # not a moment early
+    clock.advance(0.02)
     pipes.send([])
     assert "took nothing" in (pipes.take_lost() or "")
     os.close(reader)
@@ -309,9 +329,10 @@ def _abort_burst_child(run: Path, count: int, results: multiprocessing.Queue) ->
         pipes = ProxyPipes(run, lambda r: None, lambda is_up, _why: is_up and up.set())
         await pipes.start()
         await asyncio.wait_for(up.wait(), 5)
-        accepted = sum(pipes.control(Abort(f"r{i}", AbortCause.CLIENT_DISCONNECT, 7))
+        accepted = sum(pipes.control(Abort(f"r{i}:" + "x" * 1000, AbortCause.CLIENT_DISCONNECT, 7))
                        for i in range(count))
-        await asyncio.sleep(0.8)  # the queue drains as the daemon reads
+        results.put(len(pipes._control_queue))  # what the full pipe did not take
+        await wait_until(lambda: not pipes._control_queue, 10)  # drains as the daemon reads
         await pipes.close()
         return accepted
 
@@ -321,18 +342,19 @@ def _abort_burst_child(run: Path, count: int, results: multiprocessing.Queue) ->
 def test_control_records_queue_in_order_while_the_pipe_is_full(tmp_path: Path) -> None:
     pipes = DaemonPipes(tmp_path)
     results: multiprocessing.Queue = FORK.Queue()
-    count = 3000  # ~150 KB: more than the 64 KiB control pipe holds
+    count = 3000  # ~3 MB: three times what the 1 MiB control pipe holds
     child = FORK.Process(target=_abort_burst_child, args=(tmp_path, count, results))
     child.start()
     try:
         hello = next(r for r in _drain(pipes, time.monotonic() + 5, 1) if isinstance(r, Hello))
         pipes.send([Welcome(PROTOCOL_VERSION, os.getpid(), "m", 64, 7, hello.nonce)])
-        time.sleep(0.3)  # a long tick: the proxy's writes hit EAGAIN and queue up
-        got = _drain(pipes, time.monotonic() + 3, count)
-        assert results.get(timeout=3) == count
+        # Not reading until the whole burst is written: the pipe fills and the rest queues.
+        assert results.get(timeout=10) > 0
+        got = _drain(pipes, time.monotonic() + 10, count)
+        assert results.get(timeout=10) == count
     finally:
         child.kill()
-    aborts = [r.rid for r in got if isinstance(r, Abort)]
+    aborts = [r.rid.split(":")[0] for r in got if isinstance(r, Abort)]
     assert aborts == [f"r{i}" for i in range(count)]
     assert pipes.bad_records["control"] == 0
     pipes.close()

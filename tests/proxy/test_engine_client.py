@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 import tracemalloc
@@ -27,6 +28,11 @@ async def engine(settings: Settings, peer: Peer) -> AsyncIterator[EngineClient]:
     await client.close()
 
 
+async def barrier(engine: EngineClient) -> None:
+    """The peer answers a ResponseOp only after reading every control record written before it."""
+    assert (await engine.response_op(ResponseOpKind.GET, "resp_barrier")).status == 404
+
+
 def submit(engine: EngineClient, rid: str, max_tokens: int = 3, prompts: int = 1,
            n: int = 1) -> Submit:
     return Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.COMPLETION,
@@ -44,11 +50,13 @@ async def test_full_session_writes_no_abort(engine: EngineClient, peer: Peer) ->
     finishes = [r for r in records if isinstance(r, Finish)]
     assert sorted(f.index for f in finishes) == [0, 1, 2, 3]
     assert isinstance(records[-1], Finish)
-    # Stopping right after the last Finish is still a normal end.
-    async for record in engine.generate(submit(engine, "brk", max_tokens=1)):
-        if isinstance(record, Finish):
-            break
-    await asyncio.sleep(0.2)
+    # Stopping right after the last Finish (and closing, as the SSE response does) is still a
+    # normal end.
+    async with contextlib.aclosing(engine.generate(submit(engine, "brk", max_tokens=1))) as stream:
+        async for record in stream:
+            if isinstance(record, Finish):
+                break
+    await barrier(engine)
     assert peer.aborts == [] and engine.num_sessions == 0
 
 
@@ -79,7 +87,7 @@ async def test_abort_on_exit_false_leaves_the_session_running(engine: EngineClie
     stream = engine.generate(submit(engine, "bg", max_tokens=50), abort_on_exit=False)
     await anext(stream)
     await stream.aclose()
-    await asyncio.sleep(0.1)
+    await barrier(engine)
     assert peer.aborts == []
 
 
@@ -91,7 +99,7 @@ async def test_rejection_raises_its_error_without_abort(engine: EngineClient,
         async for _ in engine.generate(bad):
             pass
     assert (info.value.status, info.value.param) == (400, "prompt")
-    await asyncio.sleep(0.1)
+    await barrier(engine)
     assert peer.aborts == []
 
 

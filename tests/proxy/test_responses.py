@@ -1,7 +1,9 @@
 """The Responses API routes against the scripted test daemon on real FIFOs.
 
-`StorePeer` extends the conftest peer with the daemon's real response store (in memory), so
-GET / DELETE / cancel get the answers the daemon gives. The peer finishes every sequence with
+`StorePeer` extends the scripted peer with the daemon's real response store (in memory), so
+GET / DELETE / cancel get the answers the daemon gives. It does not evict: what an Abort does to
+the store (a foreground placeholder removed, a background one cancelled) is the daemon's rule,
+proven on the real daemon in tests/e2e/test_abort_responses.py. The peer finishes every sequence with
 ``length`` after ``max_tokens`` tokens "tok0 tok1 ...", so responses end ``incomplete``.
 """
 
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -24,7 +25,6 @@ from starlette.types import Message
 
 from daemon.store import ResponseStore
 from ipc.records import (
-    Abort,
     AbortCause,
     Error,
     Finish,
@@ -39,14 +39,14 @@ from proxy.app import create_app
 from tests.support.live_proxy import LiveProxy
 from tests.support.peer import CACHED_TOKENS, MODEL, PROMPT_TOKENS, Peer
 from tests.support.raw_http import sse_events
-from tests.support.wait import wait_until
+from tests.support.wait import wait_for, wait_until
 from tether.settings import Settings
 
 STREAM_EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
 class StorePeer(Peer):
-    """The conftest daemon plus the daemon's response store, driven as the engine drives it."""
+    """The scripted peer plus the daemon's response store, answering ResponseOps."""
 
     store: ResponseStore
 
@@ -70,11 +70,6 @@ class StorePeer(Peer):
                 self.store.begin(record)
             except ValueError as exc:
                 return [Error(record.rid, str(exc), param="previous_response_id")]
-        if isinstance(record, Abort):
-            if record.cause is AbortCause.CANCEL:
-                self.store.cancel(record.rid)
-            else:
-                self.store.remove(record.rid)
         return super()._handle(record)
 
     def _step(self) -> list[ToProxy]:
@@ -318,7 +313,6 @@ async def test_a_foreground_disconnect_writes_an_abort(app: Starlette, peer: Sto
     rid = peer.submits[0].rid
     await wait_until(lambda: any(a.rid == rid for a in peer.aborts))
     assert [a.cause for a in peer.aborts] == [AbortCause.CLIENT_DISCONNECT]
-    assert peer.store.num_placeholders() == 0
 
 
 @pytest.mark.anyio
@@ -329,7 +323,7 @@ async def test_a_foreground_stream_disconnect_writes_an_abort(app: Starlette,
         app, {"input": "hi", "max_output_tokens": 2000, "stream": True}, disconnect))
     await wait_until(lambda: len(peer.submits) == 1)
     rid = peer.submits[0].rid
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: peer.produced(rid) >= 2)  # streaming by now
     disconnect.set()
     sent = await call
     assert sent[0]["status"] == 200
@@ -345,10 +339,9 @@ def test_background_runs_to_the_end_and_cannot_be_cancelled_after(oai: openai.Op
                                                                   peer: StorePeer) -> None:
     response = oai.responses.create(input="hi", max_output_tokens=3, background=True)
     assert response.status == "queued" and response.background
-    deadline = time.monotonic() + 5
-    while (got := oai.responses.retrieve(response.id)).status in ("queued", "in_progress"):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for(lambda: oai.responses.retrieve(response.id).status not in ("queued", "in_progress"),
+             5, "the background response ends")
+    got = oai.responses.retrieve(response.id)
     assert got.status == "incomplete" and got.output_text == tokens(3)
     with pytest.raises(openai.BadRequestError, match="incomplete"):
         oai.responses.cancel(response.id)
@@ -364,13 +357,14 @@ def test_cancel_a_background_response_ends_every_reader(oai: openai.OpenAI,
 
     def read(i: int) -> None:
         with oai.responses.retrieve(response.id, stream=True) as stream:
-            seen[i] = [e.type for e in stream]
+            for event in stream:
+                seen[i].append(event.type)
 
     readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
     for t in readers:
         t.start()
     peer.wait_for(lambda p: len(p.submits) == 1)
-    time.sleep(0.05)
+    wait_for(lambda: all(len(types) >= 2 for types in seen), 5, "both readers are reading")
     cancelled = oai.responses.cancel(response.id)
     assert cancelled.status == "cancelled"
     for t in readers:
@@ -457,7 +451,7 @@ async def test_shutdown_releases_background_responses_to_the_daemon(settings: Se
     last = (await asyncio.wait_for(read_all, 5))[-1]
     assert last["type"] == "error" and last["code"] == "server_restarting"
     assert created["id"] in last["message"] and not run.finished
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: bool(peer.goodbyes))  # the stopped proxy's last record
     assert peer.aborts == []
 
 

