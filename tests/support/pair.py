@@ -117,6 +117,8 @@ class Server:
         found: list[dict[str, Any]] = []
 
         def logged() -> bool:
+            if f'"rid":"{rid}"' not in (self.tmp / "daemon.log").read_text(errors="replace"):
+                return False  # cheap: this polls while the pair is under test
             found[:] = [x for x in self.log_lines("daemon")
                         if x["logger"] == "tether.requests" and x.get("rid") == rid]
             return bool(found)
@@ -258,6 +260,7 @@ def check_abort(server: Server, before: dict[str, float], rid: str, t_close: flo
                 sequences: int, cause: str = "client_disconnect") -> dict[str, float]:
     """One request `rid` whose client closed at `t_close` was aborted: the daemon's figures
     (Stats, through /metrics) and its per-request log line, on the client's clock."""
+    line = server.request_line(rid)
     after = wait_aborts(server, cause, m(before, "tether_aborts_total", cause=cause) + 1)
     # Back to baseline in the Stats of the very tick that applied the abort.
     assert_baseline(after)
@@ -273,7 +276,7 @@ def check_abort(server: Server, before: dict[str, float], rid: str, t_close: flo
     within_one = m(after, "tether_abort_latency_ticks_bucket", le="1.0") - m(
         before, "tether_abort_latency_ticks_bucket", le="1.0")
     assert observed == 1 and within_one == 1
-    check_eviction(server.request_line(rid), t_close, sequences, cause)
+    check_eviction(line, t_close, sequences, cause)
     return after
 
 
