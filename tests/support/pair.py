@@ -269,8 +269,8 @@ def check_abort(server: Server, before: dict[str, float], rid: str, t_close: flo
     finished = m(after, "tether_requests_finished_total", reason="abort") - m(
         before, "tether_requests_finished_total", reason="abort")
     assert finished == 1
-    # The tick that applies an abort is the first to start after the record was written: at most
-    # one tick can slip in between the proxy stamping the disconnect and writing the record.
+    # The daemon reads control at the start of each tick: at most one tick starts between the
+    # proxy stamping the disconnect and the eviction (one being scheduled as the record came).
     observed = m(after, "tether_abort_latency_ticks_count") - m(
         before, "tether_abort_latency_ticks_count")
     within_one = m(after, "tether_abort_latency_ticks_bucket", le="1.0") - m(
