@@ -261,6 +261,14 @@ def check_abort(server: Server, before: dict[str, float], rid: str, t_close: flo
     """One request `rid` whose client closed at `t_close` was aborted: the daemon's figures
     (Stats, through /metrics) and its per-request log line, on the client's clock."""
     line = server.request_line(rid)
+    after = check_abort_figures(server, before, cause)
+    check_eviction(line, t_close, sequences, cause)
+    return after
+
+
+def check_abort_figures(server: Server, before: dict[str, float],
+                        cause: str = "client_disconnect") -> dict[str, float]:
+    """One more abort of `cause`, as the daemon's Stats (through /metrics) show it."""
     after = wait_aborts(server, cause, m(before, "tether_aborts_total", cause=cause) + 1)
     # Back to baseline in the Stats of the very tick that applied the abort.
     assert_baseline(after)
@@ -276,7 +284,6 @@ def check_abort(server: Server, before: dict[str, float], rid: str, t_close: flo
     within_one = m(after, "tether_abort_latency_ticks_bucket", le="1.0") - m(
         before, "tether_abort_latency_ticks_bucket", le="1.0")
     assert observed == 1 and within_one == 1
-    check_eviction(line, t_close, sequences, cause)
     return after
 
 
