@@ -8,6 +8,7 @@ import errno
 import fcntl
 import grp
 import multiprocessing
+import multiprocessing.synchronize
 import os
 import random
 import select
@@ -323,7 +324,8 @@ def test_inherited_fds_are_used_instead_of_paths(tmp_path: Path) -> None:
     pipes.close()
 
 
-def _abort_burst_child(run: Path, count: int, results: multiprocessing.Queue) -> None:
+def _abort_burst_child(run: Path, count: int, results: multiprocessing.Queue,
+                       read: multiprocessing.synchronize.Event) -> None:
     async def main() -> int:
         up = asyncio.Event()
         pipes = ProxyPipes(run, lambda r: None, lambda is_up, _why: is_up and up.set())
@@ -333,6 +335,9 @@ def _abort_burst_child(run: Path, count: int, results: multiprocessing.Queue) ->
                        for i in range(count))
         results.put(len(pipes._control_queue))  # what the full pipe did not take
         await wait_until(lambda: not pipes._control_queue, 10)  # drains as the daemon reads
+        # Closing now would hang up on records still in the pipe (the daemon, seeing EOF on
+        # requests, reopens both pipes and drops what it has not read): wait until it has.
+        await wait_until(read.is_set, 10)
         await pipes.close()
         return accepted
 
@@ -343,7 +348,8 @@ def test_control_records_queue_in_order_while_the_pipe_is_full(tmp_path: Path) -
     pipes = DaemonPipes(tmp_path)
     results: multiprocessing.Queue = FORK.Queue()
     count = 3000  # ~3 MB: three times what the 1 MiB control pipe holds
-    child = FORK.Process(target=_abort_burst_child, args=(tmp_path, count, results))
+    read = FORK.Event()
+    child = FORK.Process(target=_abort_burst_child, args=(tmp_path, count, results, read))
     child.start()
     try:
         hello = next(r for r in _drain(pipes, time.monotonic() + 5, 1) if isinstance(r, Hello))
@@ -351,6 +357,7 @@ def test_control_records_queue_in_order_while_the_pipe_is_full(tmp_path: Path) -
         # Not reading until the whole burst is written: the pipe fills and the rest queues.
         assert results.get(timeout=10) > 0
         got = _drain(pipes, time.monotonic() + 10, count)
+        read.set()
         assert results.get(timeout=10) == count
     finally:
         child.kill()
