@@ -25,7 +25,7 @@ from ipc.records import (
     Submit,
     ToProxy,
 )
-from tests.daemon.engine_kit import (
+from tests.support.engine_kit import (
     EOS,
     TOK,
     completion,

@@ -11,7 +11,7 @@ from daemon.engine import Engine
 from daemon.loader import load_model
 from daemon.runner import ModelRunner
 from ipc.records import AbortCause, Finish, FinishReason, ToProxy
-from tests.daemon.engine_kit import TOK, completion, finishes, make_engine, run, texts
+from tests.support.engine_kit import TOK, completion, finishes, make_engine, run, texts
 
 SYSTEM = "You are a careful assistant. Answer briefly and never repeat yourself. " * 2
 

@@ -8,7 +8,7 @@ from daemon.engine import Engine
 from daemon.scheduler import ScheduledChunk
 from daemon.sim import WORDS, SimRunner, SimSpecError, SimTokenizer, parse_spec
 from ipc.records import AbortCause, Delta, RequestKind, SamplingParams, Submit, ToProxy
-from tests.daemon.engine_kit import finishes, run, texts
+from tests.support.engine_kit import finishes, run, texts
 
 TOK = SimTokenizer()
 

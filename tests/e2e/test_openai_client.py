@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
 
-from tests.support.pair import Server, assert_baseline, start_server
+from tests.support.pair import Server, assert_baseline
 from tests.support.raw_http import sse_json
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """builtin:tiny (these tests want answers, not the abort tests' long ticks)."""
-    s = start_server(tmp_path_factory.mktemp("openai"), ["--max-num-seqs", "8"])
-    yield s
-    s.stop()
 
 
 @pytest.fixture
