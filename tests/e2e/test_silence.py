@@ -118,10 +118,10 @@ def test_a_hung_proxy_is_lost_after_the_bound(pair: Server) -> None:
         time.sleep(SAMPLE_S)
         stats = [r.t for r in pair.take_frames(TOKENS) if isinstance(r, Stats)]
         line = pair.request_line(rid, timeout=SILENCE_S + LATE_S + 5)
+        assert line["cause"] == "proxy_lost", line
         # Its last heartbeat came at most one interval before the stop.
         silent_for = line["evicted_at"] - stopped_at
         assert SILENCE_S - HEARTBEAT_S - 0.1 <= silent_for <= SILENCE_S + LATE_S, silent_for
-        assert line["cause"] == "proxy_lost", line
         assert new_messages(pair, "daemon", marks["daemon"], "proxy lost (") == [
             f"proxy lost (no heartbeat from the proxy for {SILENCE_S:g} s); aborting its requests"]
     finally:
