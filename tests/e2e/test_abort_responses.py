@@ -45,13 +45,15 @@ def test_streaming_response_disconnect_removes_placeholder(server: Server) -> No
 
 def test_non_streaming_response_disconnect_removes_placeholder(server: Server) -> None:
     before = server.metrics()
-    rid = new_rid("resp")  # a Responses request's id is its response id
+    rid = new_rid("resp")
     sock = post_raw(server, "/v1/responses", {"input": "talk to me", **LONG}, rid)
     wait_running(server)
     assert m(server.metrics(), "tether_conversation_placeholders") == 1
     check_abort(server, before, rid, drop(sock), sequences=1)
+    response_id = server.request_line(rid)["rid"]  # the client never saw it: the daemon logs it
+    assert response_id.startswith("resp_")
     with server.client() as c:
-        assert c.get(f"/v1/responses/{rid}").status_code == 404
+        assert c.get(f"/v1/responses/{response_id}").status_code == 404
 
 
 def test_background_stream_survives_its_client_and_cancel_sticks(server: Server) -> None:

@@ -87,7 +87,8 @@ def test_churn_survivors_complete_and_nothing_leaks(big_server: Server) -> None:
     assert 0 < aborted <= dropped
     # Per request, not summed: each aborted stream got at most one token after the proxy saw it go.
     lines = [x for x in big_server.log_lines("daemon") if x["logger"] == "tether.requests"
-             and x["rid"].startswith("churn-") and x["cause"] == "client_disconnect"]
+             and (x.get("client_id") or "").startswith("churn-")
+             and x["cause"] == "client_disconnect"]
     assert len(lines) == aborted
     for line in lines:
         assert line["ticks_after_disconnect"] <= 1 and line["tokens_after_disconnect"] <= 1, line

@@ -113,17 +113,18 @@ class Server:
         return [orjson.loads(line) for line in text.splitlines() if line.startswith("{")]
 
     def request_line(self, rid: str, timeout: float = 30.0) -> dict[str, Any]:
-        """The daemon's log line for the end of request `rid` (waits for it)."""
+        """The daemon's log line for the end of request `rid`: the X-Request-Id it was sent with
+        (logged as `client_id`) or the engine's key (waits for it)."""
         found: list[dict[str, Any]] = []
 
         def logged() -> bool:
-            if f'"rid":"{rid}"' not in (self.tmp / "daemon.log").read_text(errors="replace"):
+            if f'"{rid}"' not in (self.tmp / "daemon.log").read_text(errors="replace"):
                 return False  # cheap: this polls while the pair is under test
-            found[:] = [x for x in self.log_lines("daemon")
-                        if x["logger"] == "tether.requests" and x.get("rid") == rid]
+            found[:] = [x for x in self.log_lines("daemon") if x["logger"] == "tether.requests"
+                        and rid in (x.get("rid"), x.get("client_id"))]
             return bool(found)
 
-        wait_for(logged, timeout, f"the daemon's log line for {rid}\n{self.logs()}")
+        wait_for(logged, timeout, lambda: f"the daemon's log line for {rid}\n{self.logs()}")
         assert len(found) == 1, found
         return found[0]
 
