@@ -88,7 +88,8 @@ def test_a_full_disk_costs_each_response_alone(disk: Disk, tmp_path: Path) -> No
 
 def _scenario(server: Server, disk: Disk) -> None:
     with server.client() as c:
-        stored = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4}).json()
+        stored = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4,
+                                               "ignore_eos": True}).json()
         assert c.get(f"/v1/responses/{stored['id']}").json()["status"] == "incomplete"
     daemon_pid = server.daemon.pid if server.daemon else None
     bystander = post_raw(server, "/v1/chat/completions", {**CHAT, "max_tokens": 800,
@@ -137,6 +138,7 @@ def _scenario(server: Server, disk: Disk) -> None:
 
     disk.free()  # room again: the same daemon stores as before
     with server.client() as c:
-        later = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4}).json()
+        later = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4,
+                                              "ignore_eos": True}).json()
         assert c.get(f"/v1/responses/{later['id']}").json()["status"] == "incomplete"
         assert isinstance(c.get("/health"), httpx.Response)

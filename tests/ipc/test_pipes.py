@@ -333,8 +333,10 @@ def _abort_burst_child(run: Path, count: int, results: multiprocessing.Queue,
         await asyncio.wait_for(up.wait(), 5)
         accepted = sum(pipes.control(Abort(f"r{i}:" + "x" * 1000, AbortCause.CLIENT_DISCONNECT, 7))
                        for i in range(count))
-        results.put(len(pipes._control_queue))  # what the full pipe did not take
-        await wait_until(lambda: not pipes._control_queue, 10)  # drains as the daemon reads
+        assert pipes._control is not None
+        control = pipes._control
+        results.put(len(control._queue))  # what the full pipe did not take
+        await wait_until(lambda: not control._queue, 10)  # drains as the daemon reads
         # Closing now would hang up on records still in the pipe (the daemon, seeing EOF on
         # requests, reopens both pipes and drops what it has not read): wait until it has.
         await wait_until(read.is_set, 10)

@@ -103,10 +103,10 @@ class Peer:
         self.wait_for(lambda p: any(s.client_id == client_id for s in p.submits), timeout)
         return next(s.rid for s in self.submits if s.client_id == client_id)
 
-    def produced(self, client_id: str) -> int:
-        """Tokens played so far for the open session of this X-Request-Id (under `wait_for`)."""
+    def produced(self, rid: str) -> int:
+        """Tokens played so far for the open session with this engine key or X-Request-Id."""
         return sum(sum(s.produced.values()) for s in self._sessions.values()
-                   if s.submit.client_id == client_id)
+                   if rid in (s.submit.rid, s.submit.client_id))
 
     # --- the daemon loop (thread) ---------------------------------------------------------------
 
