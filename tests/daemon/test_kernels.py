@@ -18,8 +18,7 @@ from daemon.kernels.cpu_modules import CpuDecoderLayer, CpuPagedAttention, Kerne
 from daemon.loader import init_random_
 from daemon.model import DecoderLM, RMSNorm
 from daemon.runner import ModelRunner, ScheduledChunk
-
-from .conftest import random_cache
+from tests.support.paged_cache import random_cache
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ from daemon.kernels import triton_attention
 from daemon.kernels.triton_attention import reference_decode
 from daemon.loader import load_model
 from daemon.runner import ModelRunner, ScheduledChunk
-
-from .conftest import random_cache
+from tests.support.paged_cache import random_cache
 
 cuda = pytest.mark.skipif(not triton_attention.available(), reason="needs CUDA and Triton")
 

@@ -44,7 +44,9 @@ SAMPLE_S = 1.2
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("silence"), ["--max-num-seqs", "4"])
+    """sim:10 (the real engine on a weightless runner, 10 ms a tick): a stream of LONG's 1,500
+    tokens outlasts the silence bound however fast a real model decodes."""
+    s = start_server(tmp_path_factory.mktemp("silence"), ["--max-num-seqs", "4", "--model", "sim:10"])
     yield s
     s.stop()
 
