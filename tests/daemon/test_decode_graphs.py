@@ -12,8 +12,8 @@ import torch
 from daemon.decode_graphs import buckets_for
 from daemon.loader import LoadedModel, load_model
 from daemon.runner import ModelRunner, ScheduledChunk
-from tests.daemon.engine_kit import completion
-from tests.daemon.engine_kit import run as run_engine
+from tests.support.engine_kit import completion
+from tests.support.engine_kit import run as run_engine
 
 BS = 16
 NUM_BLOCKS = 48
