@@ -64,38 +64,18 @@ class FrameDecoder(Generic[T]):
         self._scanned = 0  # bytes of _buf already known to hold no newline
         self._skipping = False  # inside an oversized frame: drop bytes up to its newline
 
-    def feed(self, data: bytes) -> list[T]:
+    def feed(self, data: bytes | memoryview) -> list[T]:
         """Consume ``data`` now and return the records it completes.
 
         A list, not a generator: a lazy generator left unfinished (a consumer that raises or
         breaks) would keep its bytes in the buffer and yield the same records again next time.
         """
-        out: list[T] = []
         buf = self._buf
         buf += data
-        start = 0
-        end = buf.find(b"\n", self._scanned)
-        if end >= 0:
-            decode = self._decoder.decode
-            view = memoryview(buf)  # frames are decoded in place, without copies
-            try:
-                while end >= 0:
-                    if self._skipping:
-                        self._skipping = False
-                    elif end - start > self.max_frame:
-                        self._bad(f"oversized frame ({end - start} bytes > {self.max_frame})")
-                    elif end > start:
-                        try:
-                            out.append(decode(view[start:end]))
-                        except msgspec.ValidationError as exc:
-                            self._bad(f"invalid record: {exc}")
-                        except msgspec.DecodeError as exc:
-                            self._bad(f"corrupt frame: {exc}")
-                    start = end + 1
-                    end = buf.find(b"\n", start)
-            finally:
-                view.release()
-            del buf[:start]
+        out: list[T] = []
+        last = buf.rfind(b"\n", self._scanned)
+        if last >= 0:
+            out = self._frames(last + 1)
         # Remember how far we looked so a large frame arriving in small pieces is scanned once.
         self._scanned = len(buf)
         if len(buf) > self.max_frame:
@@ -104,6 +84,42 @@ class FrameDecoder(Generic[T]):
             self._skipping = True
             buf.clear()
             self._scanned = 0
+        return out
+
+    def _frames(self, stop: int) -> list[T]:
+        """The records of the whole frames in the buffer's first `stop` bytes, which it drops.
+        All in one call into msgspec, unless one of them is bad: then one at a time, so that
+        the neighbours of a bad frame survive."""
+        view = memoryview(self._buf)  # frames are decoded in place, without copies
+        try:
+            if not self._skipping and stop <= self.max_frame:
+                try:
+                    return self._decoder.decode_lines(view[:stop])
+                except (msgspec.ValidationError, msgspec.DecodeError):
+                    pass
+            return self._one_by_one(view, stop)
+        finally:
+            view.release()
+            del self._buf[:stop]
+
+    def _one_by_one(self, view: memoryview, stop: int) -> list[T]:
+        out: list[T] = []
+        decode = self._decoder.decode
+        start = 0
+        while start < stop:
+            end = self._buf.find(b"\n", start, stop)
+            if self._skipping:
+                self._skipping = False
+            elif end - start > self.max_frame:
+                self._bad(f"oversized frame ({end - start} bytes > {self.max_frame})")
+            elif end > start:
+                try:
+                    out.append(decode(view[start:end]))
+                except msgspec.ValidationError as exc:
+                    self._bad(f"invalid record: {exc}")
+                except msgspec.DecodeError as exc:
+                    self._bad(f"corrupt frame: {exc}")
+            start = end + 1
         return out
 
     def _bad(self, why: str) -> None:

@@ -59,16 +59,21 @@ class DaemonUnavailable(Exception):
 
 class ProxyPipes:
     def __init__(self, runtime_dir: Path, on_record: Callable[[ToProxy], None],
-                 on_state: Callable[[bool, str], None]) -> None:
+                 on_state: Callable[[bool, str], None],
+                 on_delivered: Callable[[], None] | None = None) -> None:
         self.epoch = 0  # the current connection's, assigned by the daemon's Welcome
         self.up = False
         self._paths = {name: Path(runtime_dir) / name for name in (REQUESTS, CONTROL, TOKENS)}
         self._on_record = on_record
         self._on_state = on_state
+        # After each read's records were all handed to on_record: a consumer that routes them
+        # to many readers wakes each once per read, not once per record.
+        self._on_delivered = on_delivered
         self._tokens_fd: int | None = None
         self._control_fd: int | None = None
         self._requests_fd: int | None = None
         self._decoder = proxy_decoder()
+        self._read_buffer = memoryview(bytearray(READ_CHUNK))
         self._bad_before = 0  # bad records counted by decoders of earlier connections
         self._last_record = 0.0
         self._next_heartbeat = 0.0
@@ -237,24 +242,27 @@ class ProxyPipes:
 
     def _on_tokens_readable(self) -> None:
         fd = self._tokens_fd
+        buffer = self._read_buffer
         for _ in range(READS_PER_CALLBACK):
             if fd is None or fd != self._tokens_fd:
                 return  # a record handler caused a loss and a reopen
             try:
-                data = os.read(fd, READ_CHUNK)
+                # Into one buffer kept for it: os.read would allocate READ_CHUNK bytes each time,
+                # which glibc may serve with mmap, mremap and munmap, three system calls a read.
+                size = os.readv(fd, (buffer,))
             except BlockingIOError:
                 return
-            if not data:
+            if not size:
                 self._on_tokens_eof()
                 return
             self._last_record = time.monotonic()
-            records = self._decoder.feed(data)
+            records = self._decoder.feed(buffer[:size])
             if self.up:
                 self._deliver(records)
             else:
                 for record in records:
                     self._dispatch(record)
-            if len(data) < READ_CHUNK:
+            if size < READ_CHUNK:
                 # The pipe was drained: skip the read that would only say EAGAIN. The reader
                 # is level-triggered, so bytes written since wake us again.
                 return
@@ -279,13 +287,20 @@ class ProxyPipes:
     def _deliver(self, records: list[ToProxy]) -> None:
         # The hot path (hundreds of thousands of records/s): no per-record checks but one.
         on_record = self._on_record
-        for record in records:
-            try:
-                on_record(record)
-            except Exception:
-                log.exception("ipc: on_record failed for a %s record", type(record).__name__)
-            if not self.up:
-                return  # a handler caused a loss: the rest belongs to the old connection
+        try:
+            for record in records:
+                try:
+                    on_record(record)
+                except Exception:
+                    log.exception("ipc: on_record failed for a %s record", type(record).__name__)
+                if not self.up:
+                    return  # a handler caused a loss: the rest belongs to the old connection
+        finally:
+            if self._on_delivered is not None:
+                try:
+                    self._on_delivered()
+                except Exception:
+                    log.exception("ipc: on_delivered failed")
 
     def _welcome(self, welcome: Welcome) -> None:
         if welcome.version != PROTOCOL_VERSION:

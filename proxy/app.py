@@ -54,7 +54,8 @@ class RequestIdMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit: by Content-Length up front, by counting otherwise."""
+    """413 for bodies over the limit: by Content-Length up front, by counting otherwise (a
+    chunked body)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -68,6 +69,8 @@ class BodyLimitMiddleware:
             exc = self._too_large() if length.isdigit() else ApiError(
                 400, "invalid Content-Length header", code="invalid_header")
             return error_response(exc)(scope, receive, send)
+        if length is not None:
+            return self.app(scope, receive, send)  # the server reads no more than it says
         seen = 0
 
         async def counting_receive() -> Message:
@@ -120,7 +123,8 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     engine = EngineClient(settings.runtime_dir, settings.max_waiting,
                           request_timeout=settings.request_timeout_s,
                           stall_timeout=settings.stall_timeout_s,
-                          max_buffered=settings.max_buffered_tokens)
+                          max_buffered=settings.max_buffered_tokens,
+                          merge_tokens=settings.stream_merge_tokens)
     app.state.engine = engine
     app.state.metrics = ProxyMetrics(engine)
     app.state.started_at = int(time.time())

@@ -8,16 +8,17 @@ client leaves is aborted) -> then either collect everything (still watching) or 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, TokenLogprob, Usage
+from proxy.batching import Batch
 from proxy.cancellation import DisconnectWatch
-from proxy.engine_client import EngineClient
+from proxy.chunks import StreamChunks
+from proxy.engine_client import EngineClient, num_sequences
 from proxy.errors import ApiError
 from proxy.metrics import RequestTimer
 from proxy.schemas import (
@@ -31,9 +32,9 @@ from proxy.schemas import (
     new_id,
     sampling_params,
 )
-from proxy.sse import DONE, SSEResponse, sse_event, sse_json
-
-EngineStream = AsyncGenerator[Delta | Finish, None]
+from proxy.session import Session
+from proxy.sse import DONE, sse_event
+from proxy.token_stream import TokenStream
 
 
 class Shape:
@@ -140,19 +141,22 @@ class Exchange:
         self.created = int(time.time())
         self.timer = RequestTimer(request.app.state.metrics, shape.endpoint, submit.t_submit)
         self.usages: dict[int, Usage] = {}
+        self.num_sequences = num_sequences(submit)
         self.wants_logprobs = submit.sampling.logprobs is not None
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.submit.rid, "object": obj, "created": self.created,
                 "model": self.model}
 
-    def on_record(self, record: Delta | Finish) -> str | None:
-        """Accounts one record; returns the finish reason for a Finish."""
-        self.timer.see(record)
-        if isinstance(record, Delta):
-            return None
+    def on_finish(self, record: Finish) -> str:
+        """Accounts one sequence's end; returns its finish reason."""
         self.usages[record.index] = record.usage
         return finish_reason(record)
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence's Finish was seen."""
+        return len(self.usages) >= self.num_sequences
 
     def usage(self) -> dict[str, Any]:
         return usage_body(self.usages, self.submit.n)
@@ -161,21 +165,23 @@ class Exchange:
         self.timer.done()
 
 
-async def collect(ex: Exchange, first: Delta | Finish | None, records: EngineStream) -> Response:
+async def collect(ex: Exchange, first: Batch | None, engine: EngineClient,
+                  session: Session) -> Response:
     texts: dict[int, list[str]] = {}
     token_ids: dict[int, list[int]] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
     finishes: dict[int, str] = {}
-    record = first
-    while record is not None:
-        reason = ex.on_record(record)
-        if isinstance(record, Delta):
-            texts.setdefault(record.index, []).append(record.text)
-            token_ids.setdefault(record.index, []).extend(record.token_ids)
-            logprobs.setdefault(record.index, []).extend(record.logprobs or ())
-        elif reason is not None:
-            finishes[record.index] = reason
-        record = await anext(records, None)
+    batch = first
+    while batch is not None:
+        ex.timer.see(batch)
+        for record in batch:
+            if isinstance(record, Delta):
+                texts.setdefault(record.index, []).append(record.text)
+                token_ids.setdefault(record.index, []).extend(record.token_ids)
+                logprobs.setdefault(record.index, []).extend(record.logprobs or ())
+            else:
+                finishes[record.index] = ex.on_finish(record)
+        batch = await engine.next_batch(session)
     choices = [ex.shape.choice(i, "".join(texts.get(i, ())), finishes.get(i))
                for i in sorted(finishes)]
     for choice in choices:
@@ -188,67 +194,66 @@ async def collect(ex: Exchange, first: Delta | Finish | None, records: EngineStr
     return JSONResponse(body)
 
 
-async def stream(ex: Exchange, first: Delta | Finish | None,
-                 records: EngineStream) -> AsyncIterator[bytes]:
-    started: set[int] = set()
-    head = ex.head(ex.shape.chunk_object)
-    # Every chunk is {**head, "choices": [choice], **usage}: its constant bytes are encoded
-    # once, and only the choice per event (byte for byte what dumping the whole dict gives).
-    before = b"data: " + sse_json(head)[:-1] + b',"choices":['
-    after = b'],"usage":null}\n\n' if ex.include_usage else b"]}\n\n"
-    shape, token_ids = ex.shape, ex.return_token_ids
-    offsets: dict[int, int] = {}  # per choice, where its next delta starts in its text
-    try:
-        record = first
-        while record is not None:
-            reason = ex.on_record(record)
-            delta = record if isinstance(record, Delta) else None
-            index = record.index
-            is_first = index not in started
-            if is_first:
-                started.add(index)
-            choice = shape.chunk_choice(index, "" if delta is None else delta.text, reason,
-                                        is_first)
-            if token_ids and delta is not None:
-                choice["token_ids"] = delta.token_ids
-            if delta is not None and delta.logprobs is not None:
-                offset = offsets.get(index, 0)
-                choice["logprobs"] = shape.logprobs(delta.logprobs, offset)
-                offsets[index] = offset + len(delta.text)
-            yield before + sse_json(choice) + after
-            record = await anext(records, None)
-        if ex.include_usage:
-            yield sse_event({**head, "choices": [], "usage": ex.usage()})
-        yield DONE
-        ex.done()
-    except ApiError as exc:
-        # Headers are gone already: the error travels as the last event.
-        yield sse_event(exc.body())
-    finally:
-        await records.aclose()
+class StreamBody:
+    """A completions or chat stream's bytes: each batch's events together (one write, the
+    client's bytes the same as one event at a time), the ending, or the error that ends it."""
+
+    __slots__ = ("chunks", "ex", "head", "ok")
+
+    def __init__(self, ex: Exchange) -> None:
+        self.ex = ex
+        self.head = ex.head(ex.shape.chunk_object)
+        self.chunks = StreamChunks(ex.shape, self.head, ex.include_usage, ex.return_token_ids)
+        self.ok = False  # ended with [DONE]
+
+    def render(self, batch: Batch) -> tuple[bytes, bool]:
+        ex, chunks = self.ex, self.chunks
+        events: list[bytes] = []
+        try:
+            ex.timer.see(batch)
+            for record in batch:
+                events.append(chunks.delta(record) if isinstance(record, Delta)
+                              else chunks.finish(record, ex.on_finish(record)))
+            if not ex.finished:
+                return b"".join(events), False
+            if ex.include_usage:
+                events.append(sse_event({**self.head, "choices": [], "usage": ex.usage()}))
+            events.append(DONE)
+            self.ok = True
+        except ApiError as exc:
+            # Headers are gone already: the error travels as the last event, after what came
+            # before it in its batch.
+            events.append(self.error(exc))
+        return b"".join(events), True
+
+    def error(self, exc: ApiError) -> bytes:
+        return sse_event(exc.body())
+
+    def done(self) -> None:
+        if self.ok:
+            self.ex.done()
 
 
-async def respond(request: Request, submit: Submit, shape: Shape,
-                  req: CompletionRequest | ChatRequest) -> Response:
+async def respond(request: Request, submit: Submit, shape: Shape, wants: Wants) -> Response:
     engine: EngineClient = request.app.state.engine
-    records = engine.generate(submit)
+    session = engine.open_session(submit)
     # One watcher for the whole request: while queued, while collecting, while streaming.
     watch = DisconnectWatch(request.receive)
     streaming = False
     try:
         with watch:
-            first = await anext(records, None)
-        ex = Exchange(request, submit, shape, served_model(request), req.include_usage,
-                      req.return_token_ids)
-        if req.stream:
-            streaming = True  # from here the response closes the watch and the records
-            return SSEResponse(stream(ex, first, records), watch=watch, source=records)
+            first = await engine.next_batch(session)
+        ex = Exchange(request, submit, shape, served_model(request), wants.include_usage,
+                      wants.token_ids)
+        if wants.stream:
+            streaming = True  # from here the response closes the watch and the session
+            return TokenStream(engine, session, StreamBody(ex), first or [], watch)
         with watch:
-            return await collect(ex, first, records)
+            return await collect(ex, first, engine, session)
     finally:
         if not streaming:
             watch.close()
-            await records.aclose()
+            engine.close_session(session)
 
 
 def served_model(request: Request) -> str:
@@ -264,29 +269,54 @@ def served_models(request: Request) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _begin(request: Request, shape: Shape) -> tuple[str, str | None, float]:
-    """(engine key, the client's X-Request-Id, arrival time)."""
+class Begun(NamedTuple):
+    rid: str  # the engine's key
+    client_id: str | None  # the client's X-Request-Id
+    t_start: float  # arrival
+
+
+class Wants(NamedTuple):
+    """What the request asked of its answer's form: all of it the handler keeps while the
+    request is held (the decoded request itself is let go)."""
+
+    stream: bool
+    include_usage: bool
+    token_ids: bool
+
+
+def _begin(request: Request, shape: Shape) -> Begun:
     t_start = time.monotonic()
     client_id = client_request_id(request.headers.get("x-request-id"))
     rid = request.state.request_id = new_id(shape.prefix)
-    return rid, client_id, t_start
+    return Begun(rid, client_id, t_start)
 
 
 async def completions(request: Request) -> Response:
-    rid, client_id, t_start = _begin(request, COMPLETION)
-    req = decode_body(await request.body(), CompletionRequest)
+    begun = _begin(request, COMPLETION)
+    submit, wants = _completion(request, begun, await request.body())
+    return await respond(request, submit, COMPLETION, wants)
+
+
+async def chat_completions(request: Request) -> Response:
+    begun = _begin(request, CHAT)
+    submit, wants = _chat(request, begun, await request.body())
+    return await respond(request, submit, CHAT, wants)
+
+
+def _completion(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wants]:
+    req = decode_body(body, CompletionRequest)
     check_completion(req)
     check_model(req.model, served_models(request))
     engine: EngineClient = request.app.state.engine
     sampling = sampling_params(req, req.max_tokens, "max_tokens", engine.max_model_len)
-    submit = Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.COMPLETION, sampling=sampling,
-                    n=req.n, prompts=req.prompts, t_submit=t_start, client_id=client_id)
-    return await respond(request, submit, COMPLETION, req)
+    submit = Submit(rid=begun.rid, epoch=engine.epoch, kind=RequestKind.COMPLETION,
+                    sampling=sampling, n=req.n, prompts=req.prompts, t_submit=begun.t_start,
+                    client_id=begun.client_id)
+    return submit, Wants(req.stream, req.include_usage, req.return_token_ids)
 
 
-async def chat_completions(request: Request) -> Response:
-    rid, client_id, t_start = _begin(request, CHAT)
-    req = decode_body(await request.body(), ChatRequest)
+def _chat(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wants]:
+    req = decode_body(body, ChatRequest)
     check_chat(req)
     check_model(req.model, served_models(request))
     engine: EngineClient = request.app.state.engine
@@ -294,10 +324,10 @@ async def chat_completions(request: Request) -> Response:
     if max_tokens is None:
         max_tokens, param = req.max_tokens, "max_tokens"
     sampling = sampling_params(req, max_tokens, param, engine.max_model_len)
-    submit = Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.CHAT, sampling=sampling,
-                    n=req.n, messages=[m.to_record() for m in req.messages], t_submit=t_start,
-                    client_id=client_id)
-    return await respond(request, submit, CHAT, req)
+    submit = Submit(rid=begun.rid, epoch=engine.epoch, kind=RequestKind.CHAT, sampling=sampling,
+                    n=req.n, messages=[m.to_record() for m in req.messages],
+                    t_submit=begun.t_start, client_id=begun.client_id)
+    return submit, Wants(req.stream, req.include_usage, req.return_token_ids)
 
 
 routes = [

@@ -27,7 +27,6 @@ from ipc.records import (
     Delta,
     Error,
     Finish,
-    FinishReason,
     Pause,
     RequestKind,
     ResponseOp,
@@ -39,6 +38,7 @@ from ipc.records import (
     ToProxy,
     Welcome,
 )
+from proxy.batching import Batch, merge_deltas
 from proxy.errors import ApiError
 from proxy.session import Session
 
@@ -46,7 +46,6 @@ log = logging.getLogger("tether.proxy")
 
 StatsListener = Callable[[Stats], None]
 
-_ENDED_BY_DAEMON = (FinishReason.ABORT, FinishReason.ERROR)
 SWEEP_S = 0.5
 
 
@@ -62,8 +61,10 @@ def unavailable(reason: str) -> ApiError:
 
 class EngineClient:
     def __init__(self, runtime_dir: Path, max_waiting: int, request_timeout: float = 60.0,
-                 stall_timeout: float = 60.0, max_buffered: int = 1024) -> None:
+                 stall_timeout: float = 60.0, max_buffered: int = 1024,
+                 merge_tokens: int = 1) -> None:
         self.max_waiting = max_waiting
+        self.merge_tokens = merge_tokens
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
         self.high_water = max_buffered
@@ -78,12 +79,15 @@ class EngineClient:
         self._sessions: dict[str, Session] = {}
         self._num_unstarted = 0
         self._ops: dict[str, asyncio.Future[ResponseReply]] = {}
-        self._pipes = ProxyPipes(runtime_dir, self._on_record, self._on_state)
+        self._ready: list[Session] = []  # sessions given records by the read being delivered
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pipes = ProxyPipes(runtime_dir, self._on_record, self._on_state, self._on_delivered)
         self._sweeper: asyncio.Task[None] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await self._pipes.start()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="tether-sessions-sweep")
 
@@ -144,50 +148,69 @@ class EngineClient:
 
     # --- sessions -------------------------------------------------------------------------------
 
-    async def generate(self, submit: Submit,
-                       abort_on_exit: bool = True) -> AsyncGenerator[Delta | Finish, None]:
-        """Yields this rid's Delta and Finish records until every sequence has finished.
-
-        Leaving early (close, cancellation, an exception in the consumer) writes the Abort in
-        the ``finally``, synchronously, before anything else can run on the loop (or takes the
-        Submit back if none of it was written yet).
-        """
-        session = self._open(submit, detached=not abort_on_exit)
+    def open_session(self, submit: Submit, detached: bool = False) -> Session:
+        """Registers a session and queues its Submit (a daemon that is away fails it at once).
+        Whoever opens a session closes it, however its request ends."""
+        session = self._open(submit, detached)
         try:
-            try:
-                session.frame = self._pipes.queue_submit(submit)
-            except DaemonUnavailable as exc:
-                session.fail(unavailable(str(exc) or self.down_reason))
-            while True:
-                while session.records:
-                    batch, session.records = session.records, []
-                    for record in batch:
-                        if isinstance(record, Error):
-                            session.rejected = True
-                            raise ApiError(record.status, record.message, record.param,
-                                           record.code)
-                        if isinstance(record, Finish):
-                            session.complete = self._finish(session, record)
-                            if record.reason in _ENDED_BY_DAEMON:
-                                # The daemon evicts a session whole: nothing left to abort.
-                                session.rejected = True
-                        yield record
-                        session.taken(record)
-                        if session.paused and session.units <= self.high_water // 2:
-                            self._flow(session, paused=False)
-                        if session.complete:
-                            return
-                        if session.failure is not None:
-                            raise session.failure
-                if session.failure is not None:
-                    raise session.failure
-                session.waiter = asyncio.get_running_loop().create_future()
-                await session.waiter
-                session.waiter = None
+            session.frame = self._pipes.queue_submit(submit)
+        except DaemonUnavailable as exc:
+            session.fail(unavailable(str(exc) or self.down_reason))
+        return session
+
+    def close_session(self, session: Session, abort: bool = True) -> None:
+        """Forgets the session; unless it ended, stops the daemon's work on it right now (Abort
+        written before anything else can run on the loop, or the Submit taken back if none of
+        it went out)."""
+        self._close(session)
+        session.sink = None
+        if abort and session.needs_abort():
+            self._end(session, AbortCause.CLIENT_DISCONNECT, time.monotonic())
+
+    def take(self, session: Session) -> Batch:
+        """The records waiting for the reader (maybe none), up to the session's last Finish or
+        an Error; raises the Error, or the session's failure.
+        The reader calls `handed_on` once it has handed them on, and only then do they stop
+        counting as held (flow control, stall detection). With ``merge_tokens`` > 1, each
+        sequence's Deltas in the batch are merged (proxy/batching.py)."""
+        if session.failure is not None:
+            raise session.failure  # what it still holds will never be read
+        if not session.records:
+            return []
+        batch = session.take()
+        return batch if self.merge_tokens <= 1 else merge_deltas(batch, self.merge_tokens)
+
+    def handed_on(self, session: Session) -> None:
+        session.handed_on()
+        if session.paused and session.units <= self.high_water // 2:
+            self._flow(session, paused=False)
+
+    async def next_batch(self, session: Session) -> Batch | None:
+        """Hands on the last batch, then waits for the next; None once the session is complete.
+        A consumer that fell behind gets everything that arrived meanwhile at once."""
+        self.handed_on(session)
+        while not session.complete:
+            batch = self.take(session)
+            if batch:
+                return batch
+            # Waited for here, not in a coroutine of its own: thousands of requests can wait.
+            assert self._loop is not None, "start() first"
+            session.waiter = self._loop.create_future()
+            await session.waiter
+            session.waiter = None
+        return None
+
+    async def generate(self, submit: Submit,
+                       abort_on_exit: bool = True) -> AsyncGenerator[Batch, None]:
+        """This rid's Delta and Finish records in batches (`next_batch`) until every sequence has
+        finished. Leaving early (close, cancellation, an exception in the consumer) writes the
+        Abort in the ``finally`` (`close_session`) unless ``abort_on_exit`` is false."""
+        session = self.open_session(submit, detached=not abort_on_exit)
+        try:
+            while (batch := await self.next_batch(session)) is not None:
+                yield batch
         finally:
-            self._close(session)
-            if abort_on_exit and session.needs_abort():
-                self._end(session, AbortCause.CLIENT_DISCONNECT, time.monotonic())
+            self.close_session(session, abort_on_exit)
 
     def abort(self, rid: str, cause: AbortCause, t_disconnect: float | None = None) -> None:
         """Writes one Abort record now; idempotent on the daemon side, a no-op if it is down."""
@@ -237,13 +260,6 @@ class EngineClient:
             if not session.started:
                 self._num_unstarted -= 1
 
-    @staticmethod
-    def _finish(session: Session, record: Finish) -> bool:
-        if 0 <= record.index < len(session.finished) and not session.finished[record.index]:
-            session.finished[record.index] = 1
-            session.unfinished -= 1
-        return session.unfinished == 0
-
     # --- callbacks from ProxyPipes (on the event loop) ------------------------------------------
 
     def _on_record(self, record: ToProxy) -> None:
@@ -255,7 +271,8 @@ class EngineClient:
                 session.started = session.acked = True
                 session.frame = None  # the daemon has it: nothing to withdraw
                 self._num_unstarted -= 1
-            session.push(record)
+            if session.push(record):
+                self._ready.append(session)
             if session.units > self.high_water and not session.paused:
                 self._flow(session, paused=True)
         elif isinstance(record, Admitted):
@@ -276,6 +293,17 @@ class EngineClient:
         elif isinstance(record, Error):
             log.error("daemon error: %s", record.message)
 
+    def _on_delivered(self) -> None:
+        """A read's records are routed: wake each reader they concern, once."""
+        ready, self._ready = self._ready, []
+        for session in ready:
+            try:
+                session.wake()
+            except Exception as exc:  # a broken sink must not cost the other readers theirs
+                log.exception("waking the reader of %s failed", session.rid)
+                session.sink = None
+                session.fail(ApiError(500, f"internal error: {exc}", code="internal_error"))
+
     def _on_welcome(self, record: Welcome) -> None:
         self.model = record.model
         self.max_model_len = record.max_model_len
@@ -294,7 +322,7 @@ class EngineClient:
         self.last_stats = None  # its gauges describe a daemon we no longer hear from
         self.down_reason = reason or "the daemon went away"
         error = unavailable(self.down_reason)
-        for session in self._sessions.values():
+        for session in list(self._sessions.values()):
             session.fail(error)
         for future in self._ops.values():
             if not future.done():

@@ -148,10 +148,15 @@ class RequestTimer:
         self._t_start = t_start
         self._first_seen = False
 
-    def see(self, record: Delta | Finish) -> None:
-        if not self._first_seen and type(record) is Delta:
-            self._first_seen = True
-            self._metrics.time_to_first_token.observe(time.monotonic() - self._t_start)
+    def see(self, batch: list[Delta | Finish]) -> None:
+        """A batch of the request's records is being handed on; the first with a token stops
+        the time to first token."""
+        if not self._first_seen:
+            for record in batch:
+                if type(record) is Delta:
+                    self._first_seen = True
+                    self._metrics.time_to_first_token.observe(time.monotonic() - self._t_start)
+                    return
 
     def done(self) -> None:
         self._metrics.request_duration.labels(self._endpoint).observe(

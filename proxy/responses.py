@@ -21,8 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ipc.records import AbortCause, Delta, Finish, ResponseOpKind, ResponseReply, Submit
+from ipc.records import AbortCause, ResponseOpKind, ResponseReply, Submit
 from ipc.response_object import ResponseStatus
+from proxy.batching import Batch
 from proxy.cancellation import DisconnectWatch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable
@@ -61,7 +62,7 @@ async def close_background(app: Starlette) -> None:
         await registry.close()
 
 
-EngineStream = AsyncGenerator[Delta | Finish, None]
+EngineStream = AsyncGenerator[Batch, None]
 
 
 def _engine(request: Request) -> EngineClient:
@@ -100,61 +101,64 @@ async def _foreground(request: Request, engine: EngineClient, events: ResponseEv
                       submit: Submit, stream: bool, timer: RequestTimer) -> Response:
     """Waits for the engine's first record (a rejected request is still an HTTP error), then
     answers. Leaving early closes the engine stream, whose ``finally`` writes the Abort."""
-    records = engine.generate(submit)
+    batches = engine.generate(submit)
     watch = DisconnectWatch(request.receive)  # one watcher: while queued, collecting, streaming
     streaming = False
     try:
         with watch:
-            first = await anext(records, None)
+            first = await anext(batches, None)
         if stream:
             streaming = True  # from here the response closes the watch and the records
-            return SSEResponse(_sse(_foreground_events(events, first, records, timer)),
-                               watch=watch, source=records)
+            return SSEResponse(_sse(_foreground_events(events, first, batches, timer)),
+                               watch=watch, source=batches)
         with watch:
-            return JSONResponse(await _collect(events, first, records, timer))
+            return JSONResponse(await _collect(events, first, batches, timer))
     finally:
         if not streaming:
             watch.close()
-            await records.aclose()
+            await batches.aclose()
 
 
-async def _collect(events: ResponseEvents, first: Delta | Finish | None,
-                   records: EngineStream, timer: RequestTimer) -> dict[str, Any]:
-    record = first
-    while record is not None:
-        timer.see(record)
-        apply_record(events, record)
-        record = await anext(records, None)
+async def _collect(events: ResponseEvents, first: Batch | None, batches: EngineStream,
+                   timer: RequestTimer) -> dict[str, Any]:
+    batch = first
+    while batch is not None:
+        timer.see(batch)
+        for record in batch:
+            apply_record(events, record)
+        batch = await anext(batches, None)
     timer.done()
     return events.snapshot()
 
 
-async def _foreground_events(events: ResponseEvents, first: Delta | Finish | None,
-                             records: EngineStream,
-                             timer: RequestTimer) -> AsyncGenerator[Event, None]:
+async def _foreground_events(events: ResponseEvents, first: Batch | None,
+                             batches: EngineStream,
+                             timer: RequestTimer) -> AsyncGenerator[list[Event], None]:
+    """The events of each batch of records together (one write)."""
+    out = events.created()
     try:
-        for event in events.created():
-            yield event
-        record = first
-        while record is not None:
-            timer.see(record)
-            for event in apply_record(events, record):
-                yield event
-            record = await anext(records, None)
+        batch = first
+        while batch is not None:
+            timer.see(batch)
+            for record in batch:
+                out += apply_record(events, record)
+            yield out
+            out = []
+            batch = await anext(batches, None)
         timer.done()
     except ApiError as exc:  # the daemon was lost mid-stream
-        for event in events.error(exc.message, exc.code, exc.param):
-            yield event
-        for event in events.finish(Outcome(ResponseStatus.FAILED, error=exc.message)):
-            yield event
+        out += events.error(exc.message, exc.code, exc.param)
+        out += events.finish(Outcome(ResponseStatus.FAILED, error=exc.message))
+        yield out
     finally:
-        await records.aclose()
+        await batches.aclose()
 
 
-async def _sse(events: AsyncGenerator[Event, None]) -> AsyncGenerator[bytes, None]:
-    async with contextlib.aclosing(events):
-        async for event in events:
-            yield sse_event(event, event["type"])
+async def _sse(batches: AsyncGenerator[list[Event], None]) -> AsyncGenerator[bytes, None]:
+    async with contextlib.aclosing(batches):
+        async for events in batches:
+            if events:
+                yield b"".join([sse_event(event, event["type"]) for event in events])
 
 
 # --- GET / DELETE / cancel ------------------------------------------------------------------

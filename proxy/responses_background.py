@@ -85,13 +85,16 @@ class BackgroundRun:
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
 
-    async def subscribe(self, starting_after: int | None = None) -> AsyncGenerator[Event, None]:
-        """Every event after ``starting_after`` (all of them by default), until the terminal one."""
+    async def subscribe(self, starting_after: int | None = None
+                        ) -> AsyncGenerator[list[Event], None]:
+        """Every event after ``starting_after`` (all of them by default), until the terminal one,
+        in lists: all that were published since the reader last asked."""
         i = 0 if starting_after is None else starting_after + 1
         while True:
             while i < len(self.history):
-                yield self.history[i]
-                i += 1
+                batch = self.history[i:]
+                i += len(batch)
+                yield batch
             if self.finished or self.released:
                 return
             await self._wake.wait()
@@ -99,11 +102,12 @@ class BackgroundRun:
     async def _drive(self, engine: EngineClient, submit: Submit,
                      timer: RequestTimer | None) -> None:
         try:
-            async with contextlib.aclosing(engine.generate(submit, abort_on_exit=False)) as records:
-                async for record in records:
+            async with contextlib.aclosing(engine.generate(submit, abort_on_exit=False)) as batches:
+                async for batch in batches:
                     if timer is not None:
-                        timer.see(record)
-                    self.publish(apply_record(self.events, record))
+                        timer.see(batch)
+                    for record in batch:
+                        self.publish(apply_record(self.events, record))
             if timer is not None:
                 timer.done()
         except ApiError as exc:

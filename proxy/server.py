@@ -112,6 +112,9 @@ def build_server(settings: Settings, notify: Notify | None = None) -> ProxyServe
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, loop="auto", http="auto",
         lifespan="on", log_config=None, access_log=False,
+        # Nothing reads the client's address (no access log): rewriting it from X-Forwarded-*
+        # headers would be a middleware layer on every request for nothing.
+        proxy_headers=False,
         timeout_graceful_shutdown=int(CLOSE_TIMEOUT_S),
         # A client that sends on an idle connection just as the server closes it loses that
         # request. Clients keep idle connections a few seconds (httpx: 5, uvicorn's own default),

@@ -2,25 +2,30 @@
 how much of it the client has not read (flow control).
 
 A session is a few slots, a list and at most one future, so thousands of held streams stay
-cheap. "Held" records were pushed by the tokens reader and not yet consumed, which for a stream
-means not yet handed to the socket; "units" weigh them by what they cost to keep (a token
+cheap. "Held" records were pushed by the tokens reader and not yet handed on, which for a stream
+means not yet taken by the socket; "units" weigh them by what they cost to keep (a token
 counts once, plus once per log-probability alternative), and drive Pause and Resume.
+
+Its reader is woken once per read of the tokens pipe that brought it records (or when it
+fails): either the coroutine waiting on `waiter`, or a `sink` called right there, which writes
+them to the client without a task switch (proxy/token_stream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from ipc.proxy_writers import OutFrame
-from ipc.records import Delta, Error, Finish, Submit
+from ipc.records import Delta, Error, Finish, FinishReason, Submit
 from proxy.errors import ApiError
 
 
 class Session:
     __slots__ = ("acked", "complete", "consumed", "deadline", "detached", "failure", "finished",
-                 "frame", "held", "pause_sent", "paused", "records", "rejected", "rid",
-                 "seen_consumed", "started", "stuck_since", "unfinished", "units", "waiter",
-                 "weight")
+                 "frame", "held", "in_hand", "pause_sent", "paused", "records", "rejected",
+                 "rid", "seen_consumed", "sink", "started", "stuck_since", "unfinished", "units",
+                 "waiter", "weight")
 
     def __init__(self, submit: Submit, sequences: int, detached: bool, deadline: float) -> None:
         self.rid = submit.rid
@@ -29,6 +34,8 @@ class Session:
         # with nothing buffered. The reader takes the whole list at once.
         self.records: list[Delta | Finish | Error] = []
         self.waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[], None] | None = None
+        self.in_hand: list[Delta | Finish] | None = None  # taken, not yet handed on
         self.finished = bytearray(sequences)  # 1 per index once its Finish arrived
         self.unfinished = sequences
         self.frame: OutFrame | None = None  # the Submit, while the proxy may still withdraw it
@@ -48,26 +55,71 @@ class Session:
         self.paused = False  # what the daemon should do
         self.pause_sent = False  # what it was last told
 
-    def push(self, record: Delta | Finish | Error) -> None:
+    def push(self, record: Delta | Finish | Error) -> bool:
+        """Holds `record`; True if nothing else was waiting for the reader (wake it)."""
         self.records.append(record)
         self.held += 1
         if type(record) is Delta:
             self.units += len(record.token_ids) * self.weight
-        if self.waiter is not None and not self.waiter.done():
+        return len(self.records) == 1
+
+    def take(self) -> list[Delta | Finish]:
+        """The held records up to the last Finish or an Error (raised at once if it comes
+        first, else left for the next call); still held (`in_hand`) until `handed_on`."""
+        records = self.records
+        end = len(records)
+        for i, record in enumerate(records):
+            if isinstance(record, Delta):
+                continue
+            if isinstance(record, Error):
+                if i == 0:
+                    self.rejected = True
+                    raise ApiError(record.status, record.message, record.param, record.code)
+                end = i
+                break
+            if record.reason is FinishReason.ABORT or record.reason is FinishReason.ERROR:
+                self.rejected = True  # the daemon evicts a session whole: nothing to abort
+            if self._finished(record.index):
+                self.complete = True
+                end = i + 1
+                break
+        # Nothing can follow the last Finish.
+        self.records = records[end:] if end < len(records) and not self.complete else []
+        # The loop stopped before any Error: what it takes are Deltas and Finishes.
+        batch: list[Delta | Finish] = records if end == len(records) else records[:end]  # type: ignore[assignment]
+        self.in_hand = batch
+        return batch
+
+    def _finished(self, index: int) -> bool:
+        """Sequence `index` ended; True once every one has."""
+        if 0 <= index < len(self.finished) and not self.finished[index]:
+            self.finished[index] = 1
+            self.unfinished -= 1
+        return self.unfinished == 0
+
+    def wake(self) -> None:
+        if self.sink is not None:
+            self.sink()
+        elif self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    def taken(self, record: Delta | Finish | Error) -> None:
-        """The reader handed `record` on (for a stream: the socket took it)."""
-        self.held -= 1
-        self.consumed += 1
-        if type(record) is Delta:
-            self.units -= len(record.token_ids) * self.weight
+    def handed_on(self) -> None:
+        """The reader handed on what it took last (for a stream: the socket took it)."""
+        batch, self.in_hand = self.in_hand, None
+        if batch is None:
+            return
+        self.held -= len(batch)
+        self.consumed += len(batch)
+        units = 0
+        for record in batch:
+            if type(record) is Delta:
+                units += len(record.token_ids)
+        self.units -= units * self.weight
 
     def fail(self, exc: ApiError) -> None:
         if self.failure is None:
             self.failure = exc
-            if self.waiter is not None and not self.waiter.done():
-                self.waiter.set_result(None)
+            self.wake()
 
     def needs_abort(self) -> bool:
         return not (self.complete or self.rejected or self.failure is not None)

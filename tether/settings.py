@@ -59,6 +59,7 @@ class Settings:
     request_timeout_s: float = 60.0
     stall_timeout_s: float = 60.0
     max_buffered_tokens: int = 1024
+    stream_merge_tokens: int = 1
     pipe_group: str | None = None
     log_format: str = "auto"  # auto | json | text
     log_level: str = "info"
@@ -112,6 +113,9 @@ _HELP: dict[str, str] = {
     "(cause timeout)",
     "max_buffered_tokens": "per stream, tokens the proxy holds unread before the daemon pauses "
     "it (each log-probability alternative counts as one)",
+    "stream_merge_tokens": "a stream whose client fell behind gets up to this many of the tokens "
+    "waiting for it merged into one SSE event (same text, token ids and logprobs, fewer events; "
+    "never waits to merge); 1 = one event per token",
     "pipe_group": "group given access to the FIFOs (mode 0660); none = owner only (0600)",
     "log_format": "auto (JSON lines under systemd, text on a terminal) | json | text",
     "log_level": "debug | info | warning | error",
@@ -189,7 +193,7 @@ def _bool(raw: str) -> bool:
 def _check(s: Settings) -> None:
     positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
                 "max_body_bytes", "response_store_max", "keep_alive_timeout_s",
-                "max_buffered_tokens", "tensor_parallel_size")
+                "max_buffered_tokens", "tensor_parallel_size", "stream_merge_tokens")
     for name in positive:
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")

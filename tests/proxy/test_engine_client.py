@@ -46,15 +46,16 @@ async def test_welcome_is_tracked(engine: EngineClient) -> None:
 
 
 async def test_full_session_writes_no_abort(engine: EngineClient, peer: Peer) -> None:
-    records = [r async for r in engine.generate(submit(engine, "full", prompts=2, n=2))]
+    records = [r async for batch in engine.generate(submit(engine, "full", prompts=2, n=2))
+               for r in batch]
     finishes = [r for r in records if isinstance(r, Finish)]
     assert sorted(f.index for f in finishes) == [0, 1, 2, 3]
     assert isinstance(records[-1], Finish)
     # Stopping right after the last Finish (and closing, as the SSE response does) is still a
     # normal end.
     async with contextlib.aclosing(engine.generate(submit(engine, "brk", max_tokens=1))) as stream:
-        async for record in stream:
-            if isinstance(record, Finish):
+        async for batch in stream:
+            if isinstance(batch[-1], Finish):
                 break
     await barrier(engine)
     assert peer.aborts == [] and engine.num_sessions == 0

@@ -445,7 +445,7 @@ async def test_shutdown_releases_background_responses_to_the_daemon(settings: Se
         await wait_until(lambda: len(peer.submits) == 1)
         run = application.state.background_responses.get(created["id"])
         reader = run.subscribe()
-        assert (await anext(reader))["type"] == "response.created"
+        assert (await anext(reader))[0]["type"] == "response.created"
         assert application.state.engine.num_attached == 0
         read_all = asyncio.create_task(collect(reader))
     last = (await asyncio.wait_for(read_all, 5))[-1]
@@ -455,5 +455,5 @@ async def test_shutdown_releases_background_responses_to_the_daemon(settings: Se
     assert peer.aborts == []
 
 
-async def collect(events: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [event async for event in events]
+async def collect(batches: AsyncIterator[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [event async for batch in batches for event in batch]

@@ -105,7 +105,7 @@ def test_a_late_reader_gets_every_event_then_the_end() -> None:
     run.end(Outcome(ResponseStatus.FAILED, error="daemon lost"))
 
     async def read() -> list[str]:
-        return [e["type"] async for e in run.subscribe(starting_after=1)]
+        return [e["type"] async for batch in run.subscribe(starting_after=1) for e in batch]
 
     assert asyncio.run(read()) == [
         "response.in_progress", "response.output_item.added", "response.content_part.added",

@@ -1,0 +1,84 @@
+"""The SSE events of one completions or chat stream, built with as little per-token work as
+possible, byte for byte what dumping each whole chunk dict gives.
+
+Every chunk is ``{**head, "choices": [choice], **usage}``: its constant bytes are encoded once.
+Most events are a plain delta (not its choice's first, no log-probabilities, some text); for
+those, the choice is rendered once per choice with marks where the text and the token ids go,
+and each event splices the token's own bytes in. Anything else renders its choice as a dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import orjson
+
+from ipc.records import Delta, Finish, TokenLogprob
+from proxy.sse import sse_json
+
+# Where a plain delta's text and token ids go in its pre-rendered choice. JSON renders NUL as
+# "\u0000", which nothing else in a chunk contains.
+_TEXT = "\x00text\x00"
+_IDS = "\x00ids\x00"
+_TEXT_JSON = orjson.dumps(_TEXT)
+_IDS_JSON = orjson.dumps(_IDS)
+
+
+class ChoiceShape(Protocol):
+    def chunk_choice(self, index: int, text: str, finish: str | None,
+                     first: bool) -> dict[str, Any]: ...
+
+    def logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]: ...
+
+
+class StreamChunks:
+    __slots__ = ("_after", "_before", "_offsets", "_plain", "_shape", "_started", "_token_ids")
+
+    def __init__(self, shape: ChoiceShape, head: dict[str, Any], include_usage: bool,
+                 token_ids: bool) -> None:
+        self._shape = shape
+        self._token_ids = token_ids
+        self._before = b"data: " + sse_json(head)[:-1] + b',"choices":['
+        self._after = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+        self._started: set[int] = set()  # choices whose first event went out
+        self._offsets: dict[int, int] = {}  # per choice, where its next delta starts in its text
+        self._plain: dict[int, list[bytes]] = {}  # per choice, a plain delta's bytes around marks
+
+    def delta(self, record: Delta) -> bytes:
+        if record.text and record.logprobs is None and record.index in self._started:
+            parts = self._plain.get(record.index) or self._plain_parts(record.index)
+            text = sse_json(record.text)
+            if self._token_ids:
+                return parts[0] + text + parts[1] + orjson.dumps(record.token_ids) + parts[2]
+            return parts[0] + text + parts[1]
+        return self._render(record, None)
+
+    def finish(self, record: Finish, reason: str) -> bytes:
+        """A sequence's last event; `reason` is its OpenAI finish_reason."""
+        return self._render(record, reason)
+
+    def _render(self, record: Delta | Finish, finish: str | None) -> bytes:
+        index = record.index
+        delta = record if isinstance(record, Delta) else None
+        first = index not in self._started
+        if first:
+            self._started.add(index)
+        choice = self._shape.chunk_choice(index, "" if delta is None else delta.text, finish,
+                                          first)
+        if self._token_ids and delta is not None:
+            choice["token_ids"] = delta.token_ids
+        if delta is not None and delta.logprobs is not None:
+            offset = self._offsets.get(index, 0)
+            choice["logprobs"] = self._shape.logprobs(delta.logprobs, offset)
+            self._offsets[index] = offset + len(delta.text)
+        return self._before + sse_json(choice) + self._after
+
+    def _plain_parts(self, index: int) -> list[bytes]:
+        choice = self._shape.chunk_choice(index, _TEXT, None, False)
+        if self._token_ids:
+            choice["token_ids"] = _IDS
+        head, rest = (self._before + sse_json(choice) + self._after).split(_TEXT_JSON)
+        parts = [head, *rest.split(_IDS_JSON)]
+        assert len(parts) == 2 + self._token_ids, "the text and ids each appear once"
+        self._plain[index] = parts
+        return parts

@@ -1,0 +1,175 @@
+"""A token stream written to its client from the callback that routes its records.
+
+The request's task does not carry each token to the socket: the session's sink renders what is
+waiting and hands it to the ASGI ``send`` right in the tokens callback, once per read of the
+tokens pipe. No task switch, no generators and no trip down the middleware chain per write, and
+the writes of one read go out back to back, which keeps the clients' readers awake between
+them. A send runs to its end there when the socket takes the bytes at once, as it does for a
+client that keeps up; one that has to wait (uvicorn's flow control: the client fell behind) is
+finished by the request's task, and whatever arrives meanwhile waits in the session, counted by
+flow control, to go out in one write once it has.
+
+The task otherwise waits, inside the request's DisconnectWatch: for the end of the stream, or
+for the client to leave, when closing the session writes the Abort at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Generator
+from typing import Any, Protocol
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from proxy.batching import Batch
+from proxy.cancellation import DisconnectWatch
+from proxy.engine_client import EngineClient
+from proxy.errors import ApiError, ClientDisconnected
+from proxy.session import Session
+from proxy.sse import SSE_HEADERS
+
+
+class StreamBody(Protocol):
+    def render(self, batch: Batch) -> tuple[bytes, bool]:
+        """A batch's events, and whether they end the stream."""
+
+    def error(self, exc: ApiError) -> bytes:
+        """The event that ends a stream whose request failed."""
+
+    def done(self) -> None:
+        """The stream's last byte went out."""
+
+
+class TokenStream(Response):
+    media_type = "text/event-stream"
+
+    def __init__(self, engine: EngineClient, session: Session, body: StreamBody, first: Batch,
+                 watch: DisconnectWatch) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers(SSE_HEADERS)
+        self._engine = engine
+        self._session = session
+        self._body = body
+        self._first = first
+        self._watch = watch
+        self._send: Send | None = None
+        # A send that had to wait, and what it waits on: finished by the task.
+        self._pending: tuple[Generator[Any, None, None], Any] | None = None
+        self._final = False  # the send under way ends the stream
+        self._ended = False
+        self._error: BaseException | None = None
+        self._wake: asyncio.Future[None] | None = None  # the task waits here
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._send = send
+        try:
+            with self._watch:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                first, self._first = self._first, []
+                if first:
+                    self._write(*self._body.render(first))
+                self._session.sink = self._pump
+                self._pump()
+                await self._serve()
+        except ClientDisconnected:
+            pass  # nobody is left to answer
+        finally:
+            self._ended = True
+            self._watch.close()
+            if self._pending is not None:
+                self._pending[0].close()
+                self._pending = None
+            self._engine.close_session(self._session)
+
+    async def _serve(self) -> None:
+        """The task's part: finish sends that had to wait, until the stream ends."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._pending is not None:
+                await self._finish_send(*self._pending)
+                continue
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                return
+            self._wake = loop.create_future()
+            await self._wake
+            self._wake = None
+
+    # --- the sink: runs in the tokens callback (or the task), never waits ----------------------
+
+    def _pump(self) -> None:
+        """Writes what is waiting for the client, unless a send is under way."""
+        if self._pending is not None or self._ended:
+            return
+        try:
+            try:
+                batch = self._engine.take(self._session)
+            except ApiError as exc:
+                self._write(self._body.error(exc), True)
+                return
+            if batch or self._session.complete:
+                self._write(*self._body.render(batch))
+        except Exception as exc:
+            self._fail(exc)
+
+    def _write(self, data: bytes, final: bool) -> None:
+        assert self._send is not None
+        self._final = final
+        message = {"type": "http.response.body", "body": data, "more_body": not final}
+        try:
+            call = self._send(message).__await__()
+            waiting_on = call.send(None)
+        except StopIteration:
+            self._sent()
+            return
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self._pending = (call, waiting_on)
+        self._wake_task()
+
+    def _sent(self) -> None:
+        self._engine.handed_on(self._session)
+        if self._final:
+            self._ended = True
+            self._body.done()
+            self._wake_task()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._ended = True
+        self._wake_task()
+
+    def _wake_task(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def _finish_send(self, call: Generator[Any, None, None], waiting_on: Any) -> None:
+        """Drives a send that suspended to its end, as a task of its own would have: resumes it
+        each time the future it yielded is done (a bare yield only gave way to the loop)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if waiting_on is None:
+                    await asyncio.sleep(0)
+                else:
+                    # Not awaited a second time (the send's own await already marked it).
+                    resumed = loop.create_future()
+                    waiting_on.add_done_callback(functools.partial(_settle, resumed))
+                    await resumed
+                waiting_on = call.send(None)
+        except StopIteration:
+            pass
+        self._pending = None
+        self._sent()
+        self._pump()
+
+
+def _settle(waiter: asyncio.Future[None], _done: object) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -1,0 +1,69 @@
+"""A session's held records: what a reader takes at once, and what stays held until handed on."""
+
+from __future__ import annotations
+
+import pytest
+
+from ipc.records import (
+    Delta,
+    Error,
+    Finish,
+    FinishReason,
+    RequestKind,
+    SamplingParams,
+    Submit,
+    Usage,
+)
+from proxy.errors import ApiError
+from proxy.session import Session
+
+
+def session(sequences: int = 1, logprobs: int | None = None) -> Session:
+    submit = Submit(rid="r", epoch=1, kind=RequestKind.COMPLETION,
+                    sampling=SamplingParams(logprobs=logprobs), prompts=["p"], n=sequences)
+    return Session(submit, sequences, detached=False, deadline=0.0)
+
+
+def delta(index: int, *ids: int) -> Delta:
+    return Delta("r", index, "x" * len(ids), list(ids))
+
+
+def finish(index: int, reason: FinishReason = FinishReason.LENGTH) -> Finish:
+    return Finish("r", index, reason, Usage(1, 1))
+
+
+def test_a_reader_takes_everything_held_and_wakes_once() -> None:
+    s = session(logprobs=2)
+    assert [s.push(r) for r in (delta(0, 1), delta(0, 2, 3))] == [True, False]
+    assert (s.held, s.units) == (2, 9)  # 3 tokens, each with 2 alternatives
+    batch = s.take()
+    assert batch == [delta(0, 1), delta(0, 2, 3)] and s.records == []
+    assert (s.held, s.units) == (2, 9)  # held until handed on
+    s.handed_on()
+    assert (s.held, s.units, s.consumed) == (0, 0, 2)
+
+
+def test_take_stops_at_the_last_finish_and_drops_what_follows() -> None:
+    s = session(sequences=2)
+    for record in (delta(0, 1), finish(0), delta(1, 2), finish(1), delta(1, 3)):
+        s.push(record)
+    assert s.take() == [delta(0, 1), finish(0), delta(1, 2), finish(1)]
+    assert s.complete and s.records == [] and not s.rejected
+
+
+def test_an_error_after_records_is_raised_by_the_next_take() -> None:
+    s = session()
+    error = Error("r", "too long", status=400, param="prompt")
+    for record in (delta(0, 1), error):
+        s.push(record)
+    assert s.take() == [delta(0, 1)]
+    with pytest.raises(ApiError) as info:
+        s.take()
+    assert (info.value.status, info.value.param) == (400, "prompt") and s.rejected
+
+
+def test_a_session_the_daemon_ended_needs_no_abort() -> None:
+    s = session()
+    s.push(finish(0, FinishReason.ABORT))
+    s.take()
+    assert s.complete and s.rejected and not s.needs_abort()
