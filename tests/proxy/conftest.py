@@ -3,11 +3,13 @@ the proxy app driven in-process or on a real port (tests/support/live_proxy.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from starlette.applications import Starlette
 
 from proxy.app import create_app
 from tests.support.live_proxy import LiveProxy, start_live, stop_live
@@ -34,12 +36,18 @@ def peer(settings: Settings) -> Iterator[Peer]:
     p.stop()
 
 
-@pytest.fixture
-async def client(settings: Settings, peer: Peer) -> AsyncIterator[httpx.AsyncClient]:
+@contextlib.asynccontextmanager
+async def running_app(settings: Settings) -> AsyncIterator[Starlette]:
     """The app in-process (lifespan run by hand), connected to the test daemon."""
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         await wait_until(lambda: app.state.engine.up)
+        yield app
+
+
+@pytest.fixture
+async def client(settings: Settings, peer: Peer) -> AsyncIterator[httpx.AsyncClient]:
+    async with running_app(settings) as app:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
             yield c

@@ -36,6 +36,7 @@ from ipc.records import (
     ToProxy,
 )
 from proxy.app import create_app
+from tests.proxy.conftest import running_app
 from tests.support.live_proxy import LiveProxy
 from tests.support.peer import CACHED_TOKENS, MODEL, PROMPT_TOKENS, Peer
 from tests.support.raw_http import sse_events
@@ -98,9 +99,7 @@ def oai(live: LiveProxy) -> openai.OpenAI:
 
 @pytest.fixture
 async def app(settings: Settings, peer: StorePeer) -> AsyncIterator[Starlette]:
-    application = create_app(settings)
-    async with application.router.lifespan_context(application):
-        await wait_until(lambda: application.state.engine.up)
+    async with running_app(settings) as application:
         yield application
 
 

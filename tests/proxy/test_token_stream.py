@@ -15,14 +15,9 @@ from starlette.applications import Starlette
 from starlette.types import Message
 
 from ipc.records import AbortCause, Pause, Resume
-from tests.proxy.conftest import (
-    CACHED_TOKENS,
-    MODEL,
-    PROMPT_TOKENS,
-    Peer,
-    running_app,
-    wait_until,
-)
+from tests.proxy.conftest import running_app
+from tests.support.peer import CACHED_TOKENS, MODEL, PROMPT_TOKENS, Peer
+from tests.support.wait import wait_until
 from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio
