@@ -51,7 +51,7 @@ class Ticker:
 
     def __init__(self, spec: str, kernels: str, dtype: str = "float32",
                  quantization: str | None = None, max_tokens: int = 64 * 2100) -> None:
-        self.loaded = load_model(spec, "cpu", dtype, kernels, quantization)
+        self.loaded = load_model(spec, "cpu", dtype, kernels=kernels, quantization=quantization)
         self.kernels, self.quantization = self.loaded.kernels, quantization
         self.runner = ModelRunner(self.loaded.model, self.loaded.config,
                                   num_blocks=max_tokens // BLOCK + 1)

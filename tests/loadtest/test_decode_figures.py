@@ -1,0 +1,24 @@
+"""The engine benchmark's in-process figures on builtin:tiny: the ticker loads the model the way
+the daemon does, times real forward passes, and the KL of a model against itself is zero."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
+
+import decode_figures
+
+
+def test_tick_scaling_times_real_forward_passes() -> None:
+    tickers = {k: decode_figures.Ticker("builtin:tiny", k, max_tokens=512)
+               for k in ("auto", "torch")}
+    rows = decode_figures.tick_scaling(tickers, streams=[1, 4], contexts=[32], rounds=1)
+    assert [(r["streams"], r["context"]) for r in rows] == [(1, 32), (4, 32)]
+    assert all(r[k] > 0 for r in rows for k in tickers)
+
+
+def test_kl_of_a_model_against_itself_is_zero() -> None:
+    ref = decode_figures.Ticker("builtin:tiny", "torch", max_tokens=256)
+    same = decode_figures.Ticker("builtin:tiny", "torch", max_tokens=256)
+    got = decode_figures.logit_kl(ref, {"same": same}, [[1, 2, 3]], steps=3)["same"]
+    assert got["kl_max"] < 1e-9 and got["top1_agree"] == 1.0
