@@ -134,6 +134,9 @@ class BackgroundRegistry:
         self.max_runs = max_runs
         self.keep_finished_s = keep_finished_s
         self._runs: OrderedDict[str, BackgroundRun] = OrderedDict()
+        # A finished run's expiry: cancelled whenever the run leaves early, so that nothing
+        # keeps a dropped run (and its whole event history) alive until its time is up.
+        self._expiries: dict[str, asyncio.TimerHandle] = {}
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -143,6 +146,9 @@ class BackgroundRegistry:
 
     def remove(self, response_id: str) -> None:
         self._runs.pop(response_id, None)
+        expiry = self._expiries.pop(response_id, None)
+        if expiry is not None:
+            expiry.cancel()
 
     def add(self, run: BackgroundRun) -> None:
         """Raises ApiError(429) when every slot holds a run still generating."""
@@ -158,20 +164,17 @@ class BackgroundRegistry:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (a synchronous caller): the prune in add() still applies
             return
-        loop.call_later(self.keep_finished_s, self._expire, run)
-
-    def _expire(self, run: BackgroundRun) -> None:
         if self._runs.get(run.id) is run:
-            del self._runs[run.id]
+            self._expiries[run.id] = loop.call_later(self.keep_finished_s, self.remove, run.id)
 
     def _prune(self, now: float) -> None:
         finished = [r for r in self._runs.values() if r.finished_at is not None]
         expired = [r for r in finished if now - (r.finished_at or now) > self.keep_finished_s]
         for run in expired:
-            del self._runs[run.id]
+            self.remove(run.id)
         excess = len(self._runs) - self.max_runs + 1
         for run in [r for r in finished if r not in expired][:max(excess, 0)]:
-            del self._runs[run.id]
+            self.remove(run.id)
 
     def release_all(self) -> None:
         for run in self._runs.values():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 from openai.types.responses import ResponseStreamEvent
@@ -97,6 +99,24 @@ def test_finished_runs_expire_with_no_new_run_added() -> None:
         return held, len(registry)
 
     assert asyncio.run(scenario()) == (2, 1)
+
+
+def test_a_run_dropped_before_its_expiry_is_not_kept_alive() -> None:
+    """A finished run pushed out by the cap (or deleted) frees its history at once: its expiry
+    timer must not hold it for keep_finished_s (a soak at ~50 background responses/s grew the
+    proxy by 190 MiB in 10 minutes that way)."""
+    async def scenario() -> tuple[bool, bool]:
+        registry = BackgroundRegistry(max_runs=1, keep_finished_s=600)
+        first = BackgroundRun(ResponseEvents(params_for("resp_first")))
+        registry.add(first)
+        first.end(Outcome(ResponseStatus.COMPLETED))
+        registry.add(BackgroundRun(ResponseEvents(params_for("resp_second"))))
+        dropped = weakref.ref(first)
+        del first
+        gc.collect()
+        return registry.get("resp_first") is None, dropped() is None
+
+    assert asyncio.run(scenario()) == (True, True)
 
 
 def test_a_late_reader_gets_every_event_then_the_end() -> None:
