@@ -13,7 +13,6 @@ import http.client
 import re
 import select
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -29,7 +28,7 @@ from schemathesis import Case, GenerationMode
 from schemathesis import checks as sc
 
 from tests.support.metrics import m
-from tests.support.pair import Server, assert_baseline, start_server
+from tests.support.pair import Server, assert_baseline
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -42,13 +41,6 @@ CHECKS = [sc.not_a_server_error, sc.status_code_conformance, sc.content_type_con
 FUZZ = settings(max_examples=EXAMPLES, database=None, deadline=None,
                 phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=list(HealthCheck))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("openapi"), ["--max-num-seqs", "8"])
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,31 @@ at once or across a proxy restart, can never refuse or abort each other's work."
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.support.faults import stopped
 from tests.support.metrics import m
-from tests.support.pair import LONG, post_raw, start_server, wait_aborts
+from tests.support.pair import LONG, Server, post_raw, start_server, wait_aborts
 from tests.support.streams import STREAM, stream_once
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def leave_while_in_the_pipe(server: Server, body: dict[str, Any], rid: str) -> None:
+    """A completions request with X-Request-Id `rid` whose client leaves while the daemon is
+    stopped (so the request is still in the pipe); returns once the daemon counted the abort."""
+    with stopped(server.daemon):
+        sock = post_raw(server, "/v1/completions", body, rid=rid)
+        wait_for(lambda: m(server.metrics(), "tether_proxy_sessions_waiting") == 1, 10,
+                 "the proxy holds the request")
+        sock.close()
+        wait_for(lambda: m(server.metrics(), "tether_proxy_aborts_sent_total",
+                           cause="client_disconnect") == 1, 10, "the abort is written")
+    wait_aborts(server, "client_disconnect", 1)
 
 
 def test_two_clients_with_the_same_request_id_both_finish(tmp_path: Path) -> None:
@@ -41,14 +54,7 @@ def test_a_consumed_tombstone_cannot_abort_a_later_request(tmp_path: Path) -> No
     same X-Request-Id must run normally."""
     server = start_server(tmp_path)
     try:
-        with stopped(server.daemon):
-            sock = post_raw(server, "/v1/completions", {"prompt": "gone", **LONG}, rid="again")
-            wait_for(lambda: m(server.metrics(), "tether_proxy_sessions_waiting") == 1, 10,
-                     "the proxy holds the request")
-            sock.close()
-            wait_for(lambda: m(server.metrics(), "tether_proxy_aborts_sent_total",
-                               cause="client_disconnect") == 1, 10, "the abort is written")
-        wait_aborts(server, "client_disconnect", 1)
+        leave_while_in_the_pipe(server, {"prompt": "gone", **LONG}, rid="again")
         result = stream_once(server.url, "/v1/completions", {"prompt": "back", **STREAM},
                              headers={"X-Request-Id": "again"})
         assert result.ok, result
@@ -73,16 +79,7 @@ def test_a_reused_id_after_a_proxy_restart_cannot_abort_a_background_response(
         server.start_proxy()
         server.wait_health(200)
         # Another client picks the same X-Request-Id and leaves before the daemon answers it.
-        with stopped(server.daemon):
-            sock = post_raw(server, "/v1/completions", {"prompt": "x", **LONG, "stream": True},
-                            rid="victim")
-            wait_for(lambda: m(server.metrics(), "tether_proxy_sessions_waiting") == 1, 10,
-                     "the proxy holds the request")
-            sock.close()
-            wait_for(lambda: m(server.metrics(), "tether_proxy_aborts_sent_total",
-                               cause="client_disconnect") == 1, 10, "the abort is written")
-        wait_aborts(server, "client_disconnect", 1)
-        time.sleep(0.3)
+        leave_while_in_the_pipe(server, {"prompt": "x", **LONG, "stream": True}, rid="victim")
         with server.client() as c:
             assert c.get(f"/v1/responses/{response_id}").json()["status"] == "in_progress"
             wait_for(lambda: c.get(f"/v1/responses/{response_id}").json()["status"]
