@@ -263,8 +263,11 @@ class DaemonPipes:
     # -- reading ---------------------------------------------------------------------------
 
     def read_control(self) -> list[ToDaemon]:
-        records, eof = self._read(self._control)
+        # The clock is read before the pipe: a process stopped (SIGSTOP, a long page fault)
+        # between an empty read and a later look at the clock would take the records the proxy
+        # wrote meanwhile, unread in the pipe, for silence.
         now = self.clock()
+        records, eof = self._read(self._control)
         if records:
             self._last_control = now
             if any(isinstance(r, Hello) for r in records):

@@ -169,7 +169,11 @@ class ProxyPipes:
             if not self.connected:
                 return TICK_S  # the heartbeat found the daemon gone
         if self.up and now - self._last_record > SILENCE_S:
-            self._lose(f"no record from the daemon for {SILENCE_S:g} s")
+            # Look in the pipe first: stopped between this wake-up and the loop's next poll,
+            # we would take the records waiting there for silence.
+            self._on_tokens_readable()
+            if self.up and now - self._last_record > SILENCE_S:
+                self._lose(f"no record from the daemon for {SILENCE_S:g} s")
         if not self.up:
             return TICK_S
         # Records only move the silence deadline later, so waking at the earlier of the two

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ipc import proxy_side
 from ipc.framing import encode_control
 from ipc.pipes import DaemonPipes, ProxyPipes
 from ipc.records import (
@@ -126,6 +127,42 @@ def test_proxy_declares_a_hung_daemon_lost(tmp_path: Path) -> None:
             up, why = await proxy.state(SILENCE_TIMEOUT_S + 3.0)
             assert not up and "no record from the daemon" in why
             assert SILENCE_TIMEOUT_S - 0.1 < time.monotonic() - t0 < SILENCE_TIMEOUT_S + 2.0
+        finally:
+            await proxy.pipes.close()
+            _kill(daemon)
+
+    asyncio.run(main())
+
+
+def test_a_proxy_stalled_past_the_bound_reads_before_it_judges(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy stopped just as its silence timer fired wakes with the daemon's records waiting
+    in the tokens pipe, not yet polled: that is not silence. (The bound is shortened so that
+    the daemon's own 3 s heartbeat bound does not fire during the stall.)"""
+    monkeypatch.setattr(proxy_side, "SILENCE_S", 0.5)
+
+    async def main() -> None:
+        daemon = _start_daemon(tmp_path)
+        proxy = _Proxy(tmp_path)
+        check = proxy.pipes._check
+
+        def stalled(now: float) -> float:
+            if proxy.pipes.up and not stalls:
+                stalls.append(now)
+                time.sleep(1.0)  # the stop; the daemon's Stats pile up in the pipe
+            return check(time.monotonic())
+
+        stalls: list[float] = []
+        monkeypatch.setattr(proxy.pipes, "_check", stalled)
+        await proxy.pipes.start()
+        try:
+            assert await proxy.state() == (True, "connected")
+            for _ in range(100):
+                if stalls:
+                    break
+                await asyncio.sleep(0.05)
+            assert await proxy.echo("a", "abc") == "cba"  # past the stall
+            assert stalls and proxy.pipes.up and proxy.states.empty()
         finally:
             await proxy.pipes.close()
             _kill(daemon)
