@@ -22,3 +22,14 @@ def test_kl_of_a_model_against_itself_is_zero() -> None:
     same = decode_figures.Ticker("builtin:tiny", "torch", max_tokens=256)
     got = decode_figures.logit_kl(ref, {"same": same}, [[1, 2, 3]], steps=3)["same"]
     assert got["kl_max"] < 1e-9 and got["top1_agree"] == 1.0
+
+
+def test_the_roofline_counts_only_the_head_rows_a_token_needs() -> None:
+    """builtin:small's head has 49,152 rows, its byte tokenizer names 260 of them."""
+    loaded = decode_figures.Ticker("builtin:small", "auto", max_tokens=64).loaded
+    config = loaded.config
+    assert loaded.model.vocab_limit == 260 < config.vocab_size
+    got = decode_figures.model_weight_bytes(loaded, None)
+    assert got == decode_figures.weight_bytes(config, 260, 4)
+    assert decode_figures.weight_bytes(config, config.vocab_size, 4) - got == (
+        (config.vocab_size - 260) * config.hidden_size * 4)
