@@ -39,6 +39,7 @@ from proxy.responses_request import (
 )
 from proxy.schemas import check_response_id, client_request_id, new_id
 from proxy.sse import SSEResponse, sse_event
+from proxy.token_stream import TokenStream
 
 
 def background_registry(app: Starlette) -> BackgroundRegistry:
@@ -60,9 +61,6 @@ async def close_background(app: Starlette) -> None:
     registry: BackgroundRegistry | None = getattr(app.state, "background_responses", None)
     if registry is not None:
         await registry.close()
-
-
-EngineStream = AsyncGenerator[Batch, None]
 
 
 def _engine(request: Request) -> EngineClient:
@@ -100,65 +98,78 @@ async def create_response(request: Request) -> Response:
 async def _foreground(request: Request, engine: EngineClient, events: ResponseEvents,
                       submit: Submit, stream: bool, timer: RequestTimer) -> Response:
     """Waits for the engine's first record (a rejected request is still an HTTP error), then
-    answers. Leaving early closes the engine stream, whose ``finally`` writes the Abort."""
-    batches = engine.generate(submit)
+    answers. Leaving early closes the session, which writes the Abort."""
+    session = engine.open_session(submit)
     watch = DisconnectWatch(request.receive)  # one watcher: while queued, collecting, streaming
     streaming = False
     try:
         with watch:
-            first = await anext(batches, None)
+            first = await engine.next_batch(session)
         if stream:
-            streaming = True  # from here the response closes the watch and the records
-            return SSEResponse(_sse(_foreground_events(events, first, batches, timer)),
-                               watch=watch, source=batches)
+            streaming = True  # from here the response closes the watch and the session
+            return TokenStream(engine, session, ResponseStreamBody(events, timer), first or [],
+                               watch)
         with watch:
-            return JSONResponse(await _collect(events, first, batches, timer))
+            batch = first
+            while batch is not None:
+                timer.see(batch)
+                for record in batch:
+                    apply_record(events, record)
+                batch = await engine.next_batch(session)
+            timer.done()
+            return JSONResponse(events.snapshot())
     finally:
         if not streaming:
             watch.close()
-            await batches.aclose()
+            engine.close_session(session)
 
 
-async def _collect(events: ResponseEvents, first: Batch | None, batches: EngineStream,
-                   timer: RequestTimer) -> dict[str, Any]:
-    batch = first
-    while batch is not None:
-        timer.see(batch)
+class ResponseStreamBody:
+    """A foreground response's stream for `TokenStream`: the opening events with the first
+    batch, then each batch's events together (one write)."""
+
+    __slots__ = ("events", "ok", "opened", "timer")
+
+    def __init__(self, events: ResponseEvents, timer: RequestTimer) -> None:
+        self.events, self.timer = events, timer
+        self.opened = False
+        self.ok = False  # ended by the engine's Finish
+
+    def _opening(self) -> list[Event]:
+        if self.opened:
+            return []
+        self.opened = True
+        return self.events.created()
+
+    def render(self, batch: Batch) -> tuple[bytes, bool]:
+        out = self._opening()
+        self.timer.see(batch)
         for record in batch:
-            apply_record(events, record)
-        batch = await anext(batches, None)
-    timer.done()
-    return events.snapshot()
+            out += apply_record(self.events, record)
+        self.ok = self.events.finished
+        return _sse_bytes(out), self.ok
 
-
-async def _foreground_events(events: ResponseEvents, first: Batch | None,
-                             batches: EngineStream,
-                             timer: RequestTimer) -> AsyncGenerator[list[Event], None]:
-    """The events of each batch of records together (one write)."""
-    out = events.created()
-    try:
-        batch = first
-        while batch is not None:
-            timer.see(batch)
-            for record in batch:
-                out += apply_record(events, record)
-            yield out
-            out = []
-            batch = await anext(batches, None)
-        timer.done()
-    except ApiError as exc:  # the daemon was lost mid-stream
-        out += events.error(exc.message, exc.code, exc.param)
+    def error(self, exc: ApiError) -> bytes:
+        """The daemon was lost mid-stream: the response fails."""
+        events = self.events
+        out = self._opening() + events.error(exc.message, exc.code, exc.param)
         out += events.finish(Outcome(ResponseStatus.FAILED, error=exc.message))
-        yield out
-    finally:
-        await batches.aclose()
+        return _sse_bytes(out)
+
+    def done(self) -> None:
+        if self.ok:
+            self.timer.done()
+
+
+def _sse_bytes(events: list[Event]) -> bytes:
+    return b"".join([sse_event(event, event["type"]) for event in events])
 
 
 async def _sse(batches: AsyncGenerator[list[Event], None]) -> AsyncGenerator[bytes, None]:
     async with contextlib.aclosing(batches):
         async for events in batches:
             if events:
-                yield b"".join([sse_event(event, event["type"]) for event in events])
+                yield _sse_bytes(events)
 
 
 # --- GET / DELETE / cancel ------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -40,28 +40,21 @@ def sse_event(data: dict[str, Any], event: str | None = None) -> bytes:
 
 
 class SSEResponse(StreamingResponse):
-    """A StreamingResponse that stops at a disconnect and closes its body however it ends.
+    """A StreamingResponse that stops at a disconnect and closes its body however it ends
+    (the readers of a background response).
 
-    The body is streamed in the handler's own task under a `DisconnectWatch` (the handler's
-    own, passed in, or a new one): no task group and no second streaming task per response.
-    A disconnect cancels the streaming where it waits. If the body generator was suspended at a
-    ``yield`` (the task was inside ``send``), nothing resumes it and its ``finally`` would only
-    run when the garbage collector finds it: closing it here runs that ``finally`` (which writes
-    the Abort) at once.
+    The body is streamed in the handler's own task under a `DisconnectWatch`: no task group and
+    no second streaming task per response. A disconnect cancels the streaming where it waits.
+    If the body generator was suspended at a ``yield`` (the task was inside ``send``), nothing
+    resumes it and its ``finally`` would only run when the garbage collector finds it: closing
+    it here runs that ``finally`` at once.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 status_code: int = 200, watch: DisconnectWatch | None = None,
-                 source: AsyncGenerator[Any, None] | None = None) -> None:
-        super().__init__(content, status_code=status_code, media_type="text/event-stream",
-                         headers={**SSE_HEADERS, **(headers or {})})
-        self.watch = watch
-        # What the body reads from, closed after it: a body stopped before its first step
-        # never runs its own ``finally``.
-        self.source = source
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = self.watch or DisconnectWatch(receive)
+        watch = DisconnectWatch(receive)
         try:
             with watch:
                 await self._stream(send)
@@ -69,15 +62,11 @@ class SSEResponse(StreamingResponse):
             pass  # nobody is left to answer
         finally:
             watch.close()
-            try:
-                aclose = getattr(self.body_iterator, "aclose", None)
-                if aclose is not None:
-                    # A body whose cleanup is synchronous finishes without suspending, so a
-                    # pending cancellation cannot interrupt it.
-                    await aclose()
-            finally:
-                if self.source is not None:
-                    await self.source.aclose()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                # A body whose cleanup is synchronous finishes without suspending, so a
+                # pending cancellation cannot interrupt it.
+                await aclose()
         if self.background is not None:
             await self.background()
 

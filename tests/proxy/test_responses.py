@@ -331,6 +331,27 @@ async def test_a_foreground_stream_disconnect_writes_an_abort(app: Starlette,
     assert rid not in peer.finished
 
 
+def test_a_foreground_stream_that_loses_the_daemon_ends_failed(live: LiveProxy,
+                                                               peer: StorePeer) -> None:
+    """Headers and some text are out when the daemon goes: the stream ends with an error event
+    and `response.failed`, in sequence."""
+    body = {"input": "hi", "max_output_tokens": 2000, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/responses", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        chunks = r.iter_bytes()
+        raw = next(chunks)
+        peer.wait_for(lambda p: bool(p.submits) and p.produced(p.submits[0].rid) >= 2)
+        peer.stop()
+        raw += b"".join(chunks)
+    events = sse_events(raw)
+    types = [e["type"] for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" in types
+    assert types[-2:] == ["error", "response.failed"], types[-4:]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert "daemon" in events[-1]["response"]["error"]["message"]
+
+
 # --- background -----------------------------------------------------------------------------
 
 
