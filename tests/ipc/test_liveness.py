@@ -21,13 +21,16 @@ from ipc.records import (
     PROTOCOL_VERSION,
     SILENCE_TIMEOUT_S,
     Delta,
+    Heartbeat,
     Hello,
     RequestKind,
     SamplingParams,
     Submit,
+    ToDaemon,
     ToProxy,
     Welcome,
 )
+from tests.support.clock import StepClock
 
 REPO = Path(__file__).resolve().parents[2]
 FORK = multiprocessing.get_context("fork")
@@ -168,6 +171,37 @@ def test_a_proxy_stalled_past_the_bound_reads_before_it_judges(
             _kill(daemon)
 
     asyncio.run(main())
+
+
+def test_a_stop_between_an_empty_read_and_the_clock_is_not_silence(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon stopped (SIGSTOP) just after a read found the control pipe empty wakes to
+    heartbeats waiting in it: that is not silence, however long the stop."""
+    clock = StepClock()
+    pipes = DaemonPipes(tmp_path, clock=clock, heartbeat_timeout=3.0)
+    control = os.open(tmp_path / "control", os.O_WRONLY | os.O_NONBLOCK)
+    os.write(control, encode_control(Hello(PROTOCOL_VERSION, 1, 1)))
+    assert [type(r) for r in pipes.read_control()] == [Hello]
+    read = pipes._control.read
+
+    def read_then_stopped() -> tuple[list[ToDaemon], bool]:
+        got = read()
+        clock.advance(5.0)  # the stop: the proxy goes on heartbeating meanwhile
+        os.write(control, encode_control(Heartbeat(1, clock())))
+        return got
+
+    monkeypatch.setattr(pipes._control, "read", read_then_stopped)
+    assert pipes.read_control() == []
+    assert pipes.take_lost() is None
+    monkeypatch.undo()
+    assert [type(r) for r in pipes.read_control()] == [Heartbeat]
+    clock.advance(2.99)  # the bound itself still holds, counted from the heartbeat's read
+    assert pipes.read_control() == [] and pipes.take_lost() is None
+    clock.advance(0.02)
+    assert pipes.read_control() == []
+    assert "no heartbeat from the proxy for 3 s" in (pipes.take_lost() or "")
+    os.close(control)
+    pipes.close()
 
 
 def test_a_long_forward_pass_is_not_silence(tmp_path: Path) -> None:

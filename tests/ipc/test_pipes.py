@@ -1,18 +1,17 @@
-"""ipc.pipes on real FIFOs: creation and permissions, both directions between real processes,
-several concurrent control writers, corrupt input, backlog bound and systemd-inherited fds."""
+"""ipc.pipes on real FIFOs: both directions between real processes, several concurrent control
+writers, corrupt input, backlog bound and systemd-inherited fds. (Creation and permissions:
+test_fifo.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import errno
 import fcntl
-import grp
 import multiprocessing
 import multiprocessing.synchronize
 import os
 import random
 import select
-import stat
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 
 from ipc import daemon_side
 from ipc.framing import encode, encode_control
-from ipc.pipes import DaemonPipes, DaemonUnavailable, PipeError, ProxyPipes, ensure_fifos
+from ipc.pipes import DaemonPipes, DaemonUnavailable, ProxyPipes, ensure_fifos
 from ipc.records import (
     PROTOCOL_VERSION,
     Abort,
@@ -28,7 +27,6 @@ from ipc.records import (
     Delta,
     Finish,
     FinishReason,
-    Heartbeat,
     Hello,
     RequestKind,
     SamplingParams,
@@ -37,13 +35,10 @@ from ipc.records import (
     Usage,
     Welcome,
 )
+from tests.support.clock import StepClock
 from tests.support.wait import wait_until
 
 FORK = multiprocessing.get_context("fork")
-
-
-def _mode(path: Path) -> int:
-    return stat.S_IMODE(os.lstat(path).st_mode)
 
 
 def _submit(rid: str, prompt: str = "hello") -> Submit:
@@ -58,66 +53,6 @@ def _drain(pipes: DaemonPipes, until: float, want: int) -> list[ToDaemon]:
         got += pipes.read_control()
         got += pipes.read_requests()
     return got
-
-
-# -- ensure_fifos ------------------------------------------------------------------------------
-
-
-def test_ensure_fifos_creates_owner_only_fifos(tmp_path: Path) -> None:
-    paths = ensure_fifos(tmp_path / "run")
-    assert set(paths) == {"requests", "control", "tokens"}
-    assert _mode(tmp_path / "run") == 0o700
-    for path in paths.values():
-        assert stat.S_ISFIFO(os.lstat(path).st_mode)
-        assert _mode(path) == 0o600
-    assert ensure_fifos(tmp_path / "run") == paths  # idempotent
-
-
-def test_ensure_fifos_with_group_by_name_or_gid(tmp_path: Path) -> None:
-    gid = os.getgid()
-    for group in (grp.getgrgid(gid).gr_name, str(gid)):
-        run = tmp_path / group
-        for path in ensure_fifos(run, group).values():
-            assert _mode(path) == 0o660
-            assert os.lstat(path).st_gid == gid
-        assert _mode(run) == 0o750
-
-
-def test_ensure_fifos_refuses_an_unknown_group(tmp_path: Path) -> None:
-    with pytest.raises(PipeError, match="no-such-group-xyz"):
-        ensure_fifos(tmp_path / "run", "no-such-group-xyz")
-
-
-def test_ensure_fifos_refuses_a_regular_file_in_place(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "control").write_text("not a pipe")
-    with pytest.raises(PipeError, match=r"run/control: exists but is a regular file"):
-        ensure_fifos(run)
-
-
-def test_ensure_fifos_refuses_a_symlinked_dir(tmp_path: Path) -> None:
-    (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "run").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(PipeError, match="is a symlink, not a directory"):
-        ensure_fifos(tmp_path / "run")
-
-
-def test_ensure_fifos_fixes_a_loose_mode_on_our_own_fifo(tmp_path: Path) -> None:
-    paths = ensure_fifos(tmp_path / "run")
-    os.chmod(paths["tokens"], 0o666)
-    os.chmod(tmp_path / "run", 0o777)
-    ensure_fifos(tmp_path / "run")
-    assert _mode(paths["tokens"]) == 0o600
-    assert _mode(tmp_path / "run") == 0o700
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a FIFO to another user")
-def test_ensure_fifos_refuses_another_users_fifo(tmp_path: Path) -> None:
-    paths = ensure_fifos(tmp_path / "run")
-    os.chown(paths["requests"], 65534, -1)
-    with pytest.raises(PipeError, match=r"run/requests: owned by uid 65534"):
-        ensure_fifos(tmp_path / "run")
 
 
 # -- proxy (child process) <-> daemon (this process) ------------------------------------------
@@ -257,19 +192,6 @@ def test_corrupt_bytes_are_counted_and_neighbours_survive(tmp_path: Path) -> Non
     pipes.close()
 
 
-class StepClock:
-    """A clock that moves only when told."""
-
-    def __init__(self) -> None:
-        self.now = time.monotonic()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def test_tokens_backlog_is_bounded(tmp_path: Path) -> None:
     clock = StepClock()
     pipes = DaemonPipes(tmp_path, clock=clock)
@@ -301,37 +223,6 @@ def test_tokens_backlog_is_bounded(tmp_path: Path) -> None:
     pipes.send([])
     assert "took nothing" in (pipes.take_lost() or "")
     os.close(reader)
-    os.close(control)
-    pipes.close()
-
-
-def test_a_stop_between_an_empty_read_and_the_clock_is_not_silence(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A daemon stopped (SIGSTOP) just after a read found the control pipe empty wakes to
-    heartbeats waiting in it: that is not silence, however long the stop."""
-    clock = StepClock()
-    pipes = DaemonPipes(tmp_path, clock=clock, heartbeat_timeout=3.0)
-    control = os.open(tmp_path / "control", os.O_WRONLY | os.O_NONBLOCK)
-    os.write(control, encode_control(Hello(PROTOCOL_VERSION, 1, 1)))
-    assert isinstance(_drain(pipes, time.monotonic() + 1, 1)[0], Hello)
-    read = pipes._control.read
-
-    def read_then_stopped() -> tuple[list[ToDaemon], bool]:
-        got = read()
-        clock.advance(5.0)  # the stop: the proxy goes on heartbeating meanwhile
-        os.write(control, encode_control(Heartbeat(1, clock())))
-        return got
-
-    monkeypatch.setattr(pipes._control, "read", read_then_stopped)
-    assert pipes.read_control() == []
-    assert pipes.take_lost() is None
-    monkeypatch.undo()
-    assert [type(r) for r in pipes.read_control()] == [Heartbeat]
-    clock.advance(2.99)  # the bound itself still holds, counted from the heartbeat's read
-    assert pipes.read_control() == [] and pipes.take_lost() is None
-    clock.advance(0.02)
-    assert pipes.read_control() == []
-    assert "no heartbeat from the proxy for 3 s" in (pipes.take_lost() or "")
     os.close(control)
     pipes.close()
 
