@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import socket
 import statistics
 import time
 from collections.abc import Iterator
@@ -55,6 +56,18 @@ def new_messages(server: Server, which: str, mark: int, prefix: str) -> list[str
     return [x["msg"] for x in server.log_lines(which)[mark:] if x["msg"].startswith(prefix)]
 
 
+def log_marks(server: Server) -> dict[str, int]:
+    return {which: len(server.log_lines(which)) for which in ("daemon", "proxy")}
+
+
+def long_stream(server: Server, prefix: str) -> tuple[str, socket.socket]:
+    """A stream that outlasts the silence bound, with its first events read."""
+    rid = new_rid(prefix)
+    sock = post_raw(server, "/v1/completions", {"prompt": "go on", "stream": True, **LONG}, rid)
+    read_events(sock, 3)
+    return rid, sock
+
+
 def check_intervals(stamps: list[float], every: float) -> None:
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     assert len(gaps) >= SAMPLE_S / every / 2, stamps
@@ -63,7 +76,7 @@ def check_intervals(stamps: list[float], every: float) -> None:
 
 
 def test_an_idle_healthy_pair_stays_connected_for_twice_the_bound(pair: Server) -> None:
-    marks = {which: len(pair.log_lines(which)) for which in ("daemon", "proxy")}
+    marks = log_marks(pair)
     start = time.monotonic()
     while time.monotonic() - start < 2 * SILENCE_S + 0.5:
         assert pair.health() == 200
@@ -74,11 +87,8 @@ def test_an_idle_healthy_pair_stays_connected_for_twice_the_bound(pair: Server) 
 
 
 def test_a_hung_daemon_is_lost_after_the_bound_and_its_epoch_evicted(pair: Server) -> None:
-    before = pair.metrics()
-    marks = {which: len(pair.log_lines(which)) for which in ("daemon", "proxy")}
-    rid = new_rid("hung-daemon")
-    sock = post_raw(pair, "/v1/completions", {"prompt": "go on", "stream": True, **LONG}, rid)
-    read_events(sock, 3)
+    before, marks = pair.metrics(), log_marks(pair)
+    rid, sock = long_stream(pair, "hung-daemon")
     sock.settimeout(SILENCE_S + LATE_S + 5)
     stopped_at = pair.signal("daemon", signal.SIGSTOP)
     try:
@@ -109,11 +119,8 @@ def test_a_hung_daemon_is_lost_after_the_bound_and_its_epoch_evicted(pair: Serve
 
 
 def test_a_hung_proxy_is_lost_after_the_bound(pair: Server) -> None:
-    before = pair.metrics()
-    marks = {which: len(pair.log_lines(which)) for which in ("daemon", "proxy")}
-    rid = new_rid("hung-proxy")
-    sock = post_raw(pair, "/v1/completions", {"prompt": "go on", "stream": True, **LONG}, rid)
-    read_events(sock, 3)
+    before, marks = pair.metrics(), log_marks(pair)
+    rid, sock = long_stream(pair, "hung-proxy")
     sock.settimeout(30)
     stopped_at = pair.signal("proxy", signal.SIGSTOP)
     try:
