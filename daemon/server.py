@@ -1,4 +1,4 @@
-"""`tether daemon`: load the model, open the pipes, run the tick loop until SIGTERM.
+"""The daemon's tick loop around one engine and one set of pipes.
 
 One thread does everything, in this order each tick: control records (aborts first, so an abort
 read now is applied before the next forward pass) -> new requests -> one engine step -> send
@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import socket
 import time
 from collections.abc import Callable
-from types import FrameType
-from typing import TYPE_CHECKING
 
-from daemon.engine import Engine, Runner
+from daemon.engine.core import Engine
 from daemon.epochs import EpochCounter
-from daemon.store import ResponseStore, StoreError
-from daemon.tokenizer import Tokenizer
-from ipc.pipes import DaemonPipes, PipeError, inherited_fifos
+from daemon.responses.store import ResponseStore
+from ipc.pipes import DaemonPipes
 from ipc.records import (
     PROTOCOL_VERSION,
     Abort,
@@ -45,10 +40,6 @@ from ipc.records import (
     Welcome,
     version_mismatch,
 )
-from tether.settings import Settings
-
-if TYPE_CHECKING:
-    from daemon.parallel import Ranks
 
 log = logging.getLogger("tether.daemon")
 
@@ -278,117 +269,3 @@ class DaemonServer:
                 and self.clock() < deadline:
             self.pipes.wait_readable(0.01)
         log.info("stopped")
-
-
-def run(settings: Settings, notify: Notify | None = None) -> int:
-    """Entry point of `tether daemon`; returns the process exit code."""
-    t0 = time.monotonic()
-    try:
-        built, ranks = _build_runner(settings)
-    except ValueError as e:
-        log.error("cannot load model %s: %s", settings.model, e)
-        return 1
-    try:
-        return _serve(settings, built, ranks, notify, t0)
-    finally:
-        if ranks is not None:
-            ranks.close()
-
-
-def _serve(settings: Settings, built: Built, ranks: Ranks | None, notify: Notify | None,
-           t0: float) -> int:
-    runner, tokenizer, name, max_model_len = built
-    try:
-        store = ResponseStore(settings.state_url or settings.state_dir / "responses.sqlite3",
-                              settings.response_store_max, settings.response_store_max_age_s,
-                              replica_id=replica_id(settings), lease_s=settings.replica_lease_s)
-    except (StoreError, ValueError) as e:
-        log.error("%s", e)
-        return 1
-    try:
-        pipes = DaemonPipes(settings.runtime_dir, settings.pipe_group, inherited_fifos())
-    except (PipeError, ValueError) as e:
-        log.error("%s", e)
-        store.close()
-        return 1
-    crashed = store.cleanup_crashed()
-    if crashed:
-        log.warning("ended %d responses left unfinished by a previous run", crashed)
-    store.start_watching()
-    try:
-        engine = Engine(runner, tokenizer, store, settings.max_num_seqs,
-                        settings.max_tokens_per_tick, max_model_len, name,
-                        prefix_caching=settings.prefix_caching)
-    except ValueError as e:
-        log.error("%s", e)
-        pipes.close()
-        store.close()
-        return 1
-    size = settings.tensor_parallel_size
-    log.info("model %s loaded in %.1f s; %d KV blocks of %d tokens%s; prefix caching %s; "
-             "pipes in %s", name, time.monotonic() - t0, runner.num_blocks, runner.block_size,
-             f" on each of {size} tensor-parallel ranks" if size > 1 else "",
-             "on" if settings.prefix_caching else "off", settings.runtime_dir)
-    epoch_file = settings.runtime_dir / "epoch" if settings.runtime_dir.is_dir() else None
-    server = DaemonServer(engine, pipes, store, settings.drain_timeout_s, notify,
-                          epochs=EpochCounter(epoch_file), tensor_parallel_size=size)
-    if ranks is not None:
-        ranks.watch(server.fail)
-    previous = _install_signals(server)
-    try:
-        return server.serve()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        pipes.close()
-        store.close()
-
-
-def replica_id(settings: Settings) -> str:
-    """``--replica-id``, or host:port: unique per pair, and the same across its restarts."""
-    return settings.replica_id or f"{socket.gethostname()}:{settings.port}"
-
-
-Built = tuple[Runner, Tokenizer, str, int]  # runner, tokenizer, model name, max model length
-
-
-def _build_runner(settings: Settings) -> tuple[Built, Ranks | None]:
-    """The runner and what the engine needs of the model, and the tensor-parallel ranks when
-    there are several; ValueError naming what is wrong."""
-    if settings.model.startswith("sim:"):
-        from daemon import sim
-
-        tick_s = sim.parse_spec(settings.model)
-        if settings.kv_cache_mib:
-            raise ValueError("--kv-cache-mib sizes real KV tensors; a sim: model has none, "
-                             "give it --kv-cache-blocks")
-        if settings.tensor_parallel_size > 1:
-            raise ValueError("a sim: model has no weights to split; --tensor-parallel-size "
-                             "must be 1")
-        tokenizer = sim.SimTokenizer()
-        return (sim.SimRunner(tokenizer, settings.kv_cache_blocks, tick_s), tokenizer,
-                settings.model, sim.SIM_MAX_MODEL_LEN), None
-    from daemon.config import ConfigError
-    from daemon.loader import ModelLoadError
-    from daemon.parallel import StartError
-    from daemon.parallel_runner import load_runner
-
-    # Threads: a core left to the proxy and the kernel keeps ticks short when everything shares
-    # a small machine (on 2 cores, 1 thread halved the mean abort latency: docs/benchmarks.md),
-    # and what remains is shared out between the tensor-parallel ranks (load_runner).
-    try:
-        loaded, runner, ranks = load_runner(settings)
-    except (ModelLoadError, ConfigError, StartError, OSError) as e:
-        raise ValueError(str(e)) from e
-    log.info("forward pass on %s kernels", loaded.kernels)
-    return (runner, loaded.tokenizer, loaded.name, loaded.max_model_len), ranks
-
-
-def _install_signals(server: DaemonServer) -> dict[int, Callable[..., object] | int | None]:
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        server.request_stop(force=server.stop_deadline is not None)
-
-    previous: dict[int, Callable[..., object] | int | None] = {}
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        previous[signum] = signal.signal(signum, on_signal)
-    return previous

@@ -3,7 +3,7 @@ reference, per layer call, at several batch sizes and context lengths.
 
     python loadtest/bench_attention.py [--device cpu|cuda] [--streams 1 64] [--contexts 256 1024 2048]
 
-On CPU the kernel is daemon/kernels/cpu_kernels.c, on CUDA the Triton kernel. Shapes: tiny
+On CPU the kernel is daemon/model/kernels/cpu_kernels.c, on CUDA the Triton kernel. Shapes: tiny
 (builtin:tiny's 4 heads, 2 KV heads, head_dim 64) and 8b (32 heads, 8 KV heads, 128). Blocks are
 scattered over the pool as a long-running server leaves them. Reports ms per call and the K/V
 bytes read per second; writes attention.json under results/bench-attention-<timestamp>/.
@@ -20,7 +20,7 @@ from typing import Any
 import common
 import torch
 
-from daemon.attention import AttentionMetadata, PagedAttention
+from daemon.model.attention import AttentionMetadata, PagedAttention
 
 SHAPES = {"tiny": (4, 2, 64), "8b": (32, 8, 128)}
 BLOCK = 16
@@ -43,11 +43,11 @@ def setup(streams: int, context: int, shape: str, dtype: torch.dtype, device: st
 
 def kernel_for(device: str) -> tuple[str, PagedAttention]:
     if device == "cuda":
-        from daemon.kernels.triton_attention import TritonPagedAttention
+        from daemon.model.kernels.triton_attention import TritonPagedAttention
 
         return "triton", TritonPagedAttention()
-    from daemon.kernels import cpu
-    from daemon.kernels.cpu_modules import CpuPagedAttention
+    from daemon.model.kernels import cpu
+    from daemon.model.kernels.cpu_modules import CpuPagedAttention
 
     lib = cpu.load()
     if lib is None:

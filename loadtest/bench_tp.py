@@ -57,7 +57,7 @@ def generate(engine: Any, jobs: int, prompt_len: int, gen_len: int, tag: str) ->
 
 def tick_figures(runner: Any, before: list[Any], wall_s: float, ticks: int) -> dict[str, Any]:
     """Per forward pass over one phase: wall time and, per rank, time in collectives."""
-    from daemon.parallel_runner import DriverRunner
+    from daemon.model.parallel.runner import DriverRunner
 
     out: dict[str, Any] = {"tick_ms": 1e3 * wall_s / ticks}
     if not isinstance(runner, DriverRunner):
@@ -75,8 +75,8 @@ def tick_figures(runner: Any, before: list[Any], wall_s: float, ticks: int) -> d
 def one_config(spec: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from daemon.engine import Engine
-    from daemon.parallel_runner import DriverRunner, load_runner
+    from daemon.engine.core import Engine
+    from daemon.model.parallel.runner import DriverRunner, load_runner
     from tether.settings import Settings
 
     settings = Settings(model=spec, device=args.device, dtype=args.dtype, threads=args.threads,

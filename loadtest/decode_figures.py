@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from daemon.config import ModelConfig
-from daemon.loader import LoadedModel, load_model
-from daemon.runner import ModelRunner
-from daemon.scheduler import ScheduledChunk
+from daemon.model.batch import ScheduledChunk
+from daemon.model.config import ModelConfig
+from daemon.model.loader import LoadedModel, load_model
+from daemon.model.runner import ModelRunner
 
 BLOCK = 16
 

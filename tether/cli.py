@@ -71,7 +71,7 @@ def _serve(s: Settings, args: argparse.Namespace) -> int | None:
 
 
 def _daemon(s: Settings, args: argparse.Namespace) -> int | None:
-    from daemon import server
+    from daemon import main as server
 
     return server.run(s, notify=sdnotify.notify)
 

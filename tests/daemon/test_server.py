@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine import Engine
+from daemon.engine.core import Engine
+from daemon.model.tokenizer import ByteTokenizer
+from daemon.responses.store import ResponseStore
 from daemon.server import DaemonServer
-from daemon.store import ResponseStore
-from daemon.tokenizer import ByteTokenizer
 from ipc.framing import FrameDecoder, encode, encode_control
 from ipc.pipes import DaemonPipes, ensure_fifos
 from ipc.records import (
@@ -296,7 +296,7 @@ def test_run_loads_the_model_and_exits_0_on_sigterm(tmp_path: Path):
 
     listener = NotifyListener()
     code = ("import sys, logging; from pathlib import Path; logging.basicConfig(); "
-            "from daemon.server import run; from tether.settings import Settings; "
+            "from daemon.main import run; from tether.settings import Settings; "
             "from tether.sdnotify import notify; "
             f"sys.exit(run(Settings(runtime_dir=Path({str(tmp_path / 'run')!r}), "
             f"state_dir=Path({str(tmp_path / 'state')!r}), kv_cache_blocks=64, "

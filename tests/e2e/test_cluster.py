@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from daemon.store_watch import OWNER_LOST_MESSAGE
+from daemon.responses.watcher import OWNER_LOST_MESSAGE
 from tests.support.cluster import MODEL, RoutedCluster
 from tests.support.metrics import m
 from tests.support.pair import CHAT, LONG, check_abort_figures, wait_aborts

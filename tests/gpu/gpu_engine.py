@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from daemon.engine import Engine
-from daemon.loader import LoadedModel, load_model
-from daemon.parallel_runner import make_runner
-from daemon.runner import ModelRunner
+from daemon.engine.core import Engine
+from daemon.model.loader import LoadedModel, load_model
+from daemon.model.parallel.runner import make_runner
+from daemon.model.runner import ModelRunner
 from ipc.records import Admitted, Delta, RequestKind, SamplingParams, Submit
 from tether.settings import Settings
 
@@ -124,7 +124,7 @@ def export_builtin(case: Case) -> Any:
     """transformers' Llama holding the built-in model's weights (cut from the same seed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from daemon.loader import _sources
+    from daemon.model.loader import _sources
 
     ours = load_model(case.builtin, case.device, case.dtype, kernels="torch")
     cfg = ours.config

@@ -2,7 +2,7 @@
 
     python tests/gpu/tp_check.py [--tensor-parallel-size 2] [--skip-bench]
 
-1. parity: tests/daemon/test_parallel_runner.py on CUDA: TP=N logits within 1e-4 of one GPU
+1. parity: tests/daemon/model/parallel/test_runner.py on CUDA: TP=N logits within 1e-4 of one GPU
    (float32) and greedy tokens identical, for builtin:tiny and an HF checkpoint made on the
    spot, with chunked prefill, preemption, n > 1 and an abort mid-decode;
 2. benchmark: loadtest/bench_tp.py --device cuda --dtype bfloat16: tokens/s at TP=1 and TP=N
@@ -38,7 +38,7 @@ def main() -> int:
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                           if p))
     steps = [[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-              "tests/daemon/test_parallel_runner.py"]]
+              "tests/daemon/model/parallel/test_runner.py"]]
     if not args.skip_bench:
         steps.append([sys.executable, "loadtest/bench_tp.py", "--tensor-parallel-size",
                       str(size), "--device", "cuda", "--dtype", "bfloat16", "--threads", "4"])

@@ -23,7 +23,7 @@ from pydantic import TypeAdapter
 from starlette.applications import Starlette
 from starlette.types import Message
 
-from daemon.store import ResponseStore
+from daemon.responses.store import ResponseStore
 from ipc.records import (
     AbortCause,
     Error,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from daemon.engine import Engine
-from daemon.store import ResponseStore
-from daemon.tokenizer import ByteTokenizer
+from daemon.engine.core import Engine
+from daemon.model.tokenizer import ByteTokenizer
+from daemon.responses.store import ResponseStore
 from ipc.records import Delta, Finish, RequestKind, SamplingParams, Submit, ToProxy
 from tests.support.fake_runner import FakeRunner, Script
 

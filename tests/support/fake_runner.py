@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from daemon.scheduler import ScheduledChunk
+from daemon.model.batch import ScheduledChunk
 
 SPECIAL_IDS = 256  # the byte tokenizer: ids 0..255 are bytes, the rest are special
 

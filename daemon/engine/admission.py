@@ -1,0 +1,173 @@
+"""Turning a Submit into sequences: render the prompt, check the limits, or reject it.
+
+Every rejection is an `Error` record naming the request field and the limit, so the proxy can
+answer the client without knowing anything about tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+from daemon.engine.block_manager import BlockManager
+from daemon.engine.sampler import seed_for
+from daemon.engine.sequence import Detokenizer, Sequence
+from daemon.engine.stops import StopMatcher
+from daemon.model.tokenizer import Tokenizer
+from ipc.records import AbortCause, Error, Message, RequestKind, Submit
+
+
+class Conversations(Protocol):
+    """The part of the response store that renders a Responses-API turn."""
+
+    def conversation(self, submit: Submit) -> list[Message] | None: ...
+
+
+class Rejected(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def to_error(self, rid: str) -> Error:
+        return Error(rid=rid, message=self.message, status=self.status, param=self.param,
+                     code=self.code)
+
+
+def num_sequences(submit: Submit) -> int:
+    if submit.kind is RequestKind.COMPLETION:
+        return len(submit.prompts) * submit.n
+    return submit.n
+
+
+def render_prompts(submit: Submit, tokenizer: Tokenizer,
+                   store: Conversations | None) -> list[list[int]]:
+    """Token ids of each distinct prompt (one for chat and responses)."""
+    if submit.kind is RequestKind.COMPLETION:
+        if not submit.prompts:
+            raise Rejected("prompt must not be empty", param="prompt")
+        prompts = [tokenizer.encode(t) if t else [] for t in submit.prompts]
+    else:
+        if submit.kind is RequestKind.CHAT:
+            if not submit.messages:
+                raise Rejected("messages must contain at least one message", param="messages")
+            text = _chat_text(tokenizer, submit.messages)
+        else:
+            text = _chat_text(tokenizer, _response_messages(submit, store))
+        # The template writes its own special tokens (BOS included).
+        prompts = [tokenizer.encode(text, add_special_tokens=False)]
+    if any(not ids for ids in prompts):
+        raise Rejected("prompt must not be empty", param="prompt")
+    return prompts
+
+
+def _response_messages(submit: Submit, store: Conversations | None) -> list[Message]:
+    fields = submit.response
+    if store is None or fields is None:
+        raise Rejected("the Responses API needs the response store", status=500)
+    try:
+        messages = store.conversation(submit)
+    except ValueError as e:
+        raise Rejected(str(e), param="input") from None
+    if messages is None:
+        prev = fields.previous_response_id
+        raise Rejected(f"Previous response with id '{prev}' not found.", status=404,
+                       param="previous_response_id", code="previous_response_not_found")
+    if not any(m.role != "system" for m in messages):
+        raise Rejected("input must not be empty", param="input")
+    return messages
+
+
+def _chat_text(tokenizer: Tokenizer, messages: list[Message]) -> str:
+    rows = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(rows, add_generation_prompt=True)
+    except Exception as e:  # a template may raise anything (jinja2's raise_exception, ...)
+        raise Rejected(f"messages cannot be rendered by the chat template: {e}",
+                       param="messages") from None
+
+
+def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
+                 max_num_seqs: int, block_manager: BlockManager, vocab_size: int) -> None:
+    bad = [t for t in submit.sampling.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise Rejected(f"stop_token_ids {bad} are outside the vocabulary (0..{vocab_size - 1})",
+                       param="stop_token_ids")
+    if submit.n > max_num_seqs:
+        raise Rejected(f"n ({submit.n}) exceeds the server's limit of {max_num_seqs}",
+                       param="n")
+    max_tokens = submit.sampling.max_tokens
+    param = "max_output_tokens" if submit.kind is RequestKind.RESPONSE else "max_tokens"
+    longest = max(len(p) for p in prompts)
+    if longest + max_tokens > max_model_len:
+        room = max_model_len - longest
+        advice = (f"reduce {param} to at most {room}" if room > 0
+                  else "shorten the prompt")
+        raise Rejected(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+            f"has {longest} tokens and {param} is {max_tokens} ({longest + max_tokens} in "
+            f"total); {advice}", param=param, code="context_length_exceeded")
+    # One sequence and its forked siblings' copied blocks must fit, or it could never run.
+    need = (block_manager.num_blocks_for(longest + max_tokens)
+            + block_manager.fork_cost(longest) * (submit.n - 1))
+    if need > block_manager.num_total:
+        cap = block_manager.num_total * block_manager.block_size
+        raise Rejected(f"the prompt ({longest} tokens) plus {param} ({max_tokens}) with n="
+                       f"{submit.n} exceeds the KV cache capacity of {cap} tokens",
+                       param=param)
+
+
+def build_sequences(submit: Submit, prompts: list[list[int]],
+                    make_detok: Callable[[list[int]], Detokenizer]) -> list[Sequence]:
+    """All sequences in index order; sample 0 of each prompt carries its siblings to fork."""
+    params = submit.sampling
+    seqs: list[Sequence] = []
+    for p, ids in enumerate(prompts):
+        group = [
+            Sequence(rid=submit.rid, index=p * submit.n + s, token_ids=list(ids), params=params,
+                     detok=make_detok(ids), stops=StopMatcher(params.stop),
+                     seed=None if params.seed is None else seed_for(params.seed, s))
+            for s in range(submit.n)
+        ]
+        group[0].fork_children = group[1:]
+        seqs.extend(group)
+    return seqs
+
+
+class Tombstones:
+    """Rids aborted before their Submit arrived: bounded in number and in age, and each used
+    once (the Submit it was waiting for takes it away)."""
+
+    def __init__(self, max_size: int = 65536, ttl_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_size = max_size
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[float, AbortCause, float | None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, rid: str, cause: AbortCause, t_disconnect: float | None = None) -> None:
+        self._entries[rid] = (self._clock() + self.ttl_s, cause, t_disconnect)
+        self._entries.move_to_end(rid)
+        self._expire()
+
+    def pop(self, rid: str) -> tuple[AbortCause, float | None] | None:
+        """The abort waiting for this rid (its cause and disconnect time), removed."""
+        self._expire()
+        entry = self._entries.pop(rid, None)
+        return None if entry is None else (entry[1], entry[2])
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._entries:
+            rid, (expiry, _, _) = next(iter(self._entries.items()))
+            if expiry > now and len(self._entries) <= self.max_size:
+                return
+            del self._entries[rid]

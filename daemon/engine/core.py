@@ -1,0 +1,386 @@
+"""The engine: sessions in, Delta/Finish records out. No I/O; the server drives it.
+
+A tick is: schedule -> forward -> sample -> detokenize -> emit. Aborts are applied by the caller
+between ticks (`abort` evicts at once), so no forward pass that starts after an abort was read
+includes the aborted session.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from daemon.engine.admission import (
+    Rejected,
+    Tombstones,
+    build_sequences,
+    check_limits,
+    num_sequences,
+    render_prompts,
+)
+from daemon.engine.block_manager import BlockManager
+from daemon.engine.sampler import Sampler, sampled_logprobs
+from daemon.engine.scheduler import Scheduler
+from daemon.engine.sequence import Detokenizer, Sequence, Session
+from daemon.model.batch import ScheduledChunk
+from daemon.model.tokenizer import Tokenizer
+from daemon.responses.guard import GuardedStore, Store
+from ipc.records import (
+    AbortCause,
+    Admitted,
+    Delta,
+    Finish,
+    FinishReason,
+    RequestKind,
+    Stats,
+    Submit,
+    TokenLogprob,
+    ToProxy,
+    Usage,
+)
+
+request_log = logging.getLogger("tether.requests")
+
+# Tick start times kept for tests and for abort latency in ticks.
+TICK_LOG_SIZE = 4096
+# An aborted request's log line carries its newest ticks: enough to show any tick that started
+# after the client left, and one from before.
+LOGGED_TICKS = 4
+
+
+class Runner(Protocol):
+    block_size: int
+    num_blocks: int
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
+    def copy_block(self, src: int, dst: int) -> None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class TickRecord:
+    tick: int
+    start: float
+    rids: frozenset[str]
+
+
+def _default_detokenizer(tokenizer: Tokenizer) -> Callable[[list[int]], Detokenizer]:
+    from daemon.model.tokenizer import IncrementalDetokenizer
+
+    return lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids)
+
+
+class Engine:
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, store: Store | None,
+                 max_num_seqs: int, max_tokens_per_tick: int, max_model_len: int,
+                 model_name: str, *, make_detokenizer: Callable[[list[int]], Detokenizer] | None = None,
+                 clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        # Every store call goes through the guard: a failing store costs one session at most.
+        self.store = GuardedStore(store) if store is not None else None
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self.clock = clock
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
+                                          enable_caching=prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_tokens_per_tick,
+                                   runner.copy_block)
+        self.sampler = Sampler(tokenizer.eos_token_ids)
+        self._eos = frozenset(tokenizer.eos_token_ids)
+        self._make_detok = make_detokenizer or _default_detokenizer(tokenizer)
+        self.sessions: dict[str, Session] = {}
+        self.tombstones = Tombstones(clock=clock)
+        self.tick_log: deque[TickRecord] = deque(maxlen=TICK_LOG_SIZE)
+        self.num_ticks = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_tokens_after_disconnect = 0
+        self.aborts: Counter[str] = Counter()
+        self.finished: Counter[str] = Counter()
+        self._latency_obs: list[float] = []
+        self._latency_ticks_obs: list[int] = []
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def is_running(self, rid: str) -> bool:
+        return rid in self.sessions
+
+    # --- admission ------------------------------------------------------------------------------
+
+    def submit(self, rec: Submit) -> list[ToProxy]:
+        """Admit a request: [Admitted], or its refusal (an Error, or Finishes if it was aborted
+        before it arrived)."""
+        tombstone = self.tombstones.pop(rec.rid)
+        if tombstone is not None:
+            return self.refuse(rec, *tombstone)
+        if rec.rid in self.sessions:
+            return [Rejected(f"request id {rec.rid!r} is already running", status=409)
+                    .to_error(rec.rid)]
+        try:
+            prompts = render_prompts(rec, self.tokenizer, self.store)
+            check_limits(rec, prompts, self.max_model_len, self.max_num_seqs,
+                         self.block_manager, self.tokenizer.vocab_size)
+            session = self._open_session(rec, prompts)
+        except Rejected as e:
+            return [e.to_error(rec.rid)]
+        self.sessions[rec.rid] = session
+        for seq in session.sequences:
+            if seq.index % rec.n == 0:
+                self.scheduler.add(seq)
+        return [Admitted(rec.rid)]
+
+    def refuse(self, rec: Submit, cause: AbortCause,
+               t_disconnect: float | None = None) -> list[ToProxy]:
+        """A request ended before it was admitted (aborted while still in the pipe, or sent
+        under a stale epoch): counted and logged like any other abort."""
+        self.aborts[cause.value] += 1
+        self.finished[FinishReason.ABORT.value] += 1
+        fields: dict[str, Any] = {"rid": rec.rid, "kind": rec.kind.value, "n": rec.n,
+                                  "finish_reason": FinishReason.ABORT.value,
+                                  "cause": cause.value, "admitted": False}
+        if rec.client_id is not None:
+            fields["client_id"] = rec.client_id
+        if t_disconnect is not None:
+            latency = self.clock() - t_disconnect
+            self._latency_obs.append(latency)
+            self._latency_ticks_obs.append(self._ticks_since(t_disconnect))
+            fields["abort_latency_s"] = round(latency, 6)
+        request_log.info("request %s abort", rec.rid, extra={"fields": fields})
+        return [Finish(rec.rid, i, FinishReason.ABORT, Usage(0, 0), cause=cause)
+                for i in range(num_sequences(rec))]
+
+    def _ticks_since(self, t: float) -> int:
+        return sum(1 for r in self.tick_log if r.start > t)
+
+    def set_paused(self, rid: str, paused: bool) -> None:
+        """Flow control: stop (or resume) scheduling a session; it keeps its blocks."""
+        session = self.sessions.get(rid)
+        if session is not None and session.paused != paused:
+            session.paused = paused
+            self.scheduler.set_paused(session.sequences, paused)
+
+    def _open_session(self, rec: Submit, prompts: list[list[int]]) -> Session:
+        session = Session(rid=rec.rid, epoch=rec.epoch, kind=rec.kind,
+                          sequences=build_sequences(rec, prompts, self._make_detok),
+                          t_arrival=self.clock(), client_id=rec.client_id)
+        fields = rec.response
+        if rec.kind is RequestKind.RESPONSE and fields is not None and self.store is not None:
+            session.background = fields.background
+            if fields.store or fields.background:
+                try:
+                    self.store.begin(rec)
+                except ValueError as e:
+                    raise Rejected(str(e)) from None
+                session.placeholder = True
+                session.queued = fields.background
+        return session
+
+    # --- aborts ---------------------------------------------------------------------------------
+
+    def abort(self, rid: str, cause: AbortCause, t_disconnect: float | None = None,
+              t_read: float | None = None) -> list[Finish]:
+        """End a session now. Idempotent; an unknown rid becomes a tombstone."""
+        session = self.sessions.get(rid)
+        if session is None:
+            self.tombstones.add(rid, cause, t_disconnect)
+            return []
+        session.t_disconnect = t_disconnect
+        return self._evict(session, cause, t_read=t_read)
+
+    def abort_epoch_older_than(self, epoch: int, cause: AbortCause) -> list[Finish]:
+        """Sessions of an earlier proxy (its clients are gone); background ones keep running."""
+        return self._abort_where(lambda s: s.epoch < epoch and not s.background, cause)
+
+    def abort_all(self, cause: AbortCause) -> list[Finish]:
+        """Every session; when only the proxy is lost, background responses keep running."""
+        keep_background = cause is AbortCause.PROXY_LOST
+        return self._abort_where(lambda s: not (keep_background and s.background), cause)
+
+    def fail_all(self, message: str) -> list[Finish]:
+        """The forward pass failed: end every session with an error."""
+        out: list[Finish] = []
+        for session in list(self.sessions.values()):
+            out += self._evict(session, None, error=message)
+        return out
+
+    def _abort_where(self, pred: Callable[[Session], bool], cause: AbortCause) -> list[Finish]:
+        out: list[Finish] = []
+        for session in [s for s in self.sessions.values() if pred(s)]:
+            out += self._evict(session, cause)
+        return out
+
+    def _evict(self, session: Session, cause: AbortCause | None, *, error: str | None = None,
+               t_read: float | None = None) -> list[Finish]:
+        ended = session.evict(self.scheduler, self.store, cause, error)
+        del self.sessions[session.rid]
+        now = self.clock()
+        reason = FinishReason.ERROR if cause is None else FinishReason.ABORT
+        self.finished[reason.value] += 1
+        extra: dict[str, Any] = {}
+        if cause is not None:
+            self.aborts[cause.value] += 1
+            # Monotonic stamps (CLOCK_MONOTONIC is system-wide): a client can set its own
+            # close time against them, and count the tokens sampled after it.
+            extra = {"evicted_at": round(now, 6),
+                     "last_ticks": [[round(t, 6), n] for t, n in session.ticks.tail(LOGGED_TICKS)]}
+        if session.t_disconnect is not None:
+            t = session.t_disconnect
+            ticks, tokens = session.tokens_after(t)
+            self.num_tokens_after_disconnect += tokens
+            self._latency_obs.append(now - t)
+            self._latency_ticks_obs.append(self._ticks_since(t))
+            extra |= {"abort_latency_s": round(now - t, 6), "ticks_after_disconnect": ticks,
+                      "tokens_after_disconnect": tokens}
+            if t_read is not None:
+                extra["abort_read_s"] = round(t_read - t, 6)
+        self._log_end(session, reason, cause, extra)
+        return [Finish(session.rid, s.index, reason, s.usage, cause=cause, message=error)
+                for s in ended]
+
+    # --- one tick -------------------------------------------------------------------------------
+
+    def step(self) -> list[ToProxy]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        t_start = self.clock()
+        self.num_ticks += 1
+        rids = frozenset(s.rid for s in batch.seqs)
+        self.tick_log.append(TickRecord(self.num_ticks, t_start, rids))
+        self.num_prompt_tokens += batch.num_prefill_tokens
+        logits = self.runner.run(batch.chunks)
+        to_sample = self.scheduler.postprocess(batch)
+        seqs = [seq for _, seq in to_sample]
+        sampled: Counter[str] = Counter(seq.rid for seq in seqs)
+        for rid in rids:
+            session = self.sessions[rid]
+            session.ticks.append(t_start, sampled[rid])
+            if session.queued and self.store is not None:
+                session.queued = False
+                self.store.start(rid)
+        if not to_sample:
+            return []
+        rows = [row for row, _ in to_sample]
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = self.sampler(logits, seqs)
+        return self._emit(seqs, tokens, sampled_logprobs(logits, seqs, tokens))
+
+    def _emit(self, seqs: list[Sequence], tokens: list[int],
+              logprobs: list[tuple[float, list[tuple[int, float]]] | None]) -> list[ToProxy]:
+        out: list[ToProxy] = []
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            if lp is not None:
+                seq.pending_logprobs.append(self._token_logprob(token, lp))
+            text, reason = self._append(seq, token)
+            seq.output_text += text
+            # Every sampled id reaches the client once (a stop token's too, though not its text),
+            # so token_ids summed over a stream equal usage.completion_tokens.
+            if text or (reason is not None and seq.pending_token_ids):
+                out.append(Delta(seq.rid, seq.index, text, seq.pending_token_ids,
+                                 seq.pending_logprobs if lp is not None else None))
+                seq.pending_token_ids = []
+                seq.pending_logprobs = []
+            if reason is not None:
+                out += self._finish(seq, reason)
+        self.num_generation_tokens += len(tokens)
+        return out
+
+    def _token_logprob(self, token: int, lp: tuple[float, list[tuple[int, float]]]) -> TokenLogprob:
+        raw = self.tokenizer.token_bytes
+        return TokenLogprob(raw(token), lp[0], [(raw(t), v) for t, v in lp[1]])
+
+    def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
+        """Add a sampled token; return the text it releases and the finish reason, if any."""
+        seq.token_ids.append(token)
+        seq.pending_token_ids.append(token)
+        p = seq.params
+        can_stop = seq.num_generated >= p.min_tokens
+        if can_stop and (token in p.stop_token_ids or (token in self._eos and not p.ignore_eos)):
+            return self._final_text(seq), FinishReason.STOP
+        text = seq.stops.push(seq.detok.push(token), can_stop)
+        if seq.stops.stopped:
+            return text, FinishReason.STOP
+        if seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return text + self._final_text(seq), FinishReason.LENGTH
+        return text, None
+
+    @staticmethod
+    def _final_text(seq: Sequence) -> str:
+        """Text held back by the detokenizer and the stop matcher, at the end of a sequence."""
+        text = seq.stops.push(seq.detok.flush())
+        return text if seq.stops.stopped else text + seq.stops.flush()
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> list[ToProxy]:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        session = self.sessions[seq.rid]
+        error: str | None = None
+        if session.is_finished:
+            del self.sessions[seq.rid]
+            if session.placeholder and self.store is not None:
+                incomplete = ("max_output_tokens" if reason is FinishReason.LENGTH else None)
+                error = self.store.complete(session.rid, session.output_text(), session.usage,
+                                            incomplete_reason=incomplete)
+                session.placeholder = False
+            # Counted per request, like the aborts: a request's reason is its last sequence's.
+            ended = reason if error is None else FinishReason.ERROR
+            self.finished[ended.value] += 1
+            self._log_end(session, ended, None, {} if error is None else {"error": error})
+        if error is not None:  # the client learns that its response was not stored
+            return [Finish(seq.rid, seq.index, FinishReason.ERROR, seq.usage, message=error)]
+        return [Finish(seq.rid, seq.index, reason, seq.usage)]
+
+    # --- figures --------------------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        """Gauges and counters now; latency observations since the previous call."""
+        obs, self._latency_obs = self._latency_obs, []
+        ticks_obs, self._latency_ticks_obs = self._latency_ticks_obs, []
+        return Stats(
+            t=self.clock(),
+            # Requests, not sequences: a request runs while any of its sequences does.
+            running=(running := len({seq.rid for seq in self.scheduler.running})),
+            waiting=len(self.sessions) - running,
+            kv_blocks_used=self.block_manager.num_used,
+            kv_blocks_total=self.block_manager.num_total,
+            kv_blocks_cached=self.block_manager.num_cached_free,
+            prefix_cache_queries=self.scheduler.num_cache_queries,
+            prefix_cache_hits=self.scheduler.num_cache_hits,
+            placeholders=self.store.num_placeholders() if self.store is not None else 0,
+            ticks=self.num_ticks,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            tokens_after_disconnect=self.num_tokens_after_disconnect,
+            aborts=dict(self.aborts),
+            finished=dict(self.finished),
+            bad_records={},
+            abort_latency_obs=obs,
+            abort_latency_ticks_obs=ticks_obs,
+            paused=sum(1 for s in self.sessions.values() if s.paused),
+        )
+
+    def _log_end(self, session: Session, reason: FinishReason, cause: AbortCause | None,
+                 extra: dict[str, Any]) -> None:
+        reasons = sorted({s.finish_reason.value for s in session.sequences if s.finish_reason})
+        fields = {
+            "rid": session.rid, "kind": session.kind.value, "n": len(session.sequences),
+            "finish_reason": ",".join(reasons) or reason.value,
+            "cause": cause.value if cause is not None else None,
+            "prompt_tokens": session.num_prompt_tokens,
+            "generated_tokens": session.num_generated,
+            "duration_s": round(self.clock() - session.t_arrival, 6), **extra,
+        }
+        if session.client_id is not None:
+            fields["client_id"] = session.client_id
+        request_log.info("request %s %s", session.rid, fields["finish_reason"],
+                         extra={"fields": fields})

@@ -1,0 +1,193 @@
+"""Sequences (one generated choice each) and sessions (one request: all its sequences)."""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+from array import array
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from daemon.engine.stops import StopMatcher
+from ipc.records import (
+    AbortCause,
+    FinishReason,
+    RequestKind,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from daemon.engine.scheduler import Scheduler
+
+# Ticks remembered per session to attribute sampled tokens to "after the client left".
+_TICK_MEMORY = 4096
+
+_seq_ids = itertools.count()
+
+
+class TickHistory:
+    """(start time, tokens sampled) of one session's ticks, oldest first, in two flat arrays:
+    12 bytes a tick rather than a tuple of boxed numbers. Past the limit the oldest half goes."""
+
+    __slots__ = ("counts", "starts")
+
+    def __init__(self) -> None:
+        self.starts = array("d")
+        self.counts = array("I")
+
+    def append(self, start: float, tokens: int) -> None:
+        if len(self.starts) >= _TICK_MEMORY:
+            del self.starts[: _TICK_MEMORY // 2]
+            del self.counts[: _TICK_MEMORY // 2]
+        self.starts.append(start)
+        self.counts.append(tokens)
+
+    def after(self, t: float) -> tuple[int, int]:
+        """(ticks, tokens) of the ticks that started after time `t`."""
+        first = bisect.bisect_right(self.starts, t)
+        return len(self.starts) - first, sum(self.counts[first:])
+
+    def tail(self, count: int) -> list[tuple[float, int]]:
+        """The newest `count` ticks as (start, tokens), oldest first."""
+        return list(zip(self.starts[-count:], self.counts[-count:], strict=True))
+
+
+class Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+    def flush(self) -> str: ...
+
+
+class Placeholders(Protocol):
+    """The part of the response store a session releases."""
+
+    def remove(self, rid: str) -> None: ...
+    def cancel(self, rid: str) -> None: ...
+    def fail(self, rid: str, message: str) -> None: ...
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # no blocks; in the scheduler's waiting queue
+    RUNNING = "running"  # holds blocks; in the scheduler's running list
+    FORK_PENDING = "fork_pending"  # a sibling of a prompt still being prefilled
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    rid: str
+    index: int
+    token_ids: list[int]
+    params: SamplingParams
+    detok: Detokenizer
+    stops: StopMatcher
+    seed: int | None = None  # this choice's generator seed (sampler.seed_for)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_prompt_tokens: int = 0
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Prefix-cache hashes of the first full blocks of token_ids (block_manager.chain_hashes).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache when first admitted; None until then.
+    num_cached_tokens: int | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Siblings forked from this sequence's blocks once its prompt is prefilled.
+    fork_children: list[Sequence] = field(default_factory=list)
+    output_text: str = ""
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs
+    rng: Any = None  # the sampler's torch.Generator, created lazily from `seed`
+    paused: bool = False  # flow control: not scheduled until resumed (Scheduler.set_paused)
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,
+                     cached_tokens=self.num_cached_tokens or 0)
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    rid: str
+    epoch: int
+    kind: RequestKind
+    sequences: list[Sequence]
+    t_arrival: float
+    # Set when the response store holds an in_progress/queued object for this rid.
+    placeholder: bool = False
+    background: bool = False
+    queued: bool = False  # a background response's row says queued until its first tick
+    t_disconnect: float | None = None
+    paused: bool = False  # the proxy asked to stop scheduling it (its client is not reading)
+    client_id: str | None = None  # the client's X-Request-Id, for the request log
+    # (tick start, tokens sampled for this session in that tick), newest last.
+    ticks: TickHistory = field(default_factory=TickHistory)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.sequences)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(s.num_prompt_tokens for s in self.sequences)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(s.num_generated for s in self.sequences)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_generated,
+                     sum(s.num_cached_tokens or 0 for s in self.sequences))
+
+    def output_text(self) -> str:
+        return self.sequences[0].output_text if self.sequences else ""
+
+    def tokens_after(self, t: float) -> tuple[int, int]:
+        """(ticks, tokens) of this session's ticks that started after time `t`."""
+        return self.ticks.after(t)
+
+    def evict(self, scheduler: Scheduler, store: Placeholders | None,
+              cause: AbortCause | None, error: str | None = None) -> list[Sequence]:
+        """Release everything the session holds: blocks, queue slots, its placeholder.
+
+        `cause` None means the session failed with `error`. Returns the sequences this call
+        ended, for the caller to report.
+        """
+        ended = [s for s in self.sequences if not s.is_finished]
+        for seq in ended:
+            scheduler.remove(seq)
+            seq.finish_reason = FinishReason.ABORT if cause is not None else FinishReason.ERROR
+        if self.placeholder and store is not None:
+            if cause is None:
+                store.fail(self.rid, error or "internal error")
+            elif not self.background:
+                store.remove(self.rid)
+            elif cause is AbortCause.CANCEL:
+                store.cancel(self.rid)
+            else:
+                store.fail(self.rid, f"aborted: {cause.value}")
+            self.placeholder = False
+        return ended

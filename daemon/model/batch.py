@@ -1,0 +1,18 @@
+"""What the scheduler hands the model runner: tokens of one sequence for one forward pass.
+
+Torch-free, so that the scheduler (daemon/engine/) can build it without importing the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens of one sequence for one forward pass (the model runner's input)."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    needs_logits: bool

@@ -1,0 +1,56 @@
+"""Compiled kernels behind the model's module boundaries, chosen per device at load time.
+
+CPU: cpu_kernels.c (weight-streaming linears over packed weights, norms, RoPE, decode attention
+over the paged cache), built with the system compiler on first use. CUDA: a Triton kernel for
+decode attention over the paged cache (triton_attention.py); the linears stay cuBLAS's. With
+``kernels="torch"`` the model keeps the torch reference modules of daemon/model/decoder.py everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from daemon.model.decoder import DecoderLM
+
+log = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "torch")
+
+
+def install(model: DecoderLM, device: torch.device, kernels: str = "auto",
+            quantization: str | None = None) -> str:
+    """Swap kernels into `model`; returns which ones it now runs: 'cpu', 'triton' or 'torch'.
+
+    Raises ValueError for a combination that cannot run (int8 weights without the CPU
+    kernels)."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
+    ranks = model.embed_tokens.group.size
+    if device.type == "cpu" and kernels == "auto" and ranks > 1:
+        # A fused CPU layer would skip the row-parallel linears' all-reduce.
+        reason = f"the CPU kernels run one rank, not {ranks}"
+    elif device.type == "cpu" and kernels == "auto" and model.dtype != torch.float16:
+        from daemon.model.kernels import cpu, cpu_modules
+
+        lib = cpu.load()
+        if lib is not None:
+            cpu_modules.install_(model, lib, quantization)
+            return "cpu"
+        reason = f"the CPU kernels are unavailable: {cpu.failure()}"
+    elif device.type == "cuda" and kernels == "auto":
+        from daemon.model.kernels.triton_attention import available, install_
+
+        if available():
+            install_(model)
+            reason = "int8 weights are a CPU kernel option"
+            if quantization is None:
+                return "triton"
+            raise ValueError(f"--quantization {quantization}: {reason}")
+        reason = "Triton is not installed"
+    else:
+        reason = f"kernels={kernels!r}, device {device.type}, dtype {model.dtype}"
+    if quantization is not None:
+        raise ValueError(f"--quantization {quantization} needs the CPU kernels ({reason})")
+    return "torch"

@@ -1,0 +1,415 @@
+/* CPU kernels for tether's forward pass: a weight-streaming matrix product, RMSNorm, RoPE and
+ * decode attention over the paged KV cache.
+ *
+ * Why hand-written: at batch 1 a decode tick is one read of every weight, so the matrix product
+ * must stream weights at the memory's speed. Measured on the project's machine, MKL's fp32 GEMV
+ * reaches under half of it and oneDNN's prepacked path little more; torch.compile's generated
+ * code gets closer but costs about a minute of compilation on a cold cache. Weights here are
+ * packed once into blocks of 32 output rows laid out [N/32][K][32], so each thread reads one
+ * contiguous stream and needs no horizontal sums.
+ *
+ * Built at daemon start by daemon/model/kernels/cpu.py (gcc -O3 -march=native -fopenmp, cached by a
+ * hash of this file and the CPU) and loaded after torch, so its OpenMP regions run on torch's
+ * own libgomp thread pool and follow torch.set_num_threads.
+ *
+ * Activations are float32 throughout; weights are float32, bfloat16 or int8 with a float32
+ * scale per output row; the KV cache is float32 or bfloat16.
+ */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Vectors of the machine's own width: GCC lowers a wider generic vector badly (through the
+ * stack, lane by lane, for AVX2). MT rows of activations times NV vectors per block row are
+ * the register tile's accumulators, sized to the register file (32 zmm / 16 ymm). */
+#if defined(__AVX512F__)
+#define VL 16
+#define MT 8
+#elif defined(__AVX2__)
+#define VL 8
+#define MT 2
+#else
+#define VL 4
+#define MT 2
+#endif
+typedef float fvec __attribute__((vector_size(VL * 4)));
+typedef int32_t ivec __attribute__((vector_size(VL * 4)));
+typedef uint16_t hvec __attribute__((vector_size(VL * 2)));
+
+enum { TL_F32 = 0, TL_BF16 = 1, TL_I8 = 2 };
+enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2 };
+#define NB 32       /* output rows per packed block */
+#define NV (NB / VL) /* vectors per packed block row */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE fvec splat(float v) { return (fvec){0} + v; }
+
+/* Lane-wise a > b ? a : b (C has no vector conditional operator). */
+INLINE fvec vmax(fvec a, fvec b) {
+  ivec pick_a = a > b, ai, bi;
+  memcpy(&ai, &a, sizeof ai);
+  memcpy(&bi, &b, sizeof bi);
+  ivec r = (ai & pick_a) | (bi & ~pick_a);
+  fvec out;
+  memcpy(&out, &r, sizeof out);
+  return out;
+}
+
+/* VL elements from base[i], as floats. */
+INLINE fvec loadv(const void* base, int64_t i, int type) {
+  fvec out;
+  if (type == TL_F32) {
+    memcpy(&out, (const float*)base + i, sizeof out);
+  } else if (type == TL_BF16) {
+    hvec h;
+    memcpy(&h, (const uint16_t*)base + i, sizeof h);
+    ivec bits = __builtin_convertvector(h, ivec) << 16;
+    memcpy(&out, &bits, sizeof out);
+  } else {
+    /* GCC scalarises a generic int8 -> float vector conversion; say it in intrinsics. */
+    const int8_t* p = (const int8_t*)base + i;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    memcpy(&out, &v, sizeof out);
+#elif defined(__AVX2__)
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    memcpy(&out, &v, sizeof out);
+#else
+    for (int j = 0; j < VL; j++) out[j] = (float)p[j];
+#endif
+  }
+  return out;
+}
+
+/* exp, arguments clamped to [-87, 88]; Cephes' polynomial after reduction by ln 2 (about 1 ulp). */
+INLINE fvec vexp(fvec x) {
+  const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  x = vmax(x, splat(-87.0f));
+  x = -vmax(-x, splat(-88.0f));
+  fvec n = (x * 1.44269504089f + magic) - magic;
+  fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  fvec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  fvec scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+/* ---- linear: y = x W^T (+ bias), W packed [N/32][K][32] ---------------------------------- */
+
+INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
+                 fvec acc[MT][NV]) {
+  for (int m = 0; m < MT; m++)
+    for (int j = 0; j < NV; j++) acc[m][j] = splat(0.0f);
+  for (int64_t k = 0; k < K; k++) {
+    fvec wv[NV];
+    for (int j = 0; j < NV; j++) wv[j] = loadv(w, k * NB + j * VL, type);
+    for (int m = 0; m < mt; m++) {
+      fvec xv = splat(x[m * ldx + k]);
+      for (int j = 0; j < NV; j++) acc[m][j] += wv[j] * xv;
+    }
+  }
+}
+
+INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
+                     fvec acc[MT][NV]) {
+  /* Constant row count and type per call, so each case compiles to a fully unrolled tile. */
+#define TILE_TYPES(ROWS)                                               \
+  if (type == TL_F32) tile(x, ldx, ROWS, K, w, TL_F32, acc);           \
+  else if (type == TL_BF16) tile(x, ldx, ROWS, K, w, TL_BF16, acc);    \
+  else tile(x, ldx, ROWS, K, w, TL_I8, acc);                           \
+  return;
+  switch (mt) {
+#if MT >= 8
+    case 8: TILE_TYPES(8)
+    case 7: TILE_TYPES(7)
+    case 6: TILE_TYPES(6)
+    case 5: TILE_TYPES(5)
+    case 4: TILE_TYPES(4)
+    case 3: TILE_TYPES(3)
+#endif
+    case 2: TILE_TYPES(2)
+    default: TILE_TYPES(1)
+  }
+#undef TILE_TYPES
+}
+
+/* One row of a block's 32 outputs, v[NV] vectors: y[n0 + i] (+= res[n0 + i] with TL_ADD). */
+INLINE void store_row(float* y, int64_t n0, int64_t n_valid, const fvec v[NV], int mode,
+                      const float* res) {
+  float tmp[NB];
+  memcpy(tmp, v, sizeof tmp);
+  int64_t n = n_valid - n0 < NB ? n_valid - n0 : NB;
+  for (int64_t i = 0; i < n; i++) y[n0 + i] = (mode == TL_ADD ? res[n0 + i] : 0.0f) + tmp[i];
+}
+
+/* A packed weight (daemon/model/kernels/cpu.py: pack): `blocks` blocks of 32 rows of n_in, n_out
+ * rows in use. scale (int8) and bias are in packed row order, or NULL. mode TL_STORE or
+ * TL_SILU_MUL (each block holds 16 gate rows then their 16 up rows; the output is
+ * silu(gate) * up, n_out columns). Mirrored by ctypes in cpu.py: keep the two in step. */
+typedef struct {
+  const void* w;
+  const float* scale;
+  const float* bias;
+  int64_t blocks, n_in, n_out;
+  int32_t type, mode;
+} tl_weights;
+
+/* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with TL_ADD, y = res + x W^T (res may be y). */
+static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
+                   int64_t ldy, int add, const float* res, int64_t ldr) {
+  const void* w = W->w;
+  const float *scale = W->scale, *bias = W->bias;
+  int64_t K = W->n_in, n_out = W->n_out, num_blocks = W->blocks;
+  int type = W->type, mode = add ? TL_ADD : W->mode;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < num_blocks; b++) {
+    const char* wb = (const char*)w + b * K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1);
+    fvec sc[NV], bi[NV];
+    for (int j = 0; j < NV; j++) {
+      sc[j] = scale ? loadv(scale, b * NB + j * VL, TL_F32) : splat(1.0f);
+      bi[j] = bias ? loadv(bias, b * NB + j * VL, TL_F32) : splat(0.0f);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+      int mt = M - m0 < MT ? (int)(M - m0) : MT;
+      fvec acc[MT][NV];
+      tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+      for (int m = 0; m < mt; m++) {
+        fvec v[NV];
+        for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];
+        float* yrow = y + (m0 + m) * ldy;
+        if (mode == TL_SILU_MUL) { /* vectors [0, NV/2): gates; [NV/2, NV): their ups */
+          float tmp[NB / 2];
+          for (int j = 0; j < NV / 2; j++) {
+            fvec out = v[j] / (1.0f + vexp(-v[j])) * v[j + NV / 2];
+            memcpy(tmp + j * VL, &out, sizeof out);
+          }
+          int64_t n0 = b * (NB / 2), n = n_out - n0 < NB / 2 ? n_out - n0 : NB / 2;
+          for (int64_t i = 0; i < n; i++) yrow[n0 + i] = tmp[i];
+        } else {
+          store_row(yrow, b * NB, n_out, v, mode, res + (m0 + m) * ldr);
+        }
+      }
+    }
+  }
+}
+
+void tl_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
+               int64_t ldy) {
+  linear(x, ldx, M, W, y, ldy, 0, NULL, 0);
+}
+
+/* ---- RMSNorm and RoPE -------------------------------------------------------------------- */
+
+/* y = w * (x / sqrt(mean(x^2) + eps)), row by row, as the reference implementation orders it. */
+static void rmsnorm(const float* x, int64_t M, int64_t K, const float* w, float eps, float* y) {
+#pragma omp parallel for schedule(static) if (M >= 16)
+  for (int64_t m = 0; m < M; m++) {
+    const float* xr = x + m * K;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < K; k++) ss += xr[k] * xr[k];
+    float r = 1.0f / sqrtf(ss / (float)K + eps);
+#pragma omp simd
+    for (int64_t k = 0; k < K; k++) y[m * K + k] = w[k] * (xr[k] * r);
+  }
+}
+
+/* In place, rotate-half layout: the first `heads` heads of each row of x [T, ldx], head_dim d;
+ * cos/sin [T, d/2]. */
+static void rope(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t d, const float* cos_,
+             const float* sin_) {
+  int64_t half = d / 2;
+#pragma omp parallel for schedule(static) if (T >= 16)
+  for (int64_t t = 0; t < T; t++) {
+    const float* c = cos_ + t * half;
+    const float* s = sin_ + t * half;
+    for (int64_t h = 0; h < heads; h++) {
+      float* x1 = x + t * ldx + h * d;
+      float* x2 = x1 + half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; i++) {
+        float a = x1[i], b = x2[i];
+        x1[i] = a * c[i] - b * s[i];
+        x2[i] = b * c[i] + a * s[i];
+      }
+    }
+  }
+}
+
+void tl_rmsnorm(const float* x, int64_t M, int64_t K, const float* w, float eps, float* y) {
+  rmsnorm(x, M, K, w, eps, y);
+}
+
+/* ---- decode attention over the paged cache ---------------------------------------------- */
+
+INLINE float hsum(fvec v) {
+  float t[VL], out = 0.0f;
+  memcpy(t, &v, sizeof t);
+  for (int i = 0; i < VL; i++) out += t[i];
+  return out;
+}
+
+/* One (sequence, KV head) of decode attention; head_dim = VL * nv. q holds the G query heads
+ * sharing the KV head, out their outputs. Keys and values are read once each, block by block
+ * from the block table, with an online softmax: no gathered or padded copy. */
+INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache, int type,
+                       const int64_t* table, int64_t len, int64_t G, int64_t nv, int64_t KVH,
+                       int64_t g, int64_t bs, float scale, float* out) {
+  int64_t d = nv * VL, esize = type == TL_F32 ? 4 : 2;
+  fvec qv[G * nv], acc[G * nv];
+  float mx[G], sum[G], p[G][(bs + 15) / 16 * 16];
+  for (int64_t i = 0; i < G * nv; i++) {
+    memcpy(&qv[i], q + i * VL, sizeof(fvec));
+    qv[i] *= scale;
+    acc[i] = splat(0.0f);
+  }
+  for (int64_t h = 0; h < G; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
+  for (int64_t start = 0; start < len; start += bs) {
+    int64_t nt = len - start < bs ? len - start : bs;
+    int64_t base = (table[start / bs] * KVH + g) * bs * d; /* this head's [bs, d] tile */
+    /* Tiles lie in scattered pages, where the hardware prefetcher starts cold: fetch the
+     * next tile's lines while this one is worked on, a token's worth per token. */
+    const char* next_k = NULL;
+    const char* next_v = NULL;
+    if (start + bs < len) {
+      int64_t next = (table[start / bs + 1] * KVH + g) * bs * d * esize;
+      next_k = (const char*)k_cache + next;
+      next_v = (const char*)v_cache + next;
+    }
+    for (int64_t t = 0; t < nt; t++) {
+      if (next_k)
+        for (int64_t off = t * d * esize; off < (t + 1) * d * esize; off += 64) {
+          __builtin_prefetch(next_k + off, 0, 2);
+          __builtin_prefetch(next_v + off, 0, 2);
+        }
+      fvec kv[nv];
+      for (int64_t j = 0; j < nv; j++) kv[j] = loadv(k_cache, base + t * d + j * VL, type);
+      for (int64_t h = 0; h < G; h++) {
+        fvec dot = qv[h * nv] * kv[0];
+        for (int64_t j = 1; j < nv; j++) dot += qv[h * nv + j] * kv[j];
+        p[h][t] = hsum(dot);
+      }
+    }
+    for (int64_t h = 0; h < G; h++) {
+      float bm = mx[h];
+      for (int64_t t = 0; t < nt; t++) bm = p[h][t] > bm ? p[h][t] : bm;
+      float corr = expf(mx[h] - bm);
+      mx[h] = bm;
+      for (int64_t t0 = 0; t0 < nt; t0 += VL) { /* p rows are padded to 16 >= VL */
+        fvec sv;
+        memcpy(&sv, &p[h][t0], sizeof sv);
+        sv = vexp(sv - bm);
+        memcpy(&p[h][t0], &sv, sizeof sv);
+      }
+      float block_sum = 0.0f;
+      for (int64_t t = 0; t < nt; t++) block_sum += p[h][t];
+      sum[h] = sum[h] * corr + block_sum;
+      for (int64_t j = 0; j < nv; j++) acc[h * nv + j] *= corr;
+    }
+    for (int64_t t = 0; t < nt; t++) {
+      fvec vv[nv];
+      for (int64_t j = 0; j < nv; j++) vv[j] = loadv(v_cache, base + t * d + j * VL, type);
+      for (int64_t h = 0; h < G; h++)
+        for (int64_t j = 0; j < nv; j++) acc[h * nv + j] += vv[j] * p[h][t];
+    }
+  }
+  for (int64_t h = 0; h < G; h++) {
+    fvec inv = splat(1.0f / sum[h]);
+    for (int64_t j = 0; j < nv; j++) {
+      fvec o = acc[h * nv + j] * inv;
+      memcpy(out + h * d + j * VL, &o, sizeof o);
+    }
+  }
+}
+
+/* Decode attention, one query token per sequence. q [D, H, d] (row stride ldq); caches
+ * [blocks, KVH, bs, d] of `type`; block_tables [D, max_blocks]; out [D, H, d]; d % VL == 0
+ * (the caller checks d % 16, the widest VL). */
+void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                         int type, const int64_t* block_tables, int64_t max_blocks,
+                         const int64_t* context_lens, int64_t D, int64_t H, int64_t KVH,
+                         int64_t d, int64_t bs, float scale, float* out) {
+  int64_t G = H / KVH;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < D * KVH; item++) {
+    int64_t s = item / KVH, g = item % KVH;
+    const float* qg = q + s * ldq + g * G * d;
+    float* og = out + (s * H + g * G) * d;
+    const int64_t* table = block_tables + s * max_blocks;
+    if (type == TL_F32)
+      decode_one(qg, k_cache, v_cache, TL_F32, table, context_lens[s], G, d / VL, KVH, g, bs,
+                 scale, og);
+    else
+      decode_one(qg, k_cache, v_cache, TL_BF16, table, context_lens[s], G, d / VL, KVH, g, bs,
+                 scale, og);
+  }
+}
+
+/* ---- a decoder layer around its attention ----------------------------------------------- */
+
+/* One layer's weights; mirrored by ctypes in cpu.py. */
+typedef struct {
+  int64_t hidden, heads, kv_heads, head_dim;
+  float eps;
+  const float* input_norm;
+  const float* post_attention_norm;
+  tl_weights qkv, o, gate_up, down;
+} tl_layer;
+
+INLINE uint16_t to_bf16(float v) { /* round to nearest even */
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* qkv [M, (H + 2 KVH) d] = rope(norm(x) Wqkv^T); K and V rows then go to the cache rows
+ * write_rows[t * KVH + head] (cache viewed as [-1, d], of cache_type). */
+void tl_layer_attn_in(const tl_layer* L, const float* x, int64_t M, const float* cos_,
+                      const float* sin_, const int64_t* write_rows, void* k_cache,
+                      void* v_cache, int cache_type, float* qkv) {
+  int64_t H = L->heads, KVH = L->kv_heads, d = L->head_dim, width = (H + 2 * KVH) * d;
+  float* h = malloc(sizeof(float) * M * L->hidden);
+  rmsnorm(x, M, L->hidden, L->input_norm, L->eps, h);
+  linear(h, L->hidden, M, &L->qkv, qkv, width, 0, NULL, 0);
+  free(h);
+  rope(qkv, M, width, H + KVH, d, cos_, sin_);
+  for (int64_t t = 0; t < M; t++)
+    for (int64_t j = 0; j < KVH; j++) {
+      const float* k = qkv + t * width + (H + j) * d;
+      const float* v = k + KVH * d;
+      int64_t row = write_rows[t * KVH + j] * d;
+      if (cache_type == TL_F32) {
+        memcpy((float*)k_cache + row, k, sizeof(float) * d);
+        memcpy((float*)v_cache + row, v, sizeof(float) * d);
+      } else {
+        for (int64_t i = 0; i < d; i++) {
+          ((uint16_t*)k_cache)[row + i] = to_bf16(k[i]);
+          ((uint16_t*)v_cache)[row + i] = to_bf16(v[i]);
+        }
+      }
+    }
+}
+
+/* x [M, hidden] in place: x += attn Wo^T; x += down(silu(gate) * up) of norm(x). */
+void tl_layer_attn_out_mlp(const tl_layer* L, float* x, int64_t M, const float* attn) {
+  int64_t hidden = L->hidden, inter = L->gate_up.n_out;
+  linear(attn, L->heads * L->head_dim, M, &L->o, x, hidden, 1, x, hidden);
+  float* h = malloc(sizeof(float) * M * hidden);
+  float* act = malloc(sizeof(float) * M * inter);
+  rmsnorm(x, M, hidden, L->post_attention_norm, L->eps, h);
+  linear(h, hidden, M, &L->gate_up, act, inter, 0, NULL, 0);
+  linear(act, inter, M, &L->down, x, hidden, 1, x, hidden);
+  free(h);
+  free(act);
+}

@@ -1,0 +1,198 @@
+"""The decoder over the CPU kernels; `install_` swaps these modules into a loaded model.
+
+A decoder layer is three kernel calls: norm, QKV projection, RoPE and the cache write
+(tl_layer_attn_in); attention (decode rows in tl_decode_attention, prefill chunks in torch's
+SDPA); then the output projection with its residual, norm, gate/up with SiLU-and-multiply, and
+the down projection with its residual (tl_layer_attn_out_mlp). Between op-by-op calls Python
+cost more than the normalisation, RoPE and attention together at batch 1.
+
+Activations are float32 whatever the weights' dtype; weights are packed once (cpu.pack) as
+float32, bfloat16 or int8 with a scale per row. Each replacement keeps the forward signature
+of the torch module it replaces (daemon/model/decoder.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from daemon.model.attention import AttentionMetadata, PagedAttention
+from daemon.model.config import ModelConfig
+from daemon.model.decoder import DecoderLayer, DecoderLM, RMSNorm
+from daemon.model.kernels import cpu
+from daemon.model.kernels.cpu import Kernels
+from daemon.model.parallel.layers import Linear
+
+QUANTIZATIONS = ("int8",)
+
+
+def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None) -> None:
+    """Replace the model's layers, final norm, embedding and head, in place."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, "
+                         f"got {quantization!r}")
+    int8 = quantization == "int8"
+    model.layers = nn.ModuleList(CpuDecoderLayer(cast(DecoderLayer, layer), model.config,
+                                                 kernels, int8) for layer in model.layers)
+    model.norm = KernelRMSNorm(model.norm, kernels)  # type: ignore[assignment]
+    limit, tied = model.vocab_limit, model.lm_head is None
+    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head = PackedLinear(weight if limit is None else weight[:limit], None, kernels, int8)
+    # A tied head serves the embedding lookups too, so the table is held once, packed; with a
+    # vocab limit the packed head lacks rows a token id may still name.
+    source = head if tied and limit is None else model.embed_tokens.weight
+    model.embed_tokens = KernelEmbedding(source)  # type: ignore[assignment]
+    model.lm_head = KernelLMHead(head, model.config.vocab_size)  # type: ignore[assignment]
+
+
+class PackedLinear(nn.Module):
+    """A weight packed for tl_linear; forward gives y = x W^T (+ bias), float32."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, kernels: Kernels, int8: bool,
+                 gate_up: bool = False) -> None:
+        super().__init__()
+        weight = weight.detach()
+        scale = None
+        if int8:
+            weight, row_scale = cpu.quantize_int8(weight)
+            scale = cpu.pack_vector(row_scale, gate_up)
+        elif weight.dtype not in cpu.WEIGHT_TYPES:
+            weight = weight.float()
+        self.packed = cpu.pack(weight, gate_up)
+        self.scale = scale
+        self.bias = None if bias is None else cpu.pack_vector(bias.detach(), gate_up)
+        n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
+        self.desc = cpu.Weights(
+            self.packed.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.packed.shape[0],
+            weight.shape[1], n_out, cpu.WEIGHT_TYPES[weight.dtype],
+            cpu.SILU_MUL if gate_up else cpu.STORE)
+        self.kernels = kernels
+
+    @classmethod
+    def replacing(cls, linear: Linear, kernels: Kernels, int8: bool,
+                  gate_up: bool = False) -> PackedLinear:
+        return cls(linear.weight, linear.bias, kernels, int8, gate_up)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.float().contiguous()
+        y = x.new_empty(x.shape[0], self.desc.n_out)
+        self.kernels.linear(x.data_ptr(), x.shape[1], x.shape[0], ctypes.byref(self.desc),
+                            y.data_ptr(), self.desc.n_out)
+        return y
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows `ids` of the weight, float32 (a tied head serving embedding lookups)."""
+        out = cpu.unpack_rows(self.packed, ids).float()
+        return out if self.scale is None else out * self.scale[ids][:, None]
+
+
+class CpuDecoderLayer(nn.Module):
+    def __init__(self, layer: DecoderLayer, cfg: ModelConfig, kernels: Kernels,
+                 int8: bool) -> None:
+        super().__init__()
+        attn, mlp = layer.attn, layer.mlp
+        self.qkv = PackedLinear.replacing(attn.qkv_proj, kernels, int8)
+        self.o = PackedLinear.replacing(attn.o_proj, kernels, int8)
+        self.gate_up = PackedLinear.replacing(mlp.gate_up_proj, kernels, int8, gate_up=True)
+        self.down = PackedLinear.replacing(mlp.down_proj, kernels, int8)
+        self.norms = [n.weight.detach().float().contiguous()
+                      for n in (layer.input_norm, layer.post_attention_norm)]
+        self.desc = cpu.Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                              layer.input_norm.eps, self.norms[0].data_ptr(),
+                              self.norms[1].data_ptr(), self.qkv.desc, self.o.desc,
+                              self.gate_up.desc, self.down.desc)
+        # The decode kernel works in 16-float vectors; other head sizes keep the reference.
+        self.paged = (CpuPagedAttention(kernels) if cfg.head_dim % 16 == 0
+                      else PagedAttention())
+        self.kernels = kernels
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata) -> Tensor:
+        x = x.float().contiguous()  # the residual stream, updated in place below
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        qkv = x.new_empty(x.shape[0], heads + 2 * kv_heads, head_dim)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        self.kernels.layer_attn_in(
+            ctypes.byref(self.desc), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+            meta.write_rows.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            cpu.WEIGHT_TYPES[kv_cache.dtype], qkv.data_ptr())
+        out = self.paged.attend(qkv[:, :heads], qkv[:, heads : heads + kv_heads],
+                                qkv[:, heads + kv_heads :], kv_cache, meta).contiguous()
+        self.kernels.layer_attn_out_mlp(ctypes.byref(self.desc), x.data_ptr(), x.shape[0],
+                                        out.data_ptr())
+        return x
+
+
+class KernelRMSNorm(nn.Module):
+    def __init__(self, norm: RMSNorm, kernels: Kernels) -> None:
+        super().__init__()
+        self.weight = norm.weight.detach().float().contiguous()
+        self.eps = norm.eps
+        self.kernels = kernels
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.float().contiguous()
+        y = torch.empty_like(x)
+        self.kernels.rmsnorm(x.data_ptr(), x.shape[0], x.shape[1], self.weight.data_ptr(),
+                             self.eps, y.data_ptr())
+        return y
+
+
+class KernelEmbedding(nn.Module):
+    def __init__(self, source: PackedLinear | Tensor) -> None:
+        super().__init__()
+        self.source = source
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if isinstance(self.source, PackedLinear):
+            return self.source.rows(ids)
+        return self.source[ids].float()
+
+
+class KernelLMHead(nn.Module):
+    """The head `DecoderLM.compute_logits` calls; packed with the vocab limit's rows only."""
+
+    def __init__(self, head: PackedLinear, vocab_size: int) -> None:
+        super().__init__()
+        self.head, self.vocab_size = head, vocab_size
+
+    def logits(self, x: Tensor, vocab_limit: int | None) -> Tensor:
+        """float32 logits [rows, vocab]; ids >= vocab_limit get -inf."""
+        if vocab_limit is None:
+            return self.head(x)
+        logits = x.new_full((x.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32)
+        logits[:, :vocab_limit] = self.head(x)
+        return logits
+
+
+class CpuPagedAttention(PagedAttention):
+    """Decode rows read the cache blocks in place (tl_decode_attention)."""
+
+    def __init__(self, kernels: Kernels) -> None:
+        super().__init__()
+        self.kernels = kernels
+
+    def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+               meta: AttentionMetadata) -> Tensor:
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and lens is not None
+        num_seqs, num_heads, head_dim = q.shape
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.float().contiguous()
+        num_kv_heads, block_size = k_cache.shape[1:3]
+        out = q.new_empty(num_seqs, num_heads, head_dim)
+        self.kernels.decode_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            cpu.WEIGHT_TYPES[k_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+            num_seqs, num_heads, num_kv_heads, head_dim, block_size, 1.0 / math.sqrt(head_dim),
+            out.data_ptr())
+        return out
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

@@ -1,0 +1,268 @@
+"""Builds a runnable model from a spec: 'builtin:tiny', 'builtin:small' or an HF directory.
+
+Built-in models are random Llamas from a fixed seed paired with the byte tokenizer: no
+download, identical on every machine, varied (if meaningless) output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from daemon.model.config import ConfigError, ModelConfig
+from daemon.model.decoder import DecoderLM
+from daemon.model.device import pick_device, pick_dtype
+from daemon.model.kernels import install as install_kernels
+from daemon.model.parallel.group import SINGLE, TPGroup
+from daemon.model.parallel.layers import ShardSpec, check_shardable, shard_of
+from daemon.model.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    TokenizerLoadError,
+    read_json_object,
+)
+
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "pick_device", "pick_dtype"]
+
+BUILTIN_SEED = 1234
+INIT_STD = 0.02
+
+
+class ModelLoadError(Exception):
+    """The model spec cannot be loaded; the message names the file or the field."""
+
+
+@dataclasses.dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    model: DecoderLM
+    tokenizer: Tokenizer
+    name: str  # the model id reported to clients
+    max_model_len: int
+    kernels: str = "torch"  # what the forward pass runs on: 'cpu', 'triton' or 'torch'
+
+
+def builtin_config(name: str) -> ModelConfig:
+    byte_vocab = ByteTokenizer().vocab_size
+    eos = ByteTokenizer().eos_token_ids
+    if name == "tiny":
+        return ModelConfig(vocab_size=byte_vocab, hidden_size=256, intermediate_size=688,
+                           num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                           max_position_embeddings=2048, tie_word_embeddings=True,
+                           bos_token_id=256, eos_token_ids=eos)
+    if name == "small":  # SmolLM-135M's shape
+        return ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                           max_position_embeddings=2048, tie_word_embeddings=True,
+                           bos_token_id=256, eos_token_ids=eos)
+    raise ModelLoadError(f"unknown built-in model 'builtin:{name}' "
+                         "(available: builtin:tiny, builtin:small)")
+
+
+def load_model(spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = "auto",
+               group: TPGroup = SINGLE, *, kernels: str = "auto",
+               quantization: str | None = None) -> LoadedModel:
+    """group: with several tensor-parallel ranks, this rank's shard of the model only.
+    kernels: 'auto' (compiled kernels for the device, see daemon/model/kernels) or 'torch';
+    quantization: None or 'int8' (weight-only, per output row; CPU kernels only)."""
+    device = pick_device(device) if isinstance(device, str) else device
+    dtype = pick_dtype(dtype, device) if isinstance(dtype, str) else dtype
+    if spec.startswith("builtin:"):
+        loaded = _load_builtin(spec, device, dtype, group)
+    else:
+        loaded = _load_hf_dir(Path(spec), device, dtype, group)
+    try:
+        loaded.kernels = install_kernels(loaded.model, device, kernels, quantization)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    return loaded
+
+
+def _load_builtin(spec: str, device: torch.device, dtype: torch.dtype,
+                  group: TPGroup) -> LoadedModel:
+    config = builtin_config(spec.removeprefix("builtin:"))
+    _check_shardable(spec, config, group)
+    tokenizer = ByteTokenizer()
+    limit = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
+    model = DecoderLM(config, device, dtype, vocab_limit=limit, group=group)
+    init_random_(model.requires_grad_(False), BUILTIN_SEED)
+    return LoadedModel(config, model.eval(), tokenizer, spec, config.max_model_len)
+
+
+def _check_shardable(where: object, config: ModelConfig, group: TPGroup) -> None:
+    try:
+        check_shardable(config, group.size)
+    except ConfigError as e:
+        raise ModelLoadError(f"{where}: {e}") from e
+
+
+@torch.no_grad()
+def init_random_(model: DecoderLM, seed: int) -> None:
+    """HF-style init: N(0, 0.02) matrices, unit norms, zero biases; same on any device. A
+    sharded parameter is cut from the full tensor, so every rank count draws the same model."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            spec = shard_of(param)
+            shape = param.shape if spec is None else spec.full_shape(param.shape)
+            values = torch.empty(shape).normal_(0.0, INIT_STD, generator=gen)
+            param.copy_(values if spec is None else spec.take(values))
+
+
+# ---- Hugging Face checkpoints
+
+
+def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype,
+                 group: TPGroup) -> LoadedModel:
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a directory (expected builtin:tiny, builtin:small "
+                             "or a local Hugging Face checkpoint directory)")
+    raw = _read_json(path / "config.json")
+    try:
+        config = ModelConfig.from_hf(raw)
+    except ConfigError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
+    generation = _read_json(path / "generation_config.json", required=False)
+    eos = generation.get("eos_token_id")
+    extra_eos = config.eos_token_ids + ([eos] if isinstance(eos, int) else list(eos or []))
+    config.eos_token_ids = sorted(set(extra_eos))
+    try:
+        tokenizer = HFTokenizer.from_dir(path, config.eos_token_ids)
+    except TokenizerLoadError as e:
+        raise ModelLoadError(str(e)) from e
+    config.eos_token_ids = tokenizer.eos_token_ids
+    _check_shardable(path / "config.json", config, group)
+    model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
+    load_weights_(model, path)
+    return LoadedModel(config, model.eval(), tokenizer, path.name, config.max_model_len)
+
+
+def _read_json(file: Path, required: bool = True) -> dict[str, Any]:
+    if required and not file.is_file():
+        raise ModelLoadError(f"{file}: missing")
+    try:
+        return read_json_object(file)
+    except TokenizerLoadError as e:
+        raise ModelLoadError(str(e)) from e
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the .safetensors file holding it (single file or sharded index)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: no weight_map")
+        files = {name: path / shard for name, shard in weight_map.items()}
+        for shard in set(files.values()):
+            if not shard.is_file():
+                raise ModelLoadError(f"{shard}: missing (listed in {index.name})")
+        return files
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise ModelLoadError(f"{single}: missing (and no model.safetensors.index.json; "
+                             "only safetensors weights are supported)")
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except Exception as e:
+        raise ModelLoadError(f"{single}: cannot be read: {e}") from e
+
+
+def _sources(config: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensors concatenated (dim 0) into it."""
+    out = {"embed_tokens.weight": ["model.embed_tokens.weight"],
+           "norm.weight": ["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        out[ours + "attn.qkv_proj.weight"] = [f"{attn}{p}_proj.weight" for p in "qkv"]
+        if config.qkv_bias:
+            out[ours + "attn.qkv_proj.bias"] = [f"{attn}{p}_proj.bias" for p in "qkv"]
+        out[ours + "attn.o_proj.weight"] = [attn + "o_proj.weight"]
+        if config.o_bias:
+            out[ours + "attn.o_proj.bias"] = [attn + "o_proj.bias"]
+        out[ours + "mlp.gate_up_proj.weight"] = [hf + "mlp.gate_proj.weight",
+                                                 hf + "mlp.up_proj.weight"]
+        out[ours + "mlp.down_proj.weight"] = [hf + "mlp.down_proj.weight"]
+        out[ours + "input_norm.weight"] = [hf + "input_layernorm.weight"]
+        out[ours + "post_attention_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+    return out
+
+
+@torch.no_grad()
+def load_weights_(model: DecoderLM, path: Path) -> None:
+    files = weight_files(path)
+    sources = _sources(model.config)
+    needed = {name for names in sources.values() for name in names}
+    unused = [n for n in files if n not in needed and not _ignorable(n, model.config)]
+    if unused:
+        raise ModelLoadError(f"{files[unused[0]]}: tensor {unused[0]!r} is not used by a "
+                             f"{model.config.architecture} without extras "
+                             f"({len(unused)} such tensors)")
+    params = dict(model.named_parameters())
+    reader = _Reader(files, path)
+    for ours, theirs in sources.items():
+        param = params[ours]
+        spec = shard_of(param)
+        value = reader.whole(theirs[0]) if spec is None else reader.shard(theirs, spec, param)
+        if value.shape != param.shape:
+            raise ModelLoadError(f"{files[theirs[0]]}: {theirs} has shape "
+                                 f"{tuple(value.shape)}, config.json implies "
+                                 f"{tuple(param.shape)}")
+        param.copy_(value)
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    # Old checkpoints store RoPE tables; tied checkpoints sometimes store the head anyway.
+    return name.endswith("rotary_emb.inv_freq") or (
+        name == "lm_head.weight" and config.tie_word_embeddings)
+
+
+class _Reader:
+    """Reads whole tensors or this rank's slices of them (safetensors reads only the slice)."""
+
+    def __init__(self, files: dict[str, Path], path: Path) -> None:
+        self.files, self.path = files, path
+        self.handles: dict[Path, Any] = {}
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def shard(self, names: list[str], spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+        """The concatenation of each source tensor's slice (one source per part of `spec`)."""
+        slices = []
+        for name, part in zip(names, spec.parts, strict=True):
+            source = self._handle(name).get_slice(name)
+            shape = tuple(source.get_shape())
+            expected = list(spec.full_shape(param.shape))
+            expected[spec.dim] = part.size
+            if shape != tuple(expected):
+                raise ModelLoadError(f"{self.files[name]}: {name!r} has shape {shape}, "
+                                     f"config.json implies {tuple(expected)}")
+            index = (slice(None),) * spec.dim + (slice(part.start, part.stop),)
+            slices.append(source[index])
+        return spec.assemble(slices)
+
+    def _handle(self, name: str) -> Any:
+        if name not in self.files:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the "
+                                 "safetensors files")
+        file = self.files[name]
+        if file not in self.handles:
+            try:
+                self.handles[file] = safe_open(str(file), framework="pt")
+            except Exception as e:
+                raise ModelLoadError(f"{file}: cannot be read: {e}") from e
+        return self.handles[file]

@@ -1,0 +1,385 @@
+"""The Responses-API store: stored responses and their conversations, in a database chosen by
+URL (daemon/responses/db.py: SQLite by default, PostgreSQL shared by replicas).
+
+The daemon owns it because only the daemon knows when a response ends. The lifecycle of a row:
+
+- ``begin`` writes a placeholder when the Submit is admitted: ``in_progress``, or ``queued`` for
+  a background response. A response with ``store: false`` gets no row (background implies store).
+- the session then ends in exactly one of: ``complete`` (completed / incomplete), ``fail``,
+  ``cancel`` (background cancel: the row stays, ``cancelled``) or ``remove`` (foreground abort:
+  the client is gone and nobody will ask for it, so the row goes).
+- only placeholders move: once a row is terminal, a late ``complete`` or ``fail`` is ignored, so a
+  cancelled response stays cancelled however the race with its last tick goes.
+
+Rows keep the whole conversation (history included, instructions excluded, as OpenAI does not
+carry instructions over ``previous_response_id``), so a chain is one lookup however long it is,
+and pruning an old link does not break the responses that continued it.
+
+Replicas sharing one store: a row names its ``owner`` (the replica running it). Any replica can
+read, delete, continue or cancel any row; a cancel of a response that runs elsewhere is marked in
+the row and left as a request for its owner, whose watcher (daemon/responses/watcher.py) hands it to the
+tick through ``take_cancels``. A replica whose lease runs out has its unfinished rows ended by the
+next replica's watcher.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from daemon.responses.db import Database, StoreError, connect
+from daemon.responses.schema import SCHEMA_VERSION
+from daemon.responses.watcher import PLACEHOLDERS_SQL, Watcher
+from ipc.records import (
+    Message,
+    ResponseFields,
+    ResponseOp,
+    ResponseOpKind,
+    ResponseReply,
+    Submit,
+    Usage,
+)
+from ipc.response_object import (
+    PLACEHOLDER_STATUSES,
+    ResponseStatus,
+    build_response,
+    input_item_objects,
+    input_items_to_messages,
+)
+
+__all__ = ["CRASHED_MESSAGE", "SCHEMA_VERSION", "ResponseStore", "StoreError",
+           "previous_not_found"]
+
+CRASHED_MESSAGE = "The server restarted before this response finished."
+DEFAULT_LEASE_S = 10.0
+
+_PLACEHOLDERS_SQL = PLACEHOLDERS_SQL
+
+_messages_decoder = msgspec.json.Decoder(list[Message])
+_usage_decoder = msgspec.json.Decoder(Usage)
+
+
+def previous_not_found(previous_response_id: str) -> str:
+    """The error for a Submit whose ``previous_response_id`` is unknown (or still running)."""
+    return f"Previous response with id '{previous_response_id}' not found."
+
+
+def _json(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def text_column(value: str | None) -> str | None:
+    """Free text (model output, instructions, errors) as a JSON string: PostgreSQL's text type
+    refuses NUL, which a model may well emit."""
+    return None if value is None else _json(value)
+
+
+def _from_text_column(value: str | None) -> str | None:
+    return None if value is None else str(msgspec.json.decode(value))
+
+
+def _fields(submit: Submit) -> ResponseFields:
+    if submit.response is None:
+        raise ValueError(f"Submit {submit.rid!r} of kind {submit.kind} has no response fields")
+    return submit.response
+
+
+def _body(row: Any) -> dict[str, Any]:
+    return build_response(
+        id=row["id"],
+        status=row["status"],
+        created_at=row["created_at"],
+        model=row["model"],
+        output_text=_from_text_column(row["output_text"]),
+        usage=None if row["usage"] is None else _usage_decoder.decode(row["usage"]),
+        instructions=_from_text_column(row["instructions"]),
+        previous_response_id=row["previous_response_id"],
+        background=bool(row["background"]),
+        store=True,
+        error=_from_text_column(row["error"]),
+        incomplete_reason=row["incomplete_reason"],
+        temperature=row["temperature"],
+        top_p=row["top_p"],
+        max_output_tokens=row["max_output_tokens"],
+        completed_at=row["completed_at"],
+    )
+
+
+class ResponseStore:
+    """The store's interface to the engine and the server; used from the tick thread only.
+
+    ``target``: None (SQLite in memory), a Path (a SQLite file) or a URL (``sqlite:///path``,
+    ``postgresql://…``). ``replica_id`` names this replica in the rows it owns.
+    """
+
+    def __init__(
+        self,
+        target: Path | str | None,
+        max_count: int,
+        max_age_s: float,
+        clock: Callable[[], float] = time.time,
+        *,
+        replica_id: str = "local",
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None:
+        self.max_count = max_count
+        self.max_age_s = max_age_s
+        self.replica_id = replica_id
+        self.lease_s = lease_s
+        self._clock = clock
+        self.db: Database = connect(target)
+        self._db = self.db
+        self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._watcher: Watcher | None = None
+        # Rows this process began and has not ended: counted here so Stats costs no query.
+        self._placeholders: set[str] = set()
+        # The turn `conversation` built, kept for the `begin` of the same submit that follows it
+        # in admission: one history lookup per response, not two.
+        self._last_turn: tuple[Submit, list[Message]] | None = None
+
+    # --- the engine's side: one session's life ------------------------------------------------
+
+    def conversation(self, submit: Submit) -> list[Message] | None:
+        """Messages to render for this response: instructions, history, then the new input.
+
+        None when ``previous_response_id`` is unknown (answer with ``previous_not_found``).
+        Raises ``ValueError`` (an ``InputError``) on malformed input items.
+        """
+        fields = _fields(submit)
+        turn = self._turn(fields)
+        if turn is None:
+            return None
+        self._last_turn = (submit, turn)
+        head = [Message("system", fields.instructions)] if fields.instructions else []
+        return head + turn
+
+    def begin(self, submit: Submit) -> None:
+        """The placeholder row; nothing for ``store: false`` unless background."""
+        fields = _fields(submit)
+        if not (fields.store or fields.background):
+            return
+        last, self._last_turn = self._last_turn, None
+        turn = last[1] if last is not None and last[0] is submit else self._turn(fields)
+        if turn is None:
+            raise ValueError(previous_not_found(fields.previous_response_id or ""))
+        now = self._clock()
+        status = ResponseStatus.QUEUED if fields.background else ResponseStatus.IN_PROGRESS
+        inserted = self._db.execute(
+            "INSERT INTO responses (id, status, created_at, stored_at, model, instructions,"
+            " previous_response_id, background, input_items, messages, temperature, top_p,"
+            " max_output_tokens, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO NOTHING",
+            (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
+             text_column(fields.instructions), fields.previous_response_id, int(fields.background),
+             _json(fields.input_items), _json(turn), submit.sampling.temperature,
+             submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id),
+        ).rowcount
+        if inserted != 1:
+            raise ValueError(f"response id {submit.rid!r} is already stored")
+        self._placeholders.add(submit.rid)
+
+    def start(self, rid: str) -> None:
+        """A queued (background) response got its first tick: in progress."""
+        self._db.execute("UPDATE responses SET status = ? WHERE id = ? AND status = ?",
+                         (ResponseStatus.IN_PROGRESS.value, rid, ResponseStatus.QUEUED.value))
+
+    def history(self, previous_response_id: str) -> list[Message] | None:
+        """The whole conversation up to and including that response's output.
+
+        None when the id is unknown, or still queued / in progress (its output does not exist).
+        """
+        row = self._db.execute(
+            "SELECT status, messages, output_text FROM responses WHERE id = ?",
+            (previous_response_id,),
+        ).one()
+        if row is None or row["status"] in PLACEHOLDER_STATUSES:
+            return None
+        messages = _messages_decoder.decode(row["messages"])
+        if row["output_text"] is not None:
+            messages.append(Message("assistant", _from_text_column(row["output_text"]) or ""))
+        return messages
+
+    def complete(
+        self, rid: str, output_text: str, usage: Usage, *, incomplete_reason: str | None = None
+    ) -> None:
+        """Completed; or incomplete when ``incomplete_reason`` is given (``max_output_tokens``)."""
+        status = ResponseStatus.COMPLETED if incomplete_reason is None else ResponseStatus.INCOMPLETE
+        self._end(rid, status, output_text=text_column(output_text), usage=_json(usage),
+                  incomplete_reason=incomplete_reason, completed_at=self._clock())
+
+    def fail(self, rid: str, message: str) -> None:
+        self._end(rid, ResponseStatus.FAILED, error=text_column(message))
+
+    def cancel(self, rid: str) -> None:
+        """Background cancel: the row stays, ``cancelled``, whatever arrives later."""
+        self._end(rid, ResponseStatus.CANCELLED)
+
+    def remove(self, rid: str) -> None:
+        """Foreground abort: the placeholder goes. A terminal row (a cancelled one) is kept."""
+        self._placeholders.discard(rid)
+        self._db.execute(
+            f"DELETE FROM responses WHERE id = ? AND status IN {_PLACEHOLDERS_SQL}", (rid,)
+        )
+
+    def num_placeholders(self) -> int:
+        return len(self._placeholders)
+
+    def _turn(self, fields: ResponseFields) -> list[Message] | None:
+        """History, then this request's input: what the row stores (no instructions)."""
+        history: list[Message] | None = []
+        if fields.previous_response_id is not None:
+            history = self.history(fields.previous_response_id)
+        if history is None:
+            return None
+        return history + input_items_to_messages(fields.input_items, None)
+
+    def _end(self, rid: str, status: ResponseStatus, **columns: Any) -> None:
+        self._placeholders.discard(rid)
+        sets = "".join(f", {name} = ?" for name in columns)
+        self._db.execute(
+            f"UPDATE responses SET status = ?{sets} WHERE id = ? AND status IN {_PLACEHOLDERS_SQL}",
+            (status.value, *columns.values(), rid),
+        )
+
+    # --- the proxy's side: GET / DELETE / cancel ----------------------------------------------
+
+    def handle_op(self, op: ResponseOp, running: bool) -> ResponseReply:
+        """Answer one ResponseOp. ``running``: the engine holds a live session for this id.
+
+        A CANCEL answered with status 200 obliges the caller to abort the session with cause
+        CANCEL (idempotent: harmless when the session has already ended).
+        """
+        row = self._row(op.response_id)
+        if row is None:
+            return ResponseReply(op.op_id, 404,
+                                 message=f"No response found with id '{op.response_id}'.")
+        if op.op is ResponseOpKind.GET:
+            return ResponseReply(op.op_id, 200, body=_body(row))
+        if op.op is ResponseOpKind.INPUT_ITEMS:
+            items = input_item_objects(op.response_id, msgspec.json.decode(row["input_items"]))
+            return ResponseReply(op.op_id, 200, body={"data": items})
+        if op.op is ResponseOpKind.DELETE:
+            return self._delete(op, row, running)
+        return self._cancel_op(op, row)
+
+    def _row(self, rid: str) -> Any:
+        return self._db.execute("SELECT * FROM responses WHERE id = ?", (rid,)).one()
+
+    def _is_live(self, row: Any, running: bool) -> bool:
+        """Whether a session somewhere still runs this row (only placeholders can be live)."""
+        if row["status"] not in PLACEHOLDER_STATUSES:
+            return False
+        owner = row["owner"]
+        if owner is None or owner == self.replica_id:
+            # A placeholder that no session of ours owns is a crash leftover.
+            return running or row["id"] in self._placeholders
+        lease = self._db.execute("SELECT lease_until FROM replicas WHERE replica_id = ?",
+                                 (owner,)).one()
+        return lease is not None and lease["lease_until"] >= self._clock()
+
+    def _delete(self, op: ResponseOp, row: Any, running: bool) -> ResponseReply:
+        # Deleting a live response would leave an engine generating for nobody.
+        if self._is_live(row, running):
+            return ResponseReply(
+                op.op_id, 400,
+                message=f"Cannot delete response '{op.response_id}' while it is "
+                f"{row['status']}; cancel it (background) or wait for it to finish.",
+            )
+        self._db.execute("DELETE FROM responses WHERE id = ?", (op.response_id,))
+        body = {"id": op.response_id, "object": "response.deleted", "deleted": True}
+        return ResponseReply(op.op_id, 200, body=body)
+
+    def _cancel_op(self, op: ResponseOp, row: Any) -> ResponseReply:
+        if not row["background"]:
+            return ResponseReply(
+                op.op_id, 400,
+                message=f"Cannot cancel response '{op.response_id}': only background responses "
+                "can be cancelled.",
+            )
+        status = row["status"]
+        if status in PLACEHOLDER_STATUSES:
+            self.cancel(op.response_id)
+            owner = row["owner"]
+            if owner is not None and owner != self.replica_id:
+                self._request_cancel(op.response_id, owner)
+            cancelled = self._row(op.response_id)
+            assert cancelled is not None
+            row = cancelled
+        elif status != ResponseStatus.CANCELLED:
+            return ResponseReply(op.op_id, 400,
+                                 message=f"Cannot cancel a response that is {status}.")
+        return ResponseReply(op.op_id, 200, body=_body(row))
+
+    # --- replicas: the cancel channel and the lease ---------------------------------------------
+
+    def _request_cancel(self, rid: str, owner: str) -> None:
+        with self._db.transaction() as tx:
+            tx.execute("INSERT INTO cancel_requests (response_id, owner, requested_at) VALUES "
+                       "(?, ?, ?) ON CONFLICT (response_id) DO NOTHING",
+                       (rid, owner, self._clock()))
+            self._db.notify(tx, owner)
+
+    def take_cancels(self) -> list[str]:
+        """Responses of ours cancelled through another replica since the last call (no I/O)."""
+        out: list[str] = []
+        while True:
+            try:
+                out.append(self._cancels.get_nowait())
+            except queue.Empty:
+                return out
+
+    def watcher(self, db: Database | None = None) -> Watcher:
+        """This replica's housekeeping on ``db`` (default: this store's own connection)."""
+        return Watcher(db or self._db, self.replica_id, self.lease_s, self._cancels,
+                       max_count=self.max_count, max_age_s=self.max_age_s, clock=self._clock)
+
+    def start_watching(self) -> None:
+        """Take the lease and run the housekeeping in its own thread, on its own connection."""
+        self._watcher = self.watcher(self._db.for_thread())
+        self._watcher.start()
+
+    # --- housekeeping -------------------------------------------------------------------------
+
+    def cleanup_crashed(self) -> int:
+        """At startup: end the placeholders a previous run of this replica left behind.
+
+        Foreground ones are deleted (their client is long gone); background ones become
+        ``failed`` so that a client polling them sees an end rather than a 404. Rows of other
+        replicas are theirs (or their lease's) to end.
+        """
+        rows = self._db.execute(
+            f"SELECT id, background FROM responses WHERE status IN {_PLACEHOLDERS_SQL} "
+            "AND (owner = ? OR owner IS NULL)", (self.replica_id,)
+        ).rows
+        orphans = [r for r in rows if r["id"] not in self._placeholders]
+        for row in orphans:
+            if row["background"]:
+                self._end(row["id"], ResponseStatus.FAILED, error=text_column(CRASHED_MESSAGE))
+            else:
+                self.remove(row["id"])
+        return len(orphans)
+
+    def prune(self) -> int:
+        """Drop finished responses beyond ``max_age_s`` or ``max_count`` (oldest first).
+
+        The watcher runs it every few seconds, off the tick."""
+        return self.watcher().prune()
+
+    def num_stored(self) -> int:
+        return int(self._db.execute("SELECT count(*) AS n FROM responses").one()["n"])
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            try:
+                self._watcher.release()
+            except Exception:  # a store already gone: the lease runs out by itself
+                pass
+            self._watcher.db.close()
+            self._watcher = None
+        self._db.close()

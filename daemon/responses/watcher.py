@@ -1,0 +1,157 @@
+"""What a replica does for a shared store off its tick thread: hold its lease, end the responses
+of replicas whose lease ran out, learn of cancels aimed at it, prune.
+
+The tick never waits on this: the watcher runs in its own thread with its own connection and hands
+cancelled response ids over through a queue, which the tick drains at its start. On PostgreSQL it
+sleeps in LISTEN and wakes on the NOTIFY that a cancel sends; on SQLite (pairs on one machine) it
+polls every 100 ms, a read that WAL mode never blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from daemon.responses.db import Database, Listener
+from ipc.response_object import PLACEHOLDER_STATUSES, ResponseStatus
+
+log = logging.getLogger("tether.store")
+
+OWNER_LOST_MESSAGE = "The replica running this response stopped before it finished."
+POLL_S = 0.1  # the bound on how late an owner learns of a cancel (SQLite; PostgreSQL's backstop)
+LISTEN_BACKSTOP_S = 0.5  # PostgreSQL: a NOTIFY lost across a reconnect is found by this poll
+
+PLACEHOLDERS_SQL = "(" + ", ".join(sorted(f"'{s.value}'" for s in PLACEHOLDER_STATUSES)) + ")"
+
+
+class Watcher:
+    """One replica's housekeeping on one connection; `start` runs it in a thread."""
+
+    def __init__(self, db: Database, replica_id: str, lease_s: float,
+                 cancels: queue.SimpleQueue[str], *, max_count: int, max_age_s: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.db = db
+        self.replica_id = replica_id
+        self.lease_s = lease_s
+        self.cancels = cancels
+        self.max_count = max_count
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- one pass of each duty ---------------------------------------------------------------------
+
+    def renew(self) -> None:
+        self.db.execute(
+            "INSERT INTO replicas (replica_id, lease_until) VALUES (?, ?) ON CONFLICT "
+            "(replica_id) DO UPDATE SET lease_until = excluded.lease_until",
+            (self.replica_id, self.clock() + self.lease_s))
+
+    def release(self) -> None:
+        """A clean stop: nothing of ours is left running, so no one need wait out the lease."""
+        self.db.execute("DELETE FROM replicas WHERE replica_id = ?", (self.replica_id,))
+
+    def poll_cancels(self) -> int:
+        ids = [r["response_id"] for r in self.db.execute(
+            "SELECT response_id FROM cancel_requests WHERE owner = ?", (self.replica_id,)).rows]
+        for rid in ids:
+            self.db.execute("DELETE FROM cancel_requests WHERE response_id = ?", (rid,))
+            self.cancels.put(rid)
+        return len(ids)
+
+    def sweep(self) -> int:
+        """End the unfinished responses of every replica whose lease has run out."""
+        dead = [r["replica_id"] for r in self.db.execute(
+            "SELECT replica_id FROM replicas WHERE lease_until < ? AND replica_id <> ?",
+            (self.clock(), self.replica_id)).rows]
+        ended = 0
+        for owner in dead:
+            with self.db.transaction() as tx:
+                n = 0
+                # Background responses become failed, so a poller sees an end; foreground ones
+                # go, as their clients went with the replica.
+                n += tx.execute(
+                    f"UPDATE responses SET status = ?, error = ? WHERE owner = ? AND background = 1"
+                    f" AND status IN {PLACEHOLDERS_SQL}",
+                    (ResponseStatus.FAILED.value, _json_text(OWNER_LOST_MESSAGE), owner)).rowcount
+                n += tx.execute(
+                    f"DELETE FROM responses WHERE owner = ? AND background = 0 AND status IN "
+                    f"{PLACEHOLDERS_SQL}", (owner,)).rowcount
+                tx.execute("DELETE FROM cancel_requests WHERE owner = ?", (owner,))
+                tx.execute("DELETE FROM replicas WHERE replica_id = ? AND lease_until < ?",
+                           (owner, self.clock()))
+            ended += n
+            log.warning("replica %s lost its lease; ended its %d unfinished responses", owner, n)
+        return ended
+
+    def prune(self) -> int:
+        """Drop finished responses beyond ``max_age_s`` or ``max_count`` (oldest first)."""
+        finished = f"status NOT IN {PLACEHOLDERS_SQL}"
+        no_limit = "-1" if self.db.dialect == "sqlite" else "ALL"
+        with self.db.transaction() as tx:
+            by_age = tx.execute(f"DELETE FROM responses WHERE stored_at < ? AND {finished}",
+                                (self.clock() - self.max_age_s,)).rowcount
+            by_count = tx.execute(
+                f"DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE {finished} "
+                f"ORDER BY stored_at DESC, id DESC LIMIT {no_limit} OFFSET ?)",
+                (self.max_count,)).rowcount
+        return by_age + by_count
+
+    def housekeep(self) -> None:
+        self.renew()
+        self.sweep()
+        self.prune()
+
+    # --- the thread ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.housekeep()  # hold the lease before the first response begins
+        self._thread = threading.Thread(target=self._run, name="tether-store-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        listener: Listener | None = None
+        next_housekeep = self.clock() + self.lease_s / 3
+        while not self._stop.is_set():
+            try:
+                if listener is None:
+                    listener = self.db.listen()
+                if self.clock() >= next_housekeep:
+                    self.housekeep()
+                    next_housekeep = self.clock() + self.lease_s / 3
+                self.poll_cancels()
+                if listener is None:
+                    self._stop.wait(POLL_S)
+                else:
+                    listener.wait(LISTEN_BACKSTOP_S)
+            except Exception as e:  # the store is away: say so, keep trying, never kill the tick
+                log.warning("response store housekeeping failed: %s", e)
+                if listener is not None:
+                    _close_quietly(listener)
+                    listener = None
+                self._stop.wait(1.0)
+        if listener is not None:
+            _close_quietly(listener)
+
+
+def _json_text(value: str) -> str:
+    return msgspec.json.encode(value).decode()  # as store.text_column: free text is JSON
+
+
+def _close_quietly(listener: Listener) -> None:
+    try:
+        listener.close()
+    except Exception:
+        pass

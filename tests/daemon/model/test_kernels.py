@@ -1,0 +1,187 @@
+"""The CPU kernels (daemon/model/kernels/cpu_kernels.c) against torch, shape by shape."""
+
+from __future__ import annotations
+
+import math
+import platform
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from daemon.model.attention import AttentionMetadata, PagedAttention
+from daemon.model.config import ModelConfig
+from daemon.model.decoder import DecoderLM, RMSNorm
+from daemon.model.kernels import cpu
+from daemon.model.kernels.cpu_modules import CpuDecoderLayer, CpuPagedAttention, KernelRMSNorm, PackedLinear
+from daemon.model.loader import init_random_
+from daemon.model.runner import ModelRunner, ScheduledChunk
+from tests.support.paged_cache import random_cache
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu.Kernels:
+    lib = cpu.load()
+    assert lib is not None, f"the CPU kernels must build here: {cpu.failure()}"
+    return lib
+
+
+def weights(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize(("n_out", "n_in"), [(96, 64), (70, 33), (1, 7), (300, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_linear_matches_torch(kernels: cpu.Kernels, n_out: int, n_in: int, rows: int) -> None:
+    w, b = weights(n_out, n_in), torch.randn(n_out)
+    x = torch.randn(rows, n_in)
+    layer = PackedLinear(w, b, kernels, int8=False)
+    assert layer.packed.shape == (-(-n_out // 32), n_in, 32)
+    assert torch.allclose(layer(x), F.linear(x, w, b), atol=1e-5)
+
+
+@pytest.mark.parametrize("intermediate", [64, 40, 5])
+def test_gate_up_writes_silu_times_up(kernels: cpu.Kernels, intermediate: int) -> None:
+    w = weights(2 * intermediate, 48)
+    x = torch.randn(5, 48) * 4  # large gates: both tails of silu
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    out = PackedLinear(w, None, kernels, int8=False, gate_up=True)(x)
+    assert out.shape == (5, intermediate)
+    assert torch.allclose(out, F.silu(gate) * up, atol=1e-5)
+
+
+def test_bfloat16_weights_compute_in_float32(kernels: cpu.Kernels) -> None:
+    w = weights(64, 96).bfloat16()
+    x = torch.randn(2, 96)
+    out = PackedLinear(w, None, kernels, int8=False)(x)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, F.linear(x, w.float()), atol=1e-5)
+
+
+def test_int8_weights_use_a_scale_per_row(kernels: cpu.Kernels) -> None:
+    w = weights(40, 64)
+    w[3] *= 100  # one loud row must not cost the others their precision
+    w[7] = 0  # an all-zero row
+    q, scale = cpu.quantize_int8(w)
+    assert q.dtype == torch.int8 and (q[7] == 0).all()
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+    x = torch.randn(3, 64)
+    layer = PackedLinear(w, None, kernels, int8=True)
+    assert torch.allclose(layer(x), F.linear(x, q.float() * scale[:, None]), atol=1e-4)
+    ids = torch.tensor([0, 3, 39])
+    assert torch.allclose(layer.rows(ids), q[ids].float() * scale[ids, None])
+
+
+def test_rmsnorm_matches_the_torch_module(kernels: cpu.Kernels) -> None:
+    norm = RMSNorm(80, 1e-5, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(80))
+    x = torch.randn(20, 80)
+    assert torch.allclose(KernelRMSNorm(norm, kernels)(x), norm(x), atol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "bias", "head_dim"), [(torch.float32, False, 64),
+                                                         (torch.float32, True, 32),
+                                                         (torch.bfloat16, False, 64),
+                                                         (torch.float32, False, 24)])
+def test_decoder_layer_matches_the_torch_layer(kernels: cpu.Kernels, dtype: torch.dtype,
+                                               bias: bool, head_dim: int) -> None:
+    """One layer over a batch of decodes and prefill chunks: same output, same cache."""
+    config = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=72, num_layers=1,
+                         num_heads=6, num_kv_heads=2, head_dim=head_dim, qkv_bias=bias)
+    model = DecoderLM(config, torch.device("cpu"), dtype)
+    init_random_(model, seed=3)
+    runner = ModelRunner(model, config, num_blocks=32)
+    chunks = [ScheduledChunk([1], 20, [3, 9], True), ScheduledChunk([2], 5, [4], True),
+              ScheduledChunk([3, 4, 5], 14, [7, 8], True),
+              ScheduledChunk(list(range(6, 15)), 0, [30], True)]
+    batch = runner._prepare(chunks)
+    torch.manual_seed(0)
+    x = torch.randn(len(batch.input_ids), 96).to(dtype)
+    angles = batch.positions.float()[:, None, None] * model.inv_freq
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    cache = torch.randn(runner.kv_caches[0].shape).to(dtype)  # context the decodes attend to
+    caches = [cache.clone(), cache.clone()]
+    with torch.inference_mode():
+        want = model.layers[0](x, cos, sin, caches[0], batch.meta)
+        layer = CpuDecoderLayer(model.layers[0], config, kernels, int8=False)
+        got = layer(x.clone(), cos, sin, caches[1], batch.meta)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (got - want.float()).abs().max() < tol
+    assert (caches[1].float() - caches[0].float()).abs().max() < tol
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (9, 3, 64), (8, 8, 32),
+                                                             (12, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_the_blocks_in_place(kernels: cpu.Kernels, heads: int,
+                                                    kv_heads: int, head_dim: int,
+                                                    dtype: torch.dtype) -> None:
+    lens = [1, 15, 16, 17, 33, 300]
+    cache, tables, lens_t = random_cache(lens, kv_heads, head_dim, dtype=dtype)
+    q = torch.randn(len(lens), heads + 2 * kv_heads, head_dim)[:, :heads]  # as the model's view
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables, lens_t, [])
+    want = PagedAttention().decode(q, cache[0].float(), cache[1].float(), meta)
+    got = CpuPagedAttention(kernels).decode(q, cache[0], cache[1], meta)
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_decode_attention_scale_is_one_over_sqrt_head_dim(kernels: cpu.Kernels) -> None:
+    # Two keys whose scores differ by exactly sqrt(d) * 1: softmax weights e / (1 + e).
+    cache = torch.zeros(2, 1, 1, 16, 64)
+    cache[0, 0, 0, 0, 0] = math.sqrt(64)
+    cache[1, 0, 0, 0, 0], cache[1, 0, 0, 1, 0] = 1.0, 0.0
+    q = torch.zeros(1, 1, 64)
+    q[0, 0, 0] = 1.0
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 1, torch.tensor([[0]]),
+                             torch.tensor([2]), [])
+    out = CpuPagedAttention(kernels).decode(q, cache[0], cache[1], meta)
+    assert math.isclose(float(out[0, 0, 0]), math.e / (1 + math.e), rel_tol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 vector widths")
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])  # AVX2 (8 lanes), SSE2 (4 lanes)
+def test_narrower_vector_builds_compute_the_same(arch: str) -> None:
+    """The machine's native build is tested above; these are what AVX2-only or older CPUs
+    build, with other tile shapes and an int8 path of their own."""
+    lib = cpu.Kernels(cpu._build(arch))
+    w, b, x = weights(70, 33), torch.randn(70), torch.randn(5, 33)
+    assert torch.allclose(PackedLinear(w, b, lib, int8=False)(x), F.linear(x, w, b), atol=1e-5)
+    q, scale = cpu.quantize_int8(w)
+    assert torch.allclose(PackedLinear(w, None, lib, int8=True)(x),
+                          F.linear(x, q.float() * scale[:, None]), atol=1e-4)
+    gate_up = weights(80, 33)
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    assert torch.allclose(PackedLinear(gate_up, None, lib, int8=False, gate_up=True)(x),
+                          F.silu(gate) * up, atol=1e-5)
+    lens = [1, 17, 300]
+    for dtype in (torch.float32, torch.bfloat16):
+        cache, tables, lens_t = random_cache(lens, 2, 64, dtype=dtype)
+        q_heads = torch.randn(len(lens), 6, 64)
+        meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables, lens_t, [])
+        want = PagedAttention().decode(q_heads, cache[0].float(), cache[1].float(), meta)
+        got = CpuPagedAttention(lib).decode(q_heads, cache[0], cache[1], meta)
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_build_is_cached_by_source_and_machine(kernels: cpu.Kernels) -> None:
+    assert kernels.path.parent == cpu.cache_dir() and kernels.path.is_file()
+    assert cpu._build() == kernels.path  # a second start compiles nothing
+
+
+def test_a_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CC", "no-such-cc")
+    monkeypatch.setenv("TETHER_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"no C compiler.*no-such-cc"):
+        cpu._build()
+
+
+def test_a_failing_compiler_leaves_no_file(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("TETHER_CACHE_DIR", str(tmp_path))
+    with pytest.raises((RuntimeError, subprocess.SubprocessError), match="false failed"):
+        cpu._build()
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,467 @@
+"""The response store, run against each backend: SQLite and PostgreSQL (a throwaway server)."""
+
+import sqlite3
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai.types.responses import Response
+
+from daemon.responses.store import CRASHED_MESSAGE, SCHEMA_VERSION, ResponseStore, StoreError
+from daemon.responses.watcher import OWNER_LOST_MESSAGE
+from ipc.records import (
+    Message,
+    RequestKind,
+    ResponseFields,
+    ResponseOp,
+    ResponseOpKind,
+    SamplingParams,
+    Submit,
+    Usage,
+)
+from tests.support.wait import wait_for
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def submit(
+    rid: str,
+    text: str = "hi",
+    *,
+    previous: str | None = None,
+    background: bool = False,
+    store: bool = True,
+    instructions: str | None = None,
+) -> Submit:
+    fields = ResponseFields(
+        store=store,
+        background=background,
+        previous_response_id=previous,
+        instructions=instructions,
+        input_items=[{"role": "user", "content": text}],
+        created_at=1_700_000_000,
+        model="tiny",
+    )
+    return Submit(rid, 1, RequestKind.RESPONSE, SamplingParams(max_tokens=8), response=fields)
+
+
+def op(kind: ResponseOpKind, rid: str) -> ResponseOp:
+    return ResponseOp(f"op-{kind}-{rid}", kind, rid, 1)
+
+
+def get(store: ResponseStore, rid: str) -> tuple[int, dict[str, Any] | None]:
+    reply = store.handle_op(op(ResponseOpKind.GET, rid), running=False)
+    return reply.status, reply.body
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """Where a store lives: a SQLite file, or a fresh schema in the test PostgreSQL."""
+    if request.param == "sqlite":
+        return tmp_path / "state" / "responses.db"
+    return str(request.getfixturevalue("postgres").new_schema())
+
+
+Open = Callable[..., ResponseStore]
+
+
+@pytest.fixture
+def open_store(target: Path | str, clock: Clock) -> Iterator[Open]:
+    opened: list[ResponseStore] = []
+
+    def open_(replica_id: str = "r1", max_count: int = 100, **kw: Any) -> ResponseStore:
+        s = ResponseStore(target, max_count=max_count, max_age_s=3600.0, clock=clock,
+                          replica_id=replica_id, **kw)
+        opened.append(s)
+        return s
+
+    yield open_
+    for s in opened:
+        s.close()
+
+
+@pytest.fixture
+def store(open_store: Open) -> ResponseStore:
+    return open_store()
+
+
+def test_placeholder_lifecycle(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", instructions="be brief"))
+    assert store.num_placeholders() == 1
+    status, body = get(store, "resp_1")
+    assert status == 200 and body is not None
+    assert body["status"] == "in_progress" and body["output"] == []
+
+    store.complete("resp_1", "hello", Usage(4, 2))
+    assert store.num_placeholders() == 0
+    status, body = get(store, "resp_1")
+    assert status == 200
+    parsed = Response.model_validate(body)
+    assert parsed.status == "completed"
+    assert parsed.output_text == "hello"
+    assert parsed.instructions == "be brief"
+    assert parsed.usage is not None and parsed.usage.total_tokens == 6
+    assert parsed.max_output_tokens == 8
+
+
+def test_length_limited_completion_is_incomplete(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    store.complete("resp_1", "cut", Usage(1, 8), incomplete_reason="max_output_tokens")
+    parsed = Response.model_validate(get(store, "resp_1")[1])
+    assert parsed.status == "incomplete"
+    assert parsed.incomplete_details is not None
+
+
+def test_store_false_leaves_no_row(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", store=False))
+    assert store.num_placeholders() == 0
+    store.complete("resp_1", "x", Usage(1, 1))
+    assert get(store, "resp_1")[0] == 404
+    assert store.num_stored() == 0
+
+
+def test_remove_on_abort_deletes_the_placeholder(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    store.remove("resp_1")
+    assert store.num_placeholders() == 0
+    status = store.handle_op(op(ResponseOpKind.GET, "resp_1"), running=False)
+    assert status.status == 404
+    assert status.message == "No response found with id 'resp_1'."
+
+
+def test_failed_response_keeps_its_error(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    store.fail("resp_1", "out of memory")
+    parsed = Response.model_validate(get(store, "resp_1")[1])
+    assert parsed.status == "failed"
+    assert parsed.error is not None and parsed.error.message == "out of memory"
+
+
+def test_background_cancel_stays_cancelled_after_a_late_finish(store: ResponseStore) -> None:
+    store.begin(submit("resp_bg", background=True))
+    assert get(store, "resp_bg")[1]["status"] == "queued"  # type: ignore[index]
+    reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=True)
+    assert reply.status == 200
+    assert Response.model_validate(reply.body).status == "cancelled"
+    assert store.num_placeholders() == 0
+
+    # The engine's last tick races the cancel; and its abort path must not delete the row.
+    store.complete("resp_bg", "late", Usage(1, 1))
+    store.fail("resp_bg", "late")
+    store.remove("resp_bg")
+    status, body = get(store, "resp_bg")
+    assert status == 200 and body is not None
+    assert body["status"] == "cancelled" and body["output"] == [] and body["error"] is None
+
+    again = store.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False)
+    assert again.status == 200
+
+
+def test_cancel_refusals(store: ResponseStore) -> None:
+    store.begin(submit("resp_done", background=True))
+    store.complete("resp_done", "x", Usage(1, 1))
+    reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_done"), running=False)
+    assert reply.status == 400
+    assert reply.message == "Cannot cancel a response that is completed."
+
+    store.begin(submit("resp_fg"))
+    reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_fg"), running=True)
+    assert reply.status == 400 and "only background" in (reply.message or "")
+    assert get(store, "resp_fg")[1]["status"] == "in_progress"  # type: ignore[index]
+
+    assert store.handle_op(op(ResponseOpKind.CANCEL, "resp_nope"), running=False).status == 404
+
+
+def test_delete(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    busy = store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=True)
+    assert busy.status == 400 and "in_progress" in (busy.message or "")
+
+    store.complete("resp_1", "x", Usage(1, 1))
+    reply = store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False)
+    assert reply.status == 200
+    assert reply.body == {"id": "resp_1", "object": "response.deleted", "deleted": True}
+    assert get(store, "resp_1")[0] == 404
+    assert store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False).status == 404
+
+
+def test_chained_history_of_three_turns(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", "one", instructions="first rules"))
+    store.complete("resp_1", "ONE", Usage(1, 1))
+    store.begin(submit("resp_2", "two", previous="resp_1"))
+    store.complete("resp_2", "TWO", Usage(1, 1))
+
+    third = submit("resp_3", "three", previous="resp_2", instructions="new rules")
+    # Instructions are not carried over previous_response_id; this turn's come first.
+    assert store.conversation(third) == [
+        Message("system", "new rules"),
+        Message("user", "one"),
+        Message("assistant", "ONE"),
+        Message("user", "two"),
+        Message("assistant", "TWO"),
+        Message("user", "three"),
+    ]
+    store.begin(third)
+    store.complete("resp_3", "THREE", Usage(1, 1))
+    # Each row holds the whole conversation: dropping a link does not break the chain.
+    store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False)
+    history = store.history("resp_3")
+    assert history is not None
+    assert [m.content for m in history] == ["one", "ONE", "two", "TWO", "three", "THREE"]
+    assert get(store, "resp_3")[1]["previous_response_id"] == "resp_2"  # type: ignore[index]
+
+
+def test_admission_then_begin_reads_the_history_once(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", "one"))
+    store.complete("resp_1", "ONE", Usage(1, 1))
+    reads: list[str] = []
+    store.db.trace = lambda sql: reads.append(sql) if sql.startswith("SELECT") else None
+    second = submit("resp_2", "two", previous="resp_1")
+    store.conversation(second)
+    store.begin(second)
+    assert len(reads) == 1
+    store.complete("resp_2", "TWO", Usage(1, 1))
+    history = store.history("resp_2")
+    assert history is not None and [m.content for m in history] == ["one", "ONE", "two", "TWO"]
+
+
+def test_unknown_or_running_previous_gives_none(store: ResponseStore) -> None:
+    assert store.conversation(submit("resp_2", previous="resp_missing")) is None
+    store.begin(submit("resp_1"))
+    assert store.history("resp_1") is None
+    with pytest.raises(ValueError, match="resp_1"):
+        store.begin(submit("resp_2", previous="resp_1"))
+    assert store.num_placeholders() == 1
+
+
+def test_store_false_turn_can_continue_a_stored_chain(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", "one"))
+    store.complete("resp_1", "ONE", Usage(1, 1))
+    conversation = store.conversation(submit("resp_2", "two", previous="resp_1", store=False))
+    assert conversation == [Message("user", "one"), Message("assistant", "ONE"),
+                            Message("user", "two")]
+
+
+def test_survives_reopen(open_store: Open, target: Path | str) -> None:
+    first = open_store()
+    first.begin(submit("resp_1", "one"))
+    first.complete("resp_1", "ONE", Usage(1, 1))
+    first.close()
+    if isinstance(target, Path):
+        assert stat.S_IMODE(target.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(target.stat().st_mode) == 0o600
+
+    second = open_store()
+    assert second.cleanup_crashed() == 0
+    assert Response.model_validate(get(second, "resp_1")[1]).output_text == "ONE"
+    assert second.history("resp_1") == [Message("user", "one"), Message("assistant", "ONE")]
+
+
+def test_cleanup_crashed_ends_placeholders_of_a_crashed_run(open_store: Open) -> None:
+    crashed = open_store()
+    crashed.begin(submit("resp_fg"))
+    crashed.begin(submit("resp_bg", background=True))
+    crashed.begin(submit("resp_done"))
+    crashed.complete("resp_done", "x", Usage(1, 1))
+    other = open_store("r2")
+    other.begin(submit("resp_other"))
+    crashed.close()  # no complete/remove: the process died here
+
+    restarted = open_store()
+    assert restarted.num_placeholders() == 0
+    assert restarted.cleanup_crashed() == 2
+    assert get(restarted, "resp_fg")[0] == 404
+    parsed = Response.model_validate(get(restarted, "resp_bg")[1])
+    assert parsed.status == "failed"
+    assert parsed.error is not None and parsed.error.message == CRASHED_MESSAGE
+    assert get(restarted, "resp_done")[0] == 200
+    # Another replica's placeholder is not this replica's to end.
+    assert get(restarted, "resp_other")[1]["status"] == "in_progress"  # type: ignore[index]
+    assert restarted.cleanup_crashed() == 0
+
+
+def test_prune_by_count_drops_the_oldest(open_store: Open, clock: Clock) -> None:
+    store = open_store(max_count=3)
+    for i in range(5):
+        store.begin(submit(f"resp_{i}"))
+        store.complete(f"resp_{i}", "x", Usage(1, 1))
+        clock.now += 1
+    store.begin(submit("resp_live"))
+    assert store.prune() == 2
+    assert [get(store, f"resp_{i}")[0] for i in range(5)] == [404, 404, 200, 200, 200]
+    assert get(store, "resp_live")[0] == 200  # placeholders are never pruned
+    assert store.prune() == 0
+
+
+def test_prune_by_age(store: ResponseStore, clock: Clock) -> None:
+    store.begin(submit("resp_old"))
+    store.complete("resp_old", "x", Usage(1, 1))
+    store.begin(submit("resp_old_live"))
+    clock.now += 3000
+    store.begin(submit("resp_new"))
+    store.complete("resp_new", "x", Usage(1, 1))
+    assert store.prune() == 0
+    clock.now += 700
+    assert store.prune() == 1
+    assert get(store, "resp_old")[0] == 404
+    assert get(store, "resp_new")[0] == 200
+    assert get(store, "resp_old_live")[0] == 200
+
+
+def test_housekeeping_prunes(open_store: Open) -> None:
+    store = open_store(max_count=10)
+    for i in range(30):
+        store.begin(submit(f"resp_{i}"))
+        store.complete(f"resp_{i}", "x", Usage(1, 1))
+    store.watcher().housekeep()
+    assert store.num_stored() == 10
+
+
+def test_duplicate_response_id_is_refused(store: ResponseStore) -> None:
+    store.begin(submit("resp_1"))
+    with pytest.raises(ValueError, match="already stored"):
+        store.begin(submit("resp_1"))
+    assert store.num_placeholders() == 1
+
+
+# --- schema versions -----------------------------------------------------------------------------
+
+
+def test_upgrades_a_version_1_file(tmp_path: Path) -> None:
+    path = tmp_path / "responses.db"
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE responses (id TEXT PRIMARY KEY, status TEXT NOT NULL, created_at INTEGER "
+        "NOT NULL, stored_at REAL NOT NULL, completed_at REAL, model TEXT NOT NULL, instructions "
+        "TEXT, previous_response_id TEXT, background INTEGER NOT NULL, input_items TEXT NOT NULL,"
+        " messages TEXT NOT NULL, output_text TEXT, usage TEXT, error TEXT, incomplete_reason "
+        "TEXT, temperature REAL, top_p REAL, max_output_tokens INTEGER);"
+        "INSERT INTO responses VALUES ('resp_old', 'completed', 1, 1.0, 2.0, 'tiny', NULL, NULL,"
+        " 0, '[]', '[{\"role\":\"user\",\"content\":\"hi\"}]', 'HI', NULL, NULL, NULL, NULL, "
+        "NULL, 8);"
+        "INSERT INTO responses VALUES ('resp_bg', 'in_progress', 1, 1.0, NULL, 'tiny', NULL, "
+        "NULL, 1, '[]', '[]', NULL, NULL, NULL, NULL, NULL, NULL, 8);"
+        "PRAGMA user_version=1;")
+    old.close()
+    store = ResponseStore(path, 100, 3600.0, replica_id="host:8000")
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert store.history("resp_old") == [Message("user", "hi"), Message("assistant", "HI")]
+    assert store.cleanup_crashed() == 1  # a row from before owners belongs to whoever opens it
+    assert get(store, "resp_bg")[1]["status"] == "failed"  # type: ignore[index]
+    store.close()
+
+
+def test_refuses_a_store_newer_than_this_code(open_store: Open, target: Path | str) -> None:
+    store = open_store()
+    if isinstance(target, Path):
+        store.db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    else:
+        store.db.execute("INSERT INTO tether_schema (version) VALUES (?)", (SCHEMA_VERSION + 1,))
+    with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1} is newer"):
+        ResponseStore(target, 100, 3600.0)
+
+
+def test_bad_state_url_is_named() -> None:
+    with pytest.raises(StoreError, match="expected postgresql://"):
+        ResponseStore("mysql://u:secret@h/db", 100, 3600.0)
+
+
+def test_unreachable_postgresql_is_named_without_its_password(tmp_path: Path) -> None:
+    url = f"postgresql://u:hunter2@/db?host={tmp_path}&port=1"
+    with pytest.raises(StoreError, match="cannot connect") as e:
+        ResponseStore(url, 100, 3600.0)
+    assert "hunter2" not in str(e.value) and "u:***@" in str(e.value)
+
+
+# --- replicas sharing one store ------------------------------------------------------------------
+
+
+def test_any_replica_reads_continues_and_deletes_any_response(open_store: Open) -> None:
+    a, b = open_store("a"), open_store("b")
+    a.watcher().renew()
+    a.begin(submit("resp_1", "one"))
+    assert b.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False).status == 400
+    a.complete("resp_1", "ONE", Usage(1, 1))
+    assert Response.model_validate(get(b, "resp_1")[1]).output_text == "ONE"
+    second = submit("resp_2", "two", previous="resp_1")
+    assert b.conversation(second) is not None
+    b.begin(second)
+    b.complete("resp_2", "TWO", Usage(1, 1))
+    items = a.handle_op(op(ResponseOpKind.INPUT_ITEMS, "resp_2"), running=False)
+    assert items.status == 200 and items.body is not None and len(items.body["data"]) == 1
+    assert a.handle_op(op(ResponseOpKind.DELETE, "resp_2"), running=False).status == 200
+    assert get(b, "resp_2")[0] == 404
+
+
+def test_cancel_through_another_replica_reaches_the_owner(open_store: Open) -> None:
+    owner, other = open_store("owner"), open_store("other")
+    owner.watcher().renew()
+    owner.begin(submit("resp_bg", background=True))
+    reply = other.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False)
+    assert reply.status == 200 and reply.body is not None and reply.body["status"] == "cancelled"
+    assert get(owner, "resp_bg")[1]["status"] == "cancelled"  # type: ignore[index]
+    assert owner.take_cancels() == []  # nothing until the owner's watcher looks
+    assert other.watcher().poll_cancels() == 0  # a request names its owner only
+    assert owner.watcher().poll_cancels() == 1
+    assert owner.take_cancels() == ["resp_bg"]
+    assert owner.watcher().poll_cancels() == 0  # taken once
+    # Cancelling again, anywhere, answers the same and asks nothing more of the owner.
+    assert other.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False).status == 200
+    assert owner.watcher().poll_cancels() == 0
+
+
+def test_the_watcher_thread_hands_over_a_cancel(open_store: Open) -> None:
+    owner, other = open_store("owner", lease_s=3.0), open_store("other")
+    owner.start_watching()
+    owner.begin(submit("resp_bg", background=True))
+    assert other.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False).status == 200
+    taken: list[str] = []
+    wait_for(lambda: taken.extend(owner.take_cancels()) or taken, 10, "the cancel at the owner")
+    assert taken == ["resp_bg"]
+
+
+def test_a_dead_owners_responses_are_ended_by_the_next_replica(open_store: Open,
+                                                               clock: Clock) -> None:
+    dead, alive = open_store("dead", lease_s=5.0), open_store("alive", lease_s=5.0)
+    dead.watcher().renew()
+    alive.watcher().renew()
+    dead.begin(submit("resp_bg", background=True))
+    dead.begin(submit("resp_fg"))
+    alive.begin(submit("resp_mine", background=True))
+    assert alive.watcher().sweep() == 0  # a lease still running: nothing to do
+    assert alive.handle_op(op(ResponseOpKind.DELETE, "resp_fg"), running=False).status == 400
+
+    clock.now += 6.0  # `dead` renews no more; `alive` does
+    alive.watcher().renew()
+    assert alive.watcher().sweep() == 2
+    parsed = Response.model_validate(get(alive, "resp_bg")[1])
+    assert parsed.status == "failed"
+    assert parsed.error is not None and parsed.error.message == OWNER_LOST_MESSAGE
+    assert get(alive, "resp_fg")[0] == 404
+    assert get(alive, "resp_mine")[1]["status"] == "queued"  # type: ignore[index]
+    assert alive.watcher().sweep() == 0
+
+
+def test_any_text_is_stored_nul_included(store: ResponseStore) -> None:
+    text = "a\x00b \"quoted\" ünï \\ end"
+    store.begin(submit("resp_1", text, instructions=text))
+    store.complete("resp_1", text, Usage(1, 1))
+    parsed = Response.model_validate(get(store, "resp_1")[1])
+    assert parsed.output_text == text and parsed.instructions == text
+    assert store.history("resp_1") == [Message("user", text), Message("assistant", text)]
+    store.begin(submit("resp_2"))
+    store.fail("resp_2", text)
+    assert get(store, "resp_2")[1]["error"]["message"] == text  # type: ignore[index]
