@@ -52,12 +52,13 @@ lint: $(VENV)/.installed-dev
 
 # Locust with disconnecting users against a fresh server pair; results under results/.
 loadtest: $(VENV)/.installed-dev
-	$(BIN)/python loadtest/run_locust.py $(ARGS)
+	$(BIN)/python -m loadtest.run_locust $(ARGS)
 
 # Every benchmark script in turn; each prints its figures and writes JSON/PNG under results/.
 bench: $(VENV)/.installed-dev
 	@set -e; for script in loadtest/bench_*.py; do \
-		echo "== $$script"; $(BIN)/python "$$script" $(ARGS); \
+		name=$$(basename "$$script" .py); \
+		echo "== $$name"; $(BIN)/python -m "loadtest.$$name" $(ARGS); \
 	done
 
 clean:

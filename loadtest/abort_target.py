@@ -8,9 +8,9 @@ import dataclasses
 import time
 from typing import Any
 
-import common
 import orjson
-import sse_client
+
+from loadtest import metrics, sse_client
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running because"
 
@@ -36,7 +36,7 @@ class Server:
         self.names: dict[str, str] = {}
         self.exact = False  # the server sends token_ids with each chunk
         try:
-            m = common.scrape(base_url)
+            m = metrics.scrape(base_url)
         except OSError:
             return
         for names in FAMILIES.values():
@@ -44,10 +44,10 @@ class Server:
                 self.names = names
                 return
 
-    def scrape(self) -> common.Metrics | None:
-        return common.scrape(self.base) if self.names else None
+    def scrape(self) -> metrics.Metrics | None:
+        return metrics.scrape(self.base) if self.names else None
 
-    def value(self, m: common.Metrics | None, key: str) -> float | None:
+    def value(self, m: metrics.Metrics | None, key: str) -> float | None:
         if m is None or key not in self.names:
             return None
         return m.total(self.names[key])
@@ -93,7 +93,7 @@ class Tally:
     tokens: int = 0
 
 
-def delta(srv: Server, before: common.Metrics | None, after: common.Metrics | None,
+def delta(srv: Server, before: metrics.Metrics | None, after: metrics.Metrics | None,
           key: str) -> float | None:
     a, b = srv.value(after, key), srv.value(before, key)
     return None if a is None or b is None else a - b

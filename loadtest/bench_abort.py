@@ -1,7 +1,7 @@
 """What a departing client costs: abort latency, undelivered tokens, queued drops, goodput.
 
-    python loadtest/bench_abort.py                         # starts its own tether pair
-    python loadtest/bench_abort.py --base-url http://127.0.0.1:8000 --model NAME \\
+    python -m loadtest.bench_abort                         # starts its own tether pair
+    python -m loadtest.bench_abort --base-url http://127.0.0.1:8000 --model NAME \\
         --max-num-seqs 8                                   # any OpenAI-compatible server
 
 Phases (one client at a time unless stated, so counter deltas belong to one request):
@@ -32,18 +32,14 @@ import shlex
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import common
-import sse_client
-from abort_target import FAMILIES, Server, Tally, delta, read_stream
-
-ANCHORS = (
-    "vLLM and SGLang finish the step in flight on an abort (SGLang runs one more decode);",
-    "SGLang polls non-streaming clients every 4 s, llama.cpp every 1 s (never while busy).",
-)
-
+from loadtest import sse_client
+from loadtest.abort_report import plot_churn, plot_latency, report
+from loadtest.abort_target import FAMILIES, Server, Tally, delta, read_stream
+from loadtest.metrics import Histogram, Metrics
+from loadtest.pair import raise_fd_limit, served_model, server_or_url
+from loadtest.report import percentile, results_dir, summary, write_json
 
 # --- phases ----------------------------------------------------------------------------------
 
@@ -70,11 +66,11 @@ async def phase_calibrate(srv: Server, streams: int = 3, tokens: int = 128) -> d
             ticks.append((times[-1] - times[0]) / (usage - 1))
     # None when no stream gave two timed tokens (it ended at once, or arrived in one read):
     # a budget built on a tick of 0 would judge the latency against nothing.
-    return {"tick_s": common.percentile(ticks, 0.5), "exact": srv.exact,
+    return {"tick_s": percentile(ticks, 0.5), "exact": srv.exact,
             "accuracy": reported / counted if counted else 1.0}
 
 
-async def after_drop(srv: Server, before: common.Metrics | None, t_close: float,
+async def after_drop(srv: Server, before: Metrics | None, t_close: float,
                      latency: list[float], after_disconnect: list[float]) -> float | None:
     """Once the server is idle again: appends the client-view abort latency and the tokens
     generated after the disconnect; returns the tokens generated since `before`."""
@@ -104,9 +100,9 @@ async def phase_stream(srv: Server, trials: int, max_tokens: int,
         gen = await after_drop(srv, before, resp.closed_at, latency, after_disconnect)
         if gen is not None:
             waste.append(gen - received * accuracy)
-    return {"trials": trials, "waste_tokens": common.summary(waste),
-            "server_tokens_after_disconnect": common.summary(after_disconnect),
-            "client_abort_latency_s": common.summary(latency), "latency_samples_s": latency}
+    return {"trials": trials, "waste_tokens": summary(waste),
+            "server_tokens_after_disconnect": summary(after_disconnect),
+            "client_abort_latency_s": summary(latency), "latency_samples_s": latency}
 
 
 async def phase_nonstream(srv: Server, trials: int, max_tokens: int) -> dict[str, Any]:
@@ -125,9 +121,9 @@ async def phase_nonstream(srv: Server, trials: int, max_tokens: int) -> dict[str
         gen = await after_drop(srv, before, time.monotonic(), latency, after_disconnect)
         if gen is not None:
             generated.append(gen)
-    return {"trials": trials, "generated_tokens_all_wasted": common.summary(generated),
-            "server_tokens_after_disconnect": common.summary(after_disconnect),
-            "client_abort_latency_s": common.summary(latency), "latency_samples_s": latency}
+    return {"trials": trials, "generated_tokens_all_wasted": summary(generated),
+            "server_tokens_after_disconnect": summary(after_disconnect),
+            "client_abort_latency_s": summary(latency), "latency_samples_s": latency}
 
 
 async def phase_queued(srv: Server, max_num_seqs: int | None, queued: int) -> dict[str, Any]:
@@ -236,98 +232,8 @@ async def phase_churn(srv: Server, streams: int, seconds: float, churn: float,
     return out
 
 
-# --- report ----------------------------------------------------------------------------------
-
-
-def report(results: dict[str, Any], latency_hist: common.Histogram | None,
-           ticks: common.Histogram | None) -> None:
-    tick = results["tick_s"]
-    budget = None if tick is None else tick + 0.002
-    stream, queued, churn = results["stream"], results["queued"], results["churn"]
-    waste_p99 = stream["waste_tokens"]["p99"]
-    server_p99 = latency_hist.quantile(0.99) if latency_hist else None
-    client_p99 = stream["client_abort_latency_s"]["p99"]
-    prefill = queued.get("prefill_tokens_of_dropped")
-    goodput = churn["goodput"]
-    print(f"\n=== abort benchmark ({results['server']}, model {results['model']}) ===")
-    cal = results["calibration"]
-    exact = cal["exact"]
-    shown = "not measured" if tick is None else f"{tick * 1000:.2f} ms"
-    print(f"  tick (one stream) {shown}; client token counts "
-          + ("exact (token_ids)" if exact else
-             f"ESTIMATED: events x {cal['accuracy']:.2f} (server sends no token_ids)"))
-    print(common.goal_line("waste per dropped stream, p99 (tokens)", waste_p99, "<= 1",
-                           None if waste_p99 is None or not exact else waste_p99 <= 1))
-    late_p99 = stream["server_tokens_after_disconnect"]["p99"]
-    print(common.goal_line("  server: tokens after disconnect, p99", late_p99, "<= 1",
-                           None if late_p99 is None else late_p99 <= 1))
-    # A histogram knows the bucket, not the value: the verdict is only given when the whole
-    # bucket holding p99 is on one side of the budget.
-    bounds = latency_hist.bucket(0.99) if latency_hist else None
-    verdict = None if bounds is None or budget is None else (
-        True if bounds[1] <= budget else False if bounds[0] >= budget else None)
-    where = "" if bounds is None else f" (bucket {bounds[0] * 1e3:g}-{bounds[1] * 1e3:g} ms)"
-    print(common.goal_line("abort latency p99, server (stream drops)",
-                           server_p99 and server_p99 * 1e3,
-                           "<= tick + 2 ms" if budget is None else f"<= {budget * 1e3:.2f} ms{where}",
-                           verdict, " ms"))
-    ticks_bounds = ticks.bucket(0.99) if ticks else None
-    ticks_p99 = None if ticks_bounds is None else ticks_bounds[1]
-    print(common.goal_line("  ticks started before the eviction, p99", ticks_p99, "<= 1",
-                           None if ticks_p99 is None else ticks_p99 <= 1))
-    print(common.goal_line("abort latency p99, client view (idle seen)",
-                           client_p99 and client_p99 * 1e3, "(upper bound)", None, " ms"))
-    churn_lat = (churn.get("server_abort_latency_s") or {}).get("p99")
-    print(common.goal_line(f"abort latency p99, server ({churn['streams']}-stream churn)",
-                           churn_lat and churn_lat * 1e3, "(info)", None, " ms"))
-    print(common.goal_line("prefill tokens of dropped queued requests", prefill, "== 0",
-                           None if prefill is None else prefill == 0))
-    print(common.goal_line(f"goodput, {churn['churn']:.0%} churn, {churn['streams']} streams"
-                           + ("" if exact else " (est.)"),
-                           goodput, ">= 0.99",
-                           None if goodput is None else goodput >= 0.99))
-    ns = results["nonstream"]
-    print(f"  non-streaming drop: generated {ns['generated_tokens_all_wasted']['mean']} tokens "
-          f"(mean), after disconnect {ns['server_tokens_after_disconnect']['mean']}, idle after "
-          f"{_ms(ns['client_abort_latency_s']['p50'])} (p50)")
-    print("  anchors: " + "\n           ".join(ANCHORS))
-
-
-def _ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
-
-
-def plot(path: Path, results: dict[str, Any], hist: common.Histogram | None) -> None:
-    series = {"stream drop (client view)": results["stream"]["latency_samples_s"],
-              "non-stream drop (client view)": results["nonstream"]["latency_samples_s"]}
-    series = {k: [v * 1000 for v in vs] for k, vs in series.items()}
-    points = {}
-    if hist is not None and hist.count:
-        points["server histogram (bucket bounds)"] = [
-            (le * 1000, c / hist.count) for le, c in hist.buckets if le != float("inf")]
-    common.plot_cdf(path, series, "abort latency (ms)", "Abort latency CDF", points)
-
-
-def plot_churn(path: Path, churn: dict[str, Any], exact: bool) -> Path | None:
-    series = churn["series"]
-    if any(g is None for g in series["generated"]):
-        return None  # no generation counter on this server
-    goodput, generated = churn["goodput"], churn["generated"]
-    shown = "n/a" if goodput is None else f"{goodput:.3f}"
-    if goodput is not None and generated:
-        shown += f", {generated * (1 - goodput):.0f} of {generated:.0f} tokens undelivered"
-    return common.plot_lines(
-        path, series["t_s"],
-        {"generated (server counter)": series["generated"],
-         "delivered (clients" + (", token_ids)" if exact else ", estimated)"):
-             series["delivered"]},
-        "seconds since the churn phase started", "tokens (cumulative)",
-        f"Tokens generated vs delivered under churn\n{churn['streams']} streams, "
-        f"{churn['churn']:.0%} leave; goodput {shown}")
-
-
 async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
-    model = args.model or common.served_model(base) or "default"
+    model = args.model or served_model(base) or "default"
     srv = Server(base, model)
     results: dict[str, Any] = {"server": base, "model": model,
                                "metrics": next((k for k, v in FAMILIES.items()
@@ -337,7 +243,7 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
     accuracy = 1.0 if cal["exact"] else cal["accuracy"]
     # The server histogram per phase: the budget (one tick of a single stream) only applies
     # to the single-stream drops; under churn a tick carries 100 sequences.
-    hists: dict[str, common.Histogram | None] = {}
+    hists: dict[str, Histogram | None] = {}
     h0, t0 = _hist(srv), _hist(srv, "ticks")
     results["stream"] = await phase_stream(srv, args.trials, args.max_tokens, accuracy)
     h1, t1 = _hist(srv), _hist(srv, "ticks")
@@ -359,7 +265,7 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
     return results
 
 
-def _hist(srv: Server, key: str = "latency") -> common.Histogram | None:
+def _hist(srv: Server, key: str = "latency") -> Histogram | None:
     m = srv.scrape()
     return m.histogram(srv.names[key]) if m and key in srv.names else None
 
@@ -384,17 +290,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.base_url and args.max_num_seqs is None:
         args.max_num_seqs = 16
-    common.raise_fd_limit()
-    out = common.results_dir(args.out, "bench-abort")
-    with common.server_or_url(args.base_url, model=args.serve_model,
-                              max_num_seqs=args.max_num_seqs,
-                              extra_args=shlex.split(args.serve_args)) as (base, _pair):
+    raise_fd_limit()
+    out = results_dir(args.out, "bench-abort")
+    with server_or_url(args.base_url, model=args.serve_model,
+                       max_num_seqs=args.max_num_seqs,
+                       extra_args=shlex.split(args.serve_args)) as (base, _pair):
         results = asyncio.run(run(args, base))
     hist, ticks = results.pop("_hist"), results.pop("_ticks")
-    plot(out / "abort_latency_cdf.png", results, hist)
+    plot_latency(out / "abort_latency_cdf.png", results, hist)
     plot_churn(out / "churn_tokens.png", results["churn"], results["calibration"]["exact"])
     report(results, hist, ticks)
-    common.write_json(out / "abort.json", results)
+    write_json(out / "abort.json", results)
     print(f"  results in {out}")
     return 0
 

@@ -1,7 +1,7 @@
 """Decode attention alone: the kernel that reads the paged cache in place against the gathering
 reference, per layer call, at several batch sizes and context lengths.
 
-    python loadtest/bench_attention.py [--device cpu|cuda] [--streams 1 64] [--contexts 256 1024 2048]
+    python -m loadtest.bench_attention [--device cpu|cuda] [--streams 1 64] [--contexts 256 1024 2048]
 
 On CPU the kernel is daemon/model/kernels/cpu_kernels.c, on CUDA the Triton kernel. Shapes: tiny
 (builtin:tiny's 4 heads, 2 KV heads, head_dim 64) and 8b (32 heads, 8 KV heads, 128). Blocks are
@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import common
 import torch
 
 from daemon.model.attention import AttentionMetadata, PagedAttention
+from loadtest.report import results_dir, write_json
 
 SHAPES = {"tiny": (4, 2, 64), "8b": (32, 8, 128)}
 BLOCK = 16
@@ -127,9 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print(f"=== decode attention, {args.device}, {args.dtype}, {args.threads} threads ===")
     rows = run(args)
-    out = common.results_dir(args.out, "bench-attention")
-    common.write_json(out / "attention.json", {"device": args.device, "dtype": str(args.dtype),
-                                               "threads": args.threads, "rows": rows})
+    out = results_dir(args.out, "bench-attention")
+    write_json(out / "attention.json", {"device": args.device, "dtype": str(args.dtype),
+                                        "threads": args.threads, "rows": rows})
     print(f"  results in {out}")
     return 0
 

@@ -1,6 +1,6 @@
 """Two replicas behind smg against one replica, under the same load.
 
-    python loadtest/bench_cluster.py [--requests 64] [--ttft-trials 20] [--abort-trials 10]
+    python -m loadtest.bench_cluster [--requests 64] [--ttft-trials 20] [--abort-trials 10]
 
   one       `tether serve --threads 1` (one pair)
   cluster   `tether cluster --replicas 2 --threads 1` (two pairs, smg round_robin in front, one
@@ -32,8 +32,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import common
 import httpx
+
+from loadtest.metrics import scrape, wait_settled
+from loadtest.pair import REPO, ServerPair, free_port, tether_command
+from loadtest.report import goal_line, results_dir, summary, write_json
 
 MODEL = "builtin:tiny"
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
@@ -43,10 +46,10 @@ class ClusterRun:
     """`tether cluster` on free ports; replicas at --port + 1 + i."""
 
     def __init__(self, replicas: int, extra: Sequence[str]) -> None:
-        self.port = common.free_port()
+        self.port = free_port()
         self.replicas = replicas
         self.tmp = Path(tempfile.mkdtemp(prefix="tether-bc-"))
-        self.cmd = [*common.tether_command(), "cluster", "--replicas", str(replicas),
+        self.cmd = [*tether_command(), "cluster", "--replicas", str(replicas),
                     "--port", str(self.port), "--runtime-dir", str(self.tmp / "run"),
                     "--state-dir", str(self.tmp / "state"), *extra]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -60,7 +63,7 @@ class ClusterRun:
 
     def __enter__(self) -> ClusterRun:
         log = open(self.tmp / "cluster.log", "wb")
-        env = dict(os.environ, PYTHONPATH=str(common.REPO))
+        env = dict(os.environ, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         deadline = time.monotonic() + 300
@@ -118,7 +121,7 @@ async def throughput(url: str, bodies: list[dict[str, Any]], tokens_of: Any) -> 
     tokens = tokens_of() - before
     ttfts = [t for t, _ in results if t is not None]
     return {"requests": len(bodies), "wall_s": wall, "tokens": tokens,
-            "tokens_per_s": tokens / wall, "ttft_s": common.summary(ttfts)}
+            "tokens_per_s": tokens / wall, "ttft_s": summary(ttfts)}
 
 
 async def ttft_trials(url: str, trials: int) -> list[float]:
@@ -136,14 +139,14 @@ async def ttft_trials(url: str, trials: int) -> list[float]:
 async def abort_trials(url: str, replicas: list[str], trials: int) -> dict[str, Any]:
     body = {"model": MODEL, "stream": True, "ignore_eos": True, "max_tokens": 1500,
             "messages": [{"role": "user", "content": "tell me everything"}]}
-    before = [common.scrape(r) for r in replicas]
+    before = [scrape(r) for r in replicas]
     async with httpx.AsyncClient(timeout=60.0) as client:
         for _ in range(trials):
             await one_stream(client, url, body, drop_after=3)
     baseline = {g: 0.0 for g in ("tether_requests_running", "tether_kv_cache_blocks_used")}
     for r in replicas:
-        common.wait_settled(r, baseline, within=30.0)
-    after = [common.scrape(r) for r in replicas]
+        wait_settled(r, baseline, within=30.0)
+    after = [scrape(r) for r in replicas]
 
     def delta(name: str) -> float:
         return sum(a.total(name) - b.total(name) for a, b in zip(after, before, strict=True))
@@ -157,21 +160,21 @@ async def abort_trials(url: str, replicas: list[str], trials: int) -> dict[str, 
 
 
 def total_tokens(urls: list[str]) -> Any:
-    return lambda: sum(common.scrape(u).total("tether_generation_tokens_total") for u in urls)
+    return lambda: sum(scrape(u).total("tether_generation_tokens_total") for u in urls)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     bodies = mixed_bodies(args.requests, args.max_tokens)
     extra = ["--threads", "1", "--log-format", "text"]
     out: dict[str, Any] = {}
-    with common.ServerPair(extra_args=extra) as one:
+    with ServerPair(extra_args=extra) as one:
         out["one"] = await throughput(one.base_url, bodies, total_tokens([one.base_url]))
     with ClusterRun(2, extra) as c:
         replicas = [c.replica(i) for i in range(2)]
         out["cluster"] = await throughput(c.router, bodies, total_tokens(replicas))
         routed, direct = await ttft_trials(c.router, args.ttft_trials), \
             await ttft_trials(replicas[0], args.ttft_trials)
-        out["ttft"] = {"router": common.summary(routed), "direct": common.summary(direct)}
+        out["ttft"] = {"router": summary(routed), "direct": summary(direct)}
         out["aborts"] = {"router": await abort_trials(c.router, replicas, args.abort_trials),
                          "direct": await abort_trials(replicas[0], replicas, args.abort_trials)}
     return out
@@ -182,7 +185,7 @@ def report(r: dict[str, Any]) -> None:
     print(f"throughput, {r['one']['requests']} mixed requests: one replica "
           f"{r['one']['tokens_per_s']:.1f} tok/s, two behind smg "
           f"{r['cluster']['tokens_per_s']:.1f} tok/s")
-    print(common.goal_line("cluster / one", speedup, ">= 1.8x", speedup >= 1.8, "x"))
+    print(goal_line("cluster / one", speedup, ">= 1.8x", speedup >= 1.8, "x"))
     p50 = {k: r["ttft"][k]["p50"] for k in ("router", "direct")}
     if None not in p50.values():
         print(f"TTFT p50 through smg {p50['router'] * 1000:.2f} ms, direct "
@@ -205,8 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = asyncio.run(run(args))
     report(results)
-    path = common.write_json(common.results_dir(args.out, "bench-cluster") / "cluster.json",
-                             {"args": vars(args), **results})
+    path = write_json(results_dir(args.out, "bench-cluster") / "cluster.json",
+                      {"args": vars(args), **results})
     print(f"wrote {path}")
     return 0
 

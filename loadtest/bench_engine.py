@@ -1,6 +1,6 @@
 """Decode speed: the machine's roofline, our engine and transformers `generate`, one run.
 
-    python loadtest/bench_engine.py [--threads 2] [--baseline] [--kl] [--out DIR]
+    python -m loadtest.bench_engine [--threads 2] [--baseline] [--kl] [--out DIR]
 
 Figures, all measured in this run (A/B interleaved where both sides share the process):
   bandwidth  read bandwidth (`a.sum()` over 1 GiB) at 1 thread and at --threads
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -33,45 +32,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import common
-import decode_figures as figs
-import sse_client
 import torch
 
+from loadtest import bench_tp, sse_client
+from loadtest import decode_figures as figs
+from loadtest.checkpoint import write_checkpoint
+from loadtest.pair import ServerPair, served_model
+from loadtest.report import goal_line, results_dir, write_json
+
 DEFAULT_DIR = Path("/tmp/tether-bench-smollm135m")
-SMOLLM_135M: dict[str, Any] = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-               "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
-               "pad_token_id": 0}
 ANCHOR = {"transformers_batch1": 17, "transformers_batch8": 68, "transformers_batch32": 191}
 CONFIGS = {"ours": "auto", "baseline": "torch"}  # server name -> --kernels
-
-
-def write_checkpoint(path: Path, config: dict[str, Any] = SMOLLM_135M) -> None:
-    """Random SmolLM-135M-shaped Llama + a byte-level tokenizer (one token per byte)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**config)).float()
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    write_byte_tokenizer(path)
-
-
-def write_byte_tokenizer(path: Path) -> None:
-    """A byte-level tokenizer without merges: id 0 is <|endoftext|>, ids 1..256 the bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<|endoftext|>": 0, **{ch: i + 1 for i, ch in enumerate(sorted(alphabet))}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
 def workload(n: int, seed: int) -> list[tuple[int, int]]:
@@ -112,23 +83,23 @@ def ours_itl(base: str, model: str, prompt_len: int, gen_len: int) -> float:
 
 
 def serve(model_dir: Path, kernels: str, args: argparse.Namespace,
-          threads: int | None) -> common.ServerPair:
+          threads: int | None) -> ServerPair:
     extra = ["--dtype", args.dtype, "--device", "cpu", "--kernels", kernels]
     if threads is not None:
         extra += ["--threads", str(threads)]
-    return common.ServerPair(model=str(model_dir), max_num_seqs=max(64, args.mix),
-                             extra_args=extra)
+    return ServerPair(model=str(model_dir), max_num_seqs=max(64, args.mix),
+                      extra_args=extra)
 
 
 def run_ours(model_dir: Path, args: argparse.Namespace,
              mix: list[tuple[int, int]]) -> dict[str, Any]:
     """Each server's figures, the servers taking turns round by round."""
     names = ["ours", "baseline"] if args.baseline else ["ours"]
-    pairs: dict[str, common.ServerPair] = {}
+    pairs: dict[str, ServerPair] = {}
     try:
         for name in names:
             pairs[name] = serve(model_dir, CONFIGS[name], args, args.threads).start()
-        models = {n: common.served_model(p.base_url) or str(model_dir) for n, p in pairs.items()}
+        models = {n: served_model(p.base_url) or str(model_dir) for n, p in pairs.items()}
         res: dict[str, Any] = {n: {"itl_s": float("inf")} for n in names}
         streams = [(args.prompt_len, args.gen_len)] * args.streams
         for _ in range(args.rounds):
@@ -150,7 +121,7 @@ def run_ours(model_dir: Path, args: argparse.Namespace,
 def default_threads_itl(model_dir: Path, args: argparse.Namespace) -> float:
     """Inter-token latency with the daemon's own thread count (--threads left out)."""
     with serve(model_dir, "auto", args, None) as pair:
-        model = common.served_model(pair.base_url) or str(model_dir)
+        model = served_model(pair.base_url) or str(model_dir)
         asyncio.run(ours_requests(pair.base_url, model, [(8, 4)]))
         return min(ours_itl(pair.base_url, model, args.prompt_len, args.gen_len)
                    for _ in range(args.rounds))
@@ -278,8 +249,8 @@ def report(res: dict[str, Any]) -> None:
             res["default_threads"]: res["default_threads_itl_s"]}  # roofline: that count's
     for t, itl in itls.items():
         frac = hf[str(t)]["roofline_ms"] / (itl * 1e3)
-        print(common.goal_line(f"HTTP inter-token latency / roofline, {t} thr", frac, ">= 0.8",
-                               frac >= 0.8))
+        print(goal_line(f"HTTP inter-token latency / roofline, {t} thr", frac, ">= 0.8",
+                        frac >= 0.8))
     theirs = res["transformers"]
     print(f"  transformers generate: {theirs['itl_s'] * 1e3:.1f} ms/token at batch 1, "
           f"{theirs['streams']['tok_per_s']:.1f} tok/s at batch {res['streams']}")
@@ -290,16 +261,16 @@ def report(res: dict[str, Any]) -> None:
               f"{ours['streams']['tok_per_s']:.1f} tok/s at {res['streams']} streams, "
               f"mix {ours['mix']['tok_per_s']:.1f} tok/s "
               f"(transformers static {theirs['mix']['tok_per_s']:.1f})")
-        print(common.goal_line(f"{n} / transformers, {res['streams']} streams", ratio,
-                               ">= 2.5x", ratio >= 2.5))
+        print(goal_line(f"{n} / transformers, {res['streams']} streams", ratio,
+                        ">= 2.5x", ratio >= 2.5))
     print("  builtin:tiny decode tick, ms (" + " / ".join(names) + "):")
     for row in proc["ticks"]:
         print(f"    {row['streams']:>3} streams x {row['context']:>5} context: "
               + " / ".join(f"{row[n]:8.2f}" for n in names))
     by = {(r["streams"], r["context"]): r["ours"] for r in proc["ticks"]}
     ratio = by[64, 400] / by[1, 400]
-    print(common.goal_line("tiny tick, 64 streams / 1 stream, 400 ctx", ratio, "<= 3x",
-                           ratio <= 3))
+    print(goal_line("tiny tick, 64 streams / 1 stream, 400 ctx", ratio, "<= 3x",
+                    ratio <= 3))
     for name, kl in proc.get("kl", {}).items():
         print(f"  logit KL vs fp32, {name}: mean {kl['kl_mean']:.2e}, max {kl['kl_max']:.2e}, "
               f"top-1 agreement {kl['top1_agree']:.1%}")
@@ -326,11 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="> 1: TP=1 against TP=N instead (loadtest/bench_tp.py)")
     args, _ = parser.parse_known_args(argv)
     if args.tensor_parallel_size > 1:
-        import bench_tp
-
         return bench_tp.main(argv)
     args = parser.parse_args(argv)  # the flags of this benchmark, strictly
-    out = common.results_dir(args.out, "bench-engine")
+    out = results_dir(args.out, "bench-engine")
     if not (args.model_dir / "config.json").is_file():
         print(f"writing a random SmolLM-135M-shaped checkpoint to {args.model_dir}", flush=True)
         write_checkpoint(args.model_dir)
@@ -349,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            [g for _, g in mix],
                                            res["tether"]["ours"]["streams"]["prompt_tokens"][0])
     report(res)
-    common.write_json(out / "engine.json", res)
+    write_json(out / "engine.json", res)
     print(f"  results in {out}")
     return 0
 

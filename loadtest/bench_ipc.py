@@ -6,7 +6,7 @@
 2. Control-record latency, ProxyPipes.control -> DaemonPipes.read_control, while the reader
    idles in wait_readable and while it simulates ticks (busy 5 ms, then drains).
 
-    python loadtest/bench_ipc.py [--records N] [--aborts N] [--out results/bench_ipc.json]
+    python -m loadtest.bench_ipc [--records N] [--aborts N] [--out results/bench_ipc.json]
 """
 
 from __future__ import annotations
@@ -20,14 +20,11 @@ import random
 import select
 import statistics
 import struct
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import orjson
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ipc.pipes import DaemonPipes, ProxyPipes, ensure_fifos
 from ipc.records import (

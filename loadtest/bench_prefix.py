@@ -1,6 +1,6 @@
 """Prefix caching: a shared system prompt and a long Responses conversation, caching on vs off.
 
-    python loadtest/bench_prefix.py [--model builtin:tiny] [--turns 10] [--repeats 3] [--out DIR]
+    python -m loadtest.bench_prefix [--model builtin:tiny] [--turns 10] [--repeats 3] [--out DIR]
 
 In one run, two server pairs on the same model one after the other: prefix caching on (the
 default) and `--no-prefix-caching`. On each, one request at a time, so that counter deltas
@@ -29,9 +29,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import common
 import orjson
-import sse_client
+
+from loadtest import sse_client
+from loadtest.metrics import scrape
+from loadtest.pair import ServerPair, served_model
+from loadtest.report import goal_line, plot_lines, results_dir, write_json
 
 SYSTEM_GOAL = 0.2
 TURN_GOAL = 1.5
@@ -71,7 +74,7 @@ async def streamed(base_url: str, path: str, body: dict[str, Any]) -> dict[str, 
 
 
 def prefilled(base_url: str) -> float:
-    return common.scrape(base_url).total("tether_prompt_tokens_total")
+    return scrape(base_url).total("tether_prompt_tokens_total")
 
 
 async def shared_system(base_url: str, model: str) -> dict[str, Any]:
@@ -113,7 +116,7 @@ async def conversation(base_url: str, model: str, turns: int, output_tokens: int
 
 
 async def measure(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
-    model = common.served_model(base_url) or args.model
+    model = served_model(base_url) or args.model
     system = [await shared_system(base_url, model) for _ in range(args.repeats)]
     convos = [await conversation(base_url, model, args.turns, args.output_tokens)
               for _ in range(args.repeats)]
@@ -150,11 +153,11 @@ def report(res: dict[str, Any]) -> None:
               f"{a['prefilled']:>8.0f}/{b['prefilled']:<8.0f} {a['ttft_s'] * 1e3:>11.1f} "
               f"{b['ttft_s'] * 1e3:>7.1f}")
     share = on["second_prefill_share"]
-    print(common.goal_line("second request prefills (share of system)", share,
-                           f"<= {SYSTEM_GOAL:.0%}", share <= SYSTEM_GOAL))
+    print(goal_line("second request prefills (share of system)", share,
+                    f"<= {SYSTEM_GOAL:.0%}", share <= SYSTEM_GOAL))
     ratio = on["last_over_first_ttft"]
-    print(common.goal_line(f"TTFT turn {res['turns']} / turn 1, caching on", ratio,
-                           f"<= {TURN_GOAL}", ratio <= TURN_GOAL, "x"))
+    print(goal_line(f"TTFT turn {res['turns']} / turn 1, caching on", ratio,
+                    f"<= {TURN_GOAL}", ratio <= TURN_GOAL, "x"))
     print(f"  (caching off: turn {res['turns']} / turn 1 = {off['last_over_first_ttft']:.2f}x)")
 
 
@@ -162,9 +165,9 @@ def plot(path: Path, res: dict[str, Any]) -> Path:
     turns = [row["turn"] for row in res["on"]["per_turn"]]
     series = {f"caching {k}": [row["ttft_s"] * 1e3 for row in res[k]["per_turn"]]
               for k in ("on", "off")}
-    return common.plot_lines(path, turns, series, "turn", "TTFT (ms)",
-                             f"Responses conversation TTFT by turn (model {res['model']})",
-                             marker="o")
+    return plot_lines(path, turns, series, "turn", "TTFT (ms)",
+                      f"Responses conversation TTFT by turn (model {res['model']})",
+                      marker="o")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -177,14 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.turns < 2 or args.repeats < 1:
         parser.error("--turns must be >= 2 and --repeats >= 1")
-    out = common.results_dir(args.out, "bench-prefix")
+    out = results_dir(args.out, "bench-prefix")
     res: dict[str, Any] = {"model": args.model, "turns": args.turns, "repeats": args.repeats,
                            "output_tokens": args.output_tokens}
     for key, extra in (("on", []), ("off", ["--no-prefix-caching"])):
-        with common.ServerPair(model=args.model, extra_args=extra) as pair:
+        with ServerPair(model=args.model, extra_args=extra) as pair:
             res[key] = asyncio.run(measure(pair.base_url, args))
     report(res)
-    common.write_json(out / "prefix.json", res)
+    write_json(out / "prefix.json", res)
     plot(out / "ttft_by_turn.png", res)
     print(f"  results in {out}")
     return 0

@@ -1,6 +1,6 @@
 """The proxy's own cost per SSE event against a bare Starlette SSE app; proxy memory.
 
-    python loadtest/bench_proxy.py [--seconds 4] [--levels 1,100,1000] [--held 1000]
+    python -m loadtest.bench_proxy [--seconds 4] [--levels 1,100,1000] [--held 1000]
                                    [--profile 10] [--out DIR]
 
 In one run, on the same cores and with the same client:
@@ -34,10 +34,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import common
 import orjson
 import psutil
-import sse_client
+
+from loadtest import sse_client
+from loadtest.metrics import scrape
+from loadtest.pair import REPO, ServerPair, free_port, health_ok, raise_fd_limit, served_model
+from loadtest.report import goal_line, plot_lines, results_dir, write_json
 
 BARE_EVENT = b"data: " + orjson.dumps({
     "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "bare",
@@ -81,11 +84,12 @@ def serve_bare(port: int) -> None:
 
 
 def start_bare() -> tuple[subprocess.Popen[bytes], str]:
-    port = common.free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve-bare", str(port)])
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.bench_proxy", "--serve-bare",
+                             str(port)], cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
-    while not common.health_ok(url):
+    while not health_ok(url):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("the bare server did not start")
@@ -263,8 +267,8 @@ def summarise_stacks(collapsed: str, top: int = 25) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace, bare: subprocess.Popen[bytes], bare_url: str,
-              pair: common.ServerPair, out: Path) -> dict[str, Any]:
-    model = common.served_model(pair.base_url) or "default"
+              pair: ServerPair, out: Path) -> dict[str, Any]:
+    model = served_model(pair.base_url) or "default"
     res: dict[str, Any] = {"model": model, "seconds": args.seconds, "levels": args.levels,
                            "stream_tokens": STREAM_TOKENS}
     procs = pair.processes()
@@ -303,16 +307,16 @@ def report(res: dict[str, Any]) -> None:
               f"{bare['bare_writes_per_event']:>15.2f} {ours['proxy_writes_per_event']:>6.2f}")
     if GOAL_LEVEL in res["levels"]:
         share = share_of_bare(res, GOAL_LEVEL)
-        print(common.goal_line(f"proxy / bare events per CPU-s, {GOAL_LEVEL} streams", share,
-                               f">= {GOAL_SHARE:.0%}", None if share is None
-                               else share >= GOAL_SHARE))
+        print(goal_line(f"proxy / bare events per CPU-s, {GOAL_LEVEL} streams", share,
+                        f">= {GOAL_SHARE:.0%}", None if share is None
+                        else share >= GOAL_SHARE))
     mem = res.get("memory")
     if mem:
         print(f"  proxy RSS idle {mem['rss_idle_kb'] / 1024:.1f} MiB, with "
               f"{mem['proxy_sessions_seen']:.0f} held streams {mem['rss_held_kb'] / 1024:.1f} "
               f"MiB, after release {mem['rss_after_release_kb'] / 1024:.1f} MiB")
-        print(common.goal_line("KB per held stream", mem["kb_per_held_stream"], "<= 20",
-                               mem["kb_per_held_stream"] <= 20, " KB"))
+        print(goal_line("KB per held stream", mem["kb_per_held_stream"], "<= 20",
+                        mem["kb_per_held_stream"] <= 20, " KB"))
     prof = res.get("profile")
     if prof:
         print(f"  proxy profile ({prof.get('samples', 0)} samples on CPU)"
@@ -330,10 +334,10 @@ def plot(path: Path, res: dict[str, Any]) -> Path:
                                    for n in levels],
               "proxy (per CPU-s)": [res[f"tether_{n}"]["proxy_events_per_cpu_s"] or 0
                                     for n in levels]}
-    return common.plot_lines(path, levels, series, "concurrent streams",
-                             "SSE events per CPU-second",
-                             f"Proxy cost vs a bare Starlette app (model {res['model']})",
-                             logx=True, logy=True, marker="o")
+    return plot_lines(path, levels, series, "concurrent streams",
+                      "SSE events per CPU-second",
+                      f"Proxy cost vs a bare Starlette app (model {res['model']})",
+                      logx=True, logy=True, marker="o")
 
 
 def levels_arg(text: str) -> list[int]:
@@ -344,11 +348,11 @@ def levels_arg(text: str) -> list[int]:
 
 
 def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
-    with common.ServerPair(model="sim:50", max_num_seqs=128, extra_args=SIM_ARGS) as pair:
-        model = common.served_model(pair.base_url) or "default"
+    with ServerPair(model="sim:50", max_num_seqs=128, extra_args=SIM_ARGS) as pair:
+        model = served_model(pair.base_url) or "default"
 
         def metric(name: str) -> float:
-            return common.scrape(pair.base_url).total(name)
+            return scrape(pair.base_url).total(name)
 
         return asyncio.run(held_streams_rss(pair.base_url, model, pair.processes()["proxy"],
                                             args.held, metric))
@@ -370,14 +374,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve_bare is not None:
         serve_bare(args.serve_bare)
         return 0
-    common.raise_fd_limit(4 * max(args.held, *args.levels) + 1024)
-    out = common.results_dir(args.out, "bench-proxy")
+    raise_fd_limit(4 * max(args.held, *args.levels) + 1024)
+    out = results_dir(args.out, "bench-proxy")
     bare, bare_url = start_bare()
     max_seqs = max(128, *args.levels)
     extra = SIM_ARGS if args.model.startswith("sim:") else ()
     try:
-        with common.ServerPair(model=args.model, max_num_seqs=max_seqs,
-                               extra_args=extra) as pair:
+        with ServerPair(model=args.model, max_num_seqs=max_seqs,
+                        extra_args=extra) as pair:
             res = asyncio.run(run(args, bare, bare_url, pair, out))
     finally:
         bare.terminate()
@@ -385,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.held:
         res["memory"] = measure_memory(args)
     report(res)
-    common.write_json(out / "proxy.json", res)
+    write_json(out / "proxy.json", res)
     plot(out / "throughput_vs_concurrency.png", res)
     print(f"  results in {out}")
     return 0

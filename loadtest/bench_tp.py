@@ -1,7 +1,7 @@
 """Tensor parallel: the engine at TP=1 and TP=N, tokens/s and the time each tick spends talking.
 
-    python loadtest/bench_engine.py --tensor-parallel-size 2 [--threads 2] [--out DIR]
-    python loadtest/bench_tp.py --tensor-parallel-size 2 [--models tiny,tp135m] [--device cuda]
+    python -m loadtest.bench_engine --tensor-parallel-size 2 [--threads 2] [--out DIR]
+    python -m loadtest.bench_tp --tensor-parallel-size 2 [--models tiny,tp135m] [--device cuda]
 
 Both sides are the daemon's own code path in this process (`load_runner`: rank 0 here, the
 other ranks spawned), driven through the real engine, greedy, ignore_eos:
@@ -28,13 +28,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import common
+from loadtest.checkpoint import SMOLLM_135M, write_checkpoint
+from loadtest.report import results_dir, write_json
 
-TP135M: dict[str, Any] = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-                          "num_hidden_layers": 30, "num_attention_heads": 8,
-                          "num_key_value_heads": 4, "max_position_embeddings": 2048,
-                          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-                          "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+# SmolLM-135M with 8 query / 4 KV heads: its own 9 heads do not split in two.
+TP135M = {**SMOLLM_135M, "num_attention_heads": 8, "num_key_value_heads": 4}
 DEFAULT_DIR = Path("/tmp/tether-bench-tp135m")
 
 
@@ -130,12 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args, _ = parser.parse_known_args(argv)
     os.environ["TETHER_TP_TIMING"] = "1"  # time the collectives on CUDA too (every rank)
-    out = common.results_dir(args.out, "bench-tp")
+    out = results_dir(args.out, "bench-tp")
     specs = {"tiny": "builtin:tiny", "tp135m": str(args.model_dir)}
     models = [m for m in args.models.split(",") if m]
     if "tp135m" in models and not (args.model_dir / "config.json").is_file():
-        from bench_engine import write_checkpoint
-
         print(f"writing a random 135M checkpoint (8 heads) to {args.model_dir}", flush=True)
         write_checkpoint(args.model_dir, TP135M)
     tp = args.tensor_parallel_size
@@ -145,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         res["models"][model] = {str(n): one_config(specs[model], n, args) for n in (1, tp)}
         print(f"  {model}: {res['models'][model]}", flush=True)
     report(res)
-    common.write_json(out / "tp.json", res)
+    write_json(out / "tp.json", res)
     print(f"  results in {out}")
     return 0
 

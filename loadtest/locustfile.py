@@ -24,30 +24,26 @@ the tallies live in this process.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import common
 import gevent
-from locust import HttpUser, between, events, task
+from locust import events, task
 from locust.env import Environment
 from locust.runners import WorkerRunner
-from lt_tally import Tally, checks
+
+from loadtest.locust_tally import TALLY, checks
+from loadtest.locust_user import OpenAIUser
+from loadtest.metrics import gauges, scrape, wait_settled
+from loadtest.pair import served_model
+from loadtest.report import write_json
 
 DEFAULT_WEIGHTS = "stream_chat=4,chat=2,completions=2,conversation=1,background=1"
-TERMINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.cancelled",
-                            "response.failed")
 WORDS = ("tether", "stream", "token", "cache", "block", "abort", "pipe", "daemon", "proxy",
          "client", "session", "signal", "queue", "tick", "batch", "prompt")
-
-
-TALLY = Tally()
 
 
 @events.init_command_line_parser.add_listener
@@ -68,149 +64,8 @@ def _add_options(parser: Any) -> None:
                         help="directory for loadtest_checks.json")
 
 
-def _opt(user: HttpUser, name: str) -> Any:
-    return getattr(user.environment.parsed_options, name)
-
-
 def _words(n: int) -> str:
     return " ".join(random.choice(WORDS) for _ in range(n))
-
-
-class Drop:
-    """When a leaving client goes: after some tokens, or after some time (whichever set)."""
-
-    def __init__(self, max_tokens: int) -> None:
-        self.after_tokens: int | None = None
-        self.after_s: float | None = None
-        if random.random() < 0.5:
-            self.after_tokens = random.randint(1, max(1, max_tokens - 1))
-        else:
-            self.after_s = random.uniform(0.01, 0.5)
-
-
-class OpenAIUser(HttpUser):
-    abstract = True
-    wait_time = between(0.05, 0.3)
-    kind = "base"
-
-    # --- helpers ------------------------------------------------------------------------------
-
-    def plan(self) -> Drop | None:
-        if random.random() < _opt(self, "lt_churn"):
-            return Drop(self.max_tokens)
-        return None
-
-    @property
-    def max_tokens(self) -> int:
-        return int(_opt(self, "lt_max_tokens"))
-
-    @property
-    def model(self) -> str:
-        return str(_opt(self, "lt_model"))
-
-    def metric(self, name: str, value: float) -> None:
-        events.request.fire(request_type="METRIC", name=f"{name} {self.kind}",
-                            response_time=value, response_length=0, exception=None, context={})
-
-    def stream(self, path: str, body: dict[str, Any], drop: Drop | None, sequences: int,
-               expect_tokens: int | None) -> dict[str, Any] | None:
-        """POSTs a streaming request and reads it; returns the final usage when it ends."""
-        start = time.perf_counter()
-        times: list[float] = []
-        usage: dict[str, Any] | None = None
-        with self.client.post(path, json=body, stream=True, catch_response=True,
-                              name=f"{path} stream", timeout=60) as resp:
-            if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
-                return None
-            done = False
-            try:
-                done, usage = self.read_events(resp, drop, times)
-                resp.success()
-            finally:
-                if not done:
-                    resp.close()
-                    TALLY.drop(self.kind if drop else f"{self.kind} (stopped)", sequences)
-        self.stream_metrics(start, times, dropped=not done)
-        if done and expect_tokens is not None and usage is not None:
-            got = usage.get("completion_tokens", usage.get("output_tokens"))
-            if got != expect_tokens:
-                TALLY.usage_mismatch += 1
-        return usage if done else None
-
-    def read_events(self, resp: Any, drop: Drop | None,
-                    times: list[float]) -> tuple[bool, dict[str, Any] | None]:
-        """Reads SSE until the end or the planned departure; (ended, usage)."""
-        usage = None
-        timer = gevent.Timeout(drop.after_s) if drop and drop.after_s else None
-        try:
-            if timer is not None:
-                timer.start()
-            for line in resp.iter_lines():
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return True, usage
-                obj = json.loads(data)
-                times.extend([time.perf_counter()] * _tokens(obj))
-                usage = obj.get("usage") or (obj.get("response") or {}).get("usage") or usage
-                if obj.get("type") == "response.failed":
-                    resp.failure(f"response.failed: {data[:200]!r}")
-                if obj.get("type") in TERMINAL_RESPONSE_EVENTS:
-                    return True, usage
-                if drop and drop.after_tokens is not None and len(times) >= drop.after_tokens:
-                    return False, usage
-        except gevent.Timeout as exc:
-            if exc is not timer:
-                raise
-        finally:
-            if timer is not None:
-                timer.close()
-        return False, usage
-
-    def stream_metrics(self, start: float, times: list[float], dropped: bool) -> None:
-        if dropped:
-            self.metric("disconnect", (time.perf_counter() - start) * 1000)
-        if not times:
-            return
-        self.metric("ttft_ms", (times[0] - start) * 1000)
-        if len(times) > 1:
-            span = times[-1] - times[0]
-            self.metric("itl_ms", span / (len(times) - 1) * 1000)
-            if span > 0:
-                self.metric("tokens_per_s", (len(times) - 1) / span)
-
-    @contextlib.contextmanager
-    def killable(self, sequences: int) -> Iterator[None]:
-        """Counts the request as dropped if the user is killed while it is in flight (a user
-        still busy when --stop-timeout runs out): its connection is closed under it."""
-        try:
-            yield
-        except gevent.GreenletExit:
-            TALLY.drop(f"{self.kind} (stopped)", sequences)
-            raise
-
-    def post_json(self, path: str, body: dict[str, Any], name: str | None = None,
-                  sequences: int = 1) -> dict[str, Any] | None:
-        with self.killable(sequences), self.client.post(
-                path, json=body, catch_response=True, name=name or path, timeout=60) as resp:
-            if resp.status_code == 200:
-                resp.success()
-                return dict(resp.json())
-            resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
-            return None
-
-
-def _tokens(obj: dict[str, Any]) -> int:
-    if obj.get("type") == "response.output_text.delta":
-        return 1
-    count = 0
-    for choice in obj.get("choices") or ():
-        delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-        count += 1 if text else 0
-    return count
 
 
 class StreamChatUser(OpenAIUser):
@@ -379,8 +234,8 @@ def _on_test_start(environment: Environment, **_kw: Any) -> None:
         return
     opts = environment.parsed_options
     if opts is not None and not opts.lt_model:
-        opts.lt_model = common.served_model(environment.host) or "default"
-    TALLY.baseline = common.scrape(environment.host)
+        opts.lt_model = served_model(environment.host) or "default"
+    TALLY.baseline = scrape(environment.host)
 
 
 @events.test_stop.add_listener
@@ -388,9 +243,9 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
     if TALLY.baseline is None or isinstance(environment.runner, WorkerRunner):
         return
     assert environment.host and environment.parsed_options
-    base = common.gauges(TALLY.baseline)
-    settled, now, waited = common.wait_settled(environment.host, base,
-                                               environment.parsed_options.lt_settle)
+    base = gauges(TALLY.baseline)
+    settled, now, waited = wait_settled(environment.host, base,
+                                        environment.parsed_options.lt_settle)
     TALLY.settle = {"settled": settled, "baseline": base, "after": now, "waited_s": waited}
 
 
@@ -399,7 +254,7 @@ def _on_quitting(environment: Environment, **_kw: Any) -> None:
     if TALLY.baseline is None or isinstance(environment.runner, WorkerRunner):
         return
     assert environment.host and environment.parsed_options
-    report, problems = checks(TALLY, common.scrape(environment.host))
+    report, problems = checks(TALLY, scrape(environment.host))
     print("\n=== tether load test checks ===")
     for key, value in report.items():
         print(f"  {key:<34} {value}")
@@ -407,7 +262,7 @@ def _on_quitting(environment: Environment, **_kw: Any) -> None:
         print(f"  FAIL: {problem}")
     print("  result:", "FAIL" if problems else "PASS")
     if environment.parsed_options.lt_out:
-        common.write_json(Path(environment.parsed_options.lt_out) / "loadtest_checks.json",
-                          {"figures": report, "problems": problems})
+        write_json(Path(environment.parsed_options.lt_out) / "loadtest_checks.json",
+                   {"figures": report, "problems": problems})
     if problems:
         environment.process_exit_code = 1

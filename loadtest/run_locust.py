@@ -1,8 +1,8 @@
 """Run the locust load test against a fresh tether pair (or a given server).
 
-    python loadtest/run_locust.py                      # 30 s, 20 users, builtin:tiny
-    DURATION=60 USERS=50 python loadtest/run_locust.py
-    python loadtest/run_locust.py --base-url http://127.0.0.1:8000 -- --lt-churn 0.5
+    python -m loadtest.run_locust                      # 30 s, 20 users, builtin:tiny
+    DURATION=60 USERS=50 python -m loadtest.run_locust
+    python -m loadtest.run_locust --base-url http://127.0.0.1:8000 -- --lt-churn 0.5
 
 Environment: DURATION (s, default 30), USERS (default 20), SPAWN_RATE (default USERS),
 MODEL (default builtin:tiny), MAX_NUM_SEQS (default: the server's), plus the LT_* variables
@@ -21,7 +21,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import common
+from loadtest.pair import REPO, ServerPair, raise_fd_limit
+from loadtest.report import results_dir
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 
@@ -39,7 +40,9 @@ def run_locust(host: str, duration_s: float, users: int, spawn_rate: float, out:
                model: str | None, extra: Sequence[str] = ()) -> int:
     cmd = locust_command(host, duration_s, users, spawn_rate, out, model, extra)
     print("$", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=common.REPO, check=False).returncode
+    # From the repository root, which `python -m` puts on sys.path: the locustfile, loaded by
+    # path, imports the rest of the loadtest package.
+    return subprocess.run(cmd, cwd=REPO, check=False).returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,14 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("locust_args", nargs="*", help="after --: passed to locust")
     args = parser.parse_args(argv)
     spawn = args.spawn_rate or float(env("SPAWN_RATE", "0") or 0) or args.users
-    out = common.results_dir(args.out, "loadtest")
-    common.raise_fd_limit()
+    out = results_dir(args.out, "loadtest")
+    raise_fd_limit()
 
     pair = None
     if args.base_url:
         host = args.base_url.rstrip("/")
     else:
-        pair = common.ServerPair(model=args.model, max_num_seqs=args.max_num_seqs).start()
+        pair = ServerPair(model=args.model, max_num_seqs=args.max_num_seqs).start()
         host = pair.base_url
         print(f"tether pair up at {host} (log {pair.log_path})", flush=True)
     try:

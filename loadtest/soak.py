@@ -1,7 +1,7 @@
 """Soak: a long locust run with heavy churn while the pair's memory is watched.
 
-    python loadtest/soak.py                          # 10 min, 200 users, 50% churn
-    python loadtest/soak.py --duration 1800 --users 300 --warmup 120
+    python -m loadtest.soak                          # 10 min, 200 users, 50% churn
+    python -m loadtest.soak --duration 1800 --users 300 --warmup 120
 
 Starts a fresh pair, runs the locust load test (loadtest/locustfile.py, with its own
 settle / 5xx / waste checks) and, beside it, misbehaving clients (loadtest/faults.py: one that
@@ -13,7 +13,7 @@ if the locust run failed, if a misbehaving client's request was answered 5xx, or
 counted any proxy_lost abort (the pipes must never break).
 Writes soak.json, rss.png and the locust report under results/soak-<timestamp>/ (or --out).
 
-    python loadtest/soak.py --duration 90 --users 20 --warmup 30   # a short check
+    python -m loadtest.soak --duration 90 --users 20 --warmup 30   # a short check
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import common
 import psutil
-import run_locust
-from faults import FaultClients
+
+from loadtest import run_locust
+from loadtest.faults import FaultClients
+from loadtest.metrics import scrape
+from loadtest.pair import REPO, ServerPair, raise_fd_limit
+from loadtest.report import goal_line, plot_lines, results_dir, write_json
 
 # The misbehaving clients stop this long before the load does, so the end checks see quiet.
 FAULTS_STOP_BEFORE_S = 20.0
@@ -87,25 +90,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="leave out the misbehaving clients")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    out = common.results_dir(args.out, "soak")
-    common.raise_fd_limit()
+    out = results_dir(args.out, "soak")
+    raise_fd_limit()
 
     extra = [] if args.max_tokens_per_tick is None else [
         "--max-tokens-per-tick", str(args.max_tokens_per_tick)]
-    with common.ServerPair(model=args.model, max_num_seqs=args.max_num_seqs,
-                           extra_args=extra) as pair:
+    with ServerPair(model=args.model, max_num_seqs=args.max_num_seqs,
+                    extra_args=extra) as pair:
         procs = pair.processes()
         cmd = run_locust.locust_command(pair.base_url, args.duration, args.users,
                                         max(1.0, args.users / 10), out, None,
                                         ["--lt-churn", str(args.churn)])
         print("$", " ".join(cmd), flush=True)
-        locust = subprocess.Popen(cmd, cwd=common.REPO)
+        locust = subprocess.Popen(cmd, cwd=REPO)
         faults = FaultClients(pair.base_url).start() if args.faults else None
         times, rss, fault_counts = sample_until_exit(
             locust, procs, args.sample_every, faults,
             max(args.duration - FAULTS_STOP_BEFORE_S, args.duration / 2))
         pids = {name: p.pid for name, p in procs.items()}
-        aborts = common.scrape(pair.base_url).by_label("tether_aborts_total", "cause")
+        aborts = scrape(pair.base_url).by_label("tether_aborts_total", "cause")
 
     verdicts = {name: growth(times, values, args.warmup) for name, values in rss.items()}
     problems = [f"{name} RSS grew {v['growth']:.1%} after warm-up "
@@ -123,20 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"\n=== soak ({args.duration:g} s, {args.users} users, churn {args.churn:g}) ===")
     for name, v in verdicts.items():
-        print(common.goal_line(f"{name} RSS growth after warm-up", v["growth"],
-                               f"<= {args.max_growth:.0%}",
-                               None if v["growth"] is None else v["growth"] <= args.max_growth))
+        print(goal_line(f"{name} RSS growth after warm-up", v["growth"],
+                        f"<= {args.max_growth:.0%}",
+                        None if v["growth"] is None else v["growth"] <= args.max_growth))
     print(f"  misbehaving clients: {fault_counts or 'none'}")
     print(f"  aborts by cause: {aborts}")
     for problem in problems:
         print("  FAIL:", problem)
-    common.write_json(out / "soak.json", {"args": vars(args), "pids": pids, "times_s": times,
-                                          "rss_mib": rss, "growth": verdicts,
-                                          "faults": fault_counts, "aborts": aborts,
-                                          "locust_exit": locust.returncode,
-                                          "problems": problems})
-    common.plot_lines(out / "rss.png", times, rss, "seconds", "RSS (MiB)",
-                      "tether RSS during the soak")
+    write_json(out / "soak.json", {"args": vars(args), "pids": pids, "times_s": times,
+                                   "rss_mib": rss, "growth": verdicts,
+                                   "faults": fault_counts, "aborts": aborts,
+                                   "locust_exit": locust.returncode,
+                                   "problems": problems})
+    plot_lines(out / "rss.png", times, rss, "seconds", "RSS (MiB)",
+               "tether RSS during the soak")
     print(f"  result: {'FAIL' if problems else 'PASS'}; results in {out}")
     return 1 if problems else 0
 

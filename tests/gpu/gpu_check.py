@@ -11,7 +11,7 @@ soon as it ends, so a failure or the budget running out never loses the others:
   b_speed        decode tokens/s at 1, 32 and 128 streams and on a 64-request mix, ours (in
                  this process, graphs on and off) against transformers generate
   c_memory       a real `tether serve` sized by --gpu-memory-utilization, 256 streams at once
-  d_abort        loadtest/bench_abort.py over real processes, shortened
+  d_abort        python -m loadtest.bench_abort over real processes, shortened
 summary.json and a table at the end. A section is skipped, with a note, when the time left is
 under its estimate. --dry-run runs every section on the CPU with builtin:tiny and toy sizes
 (tests/gpu/test_gpu_check.py runs it, so the script cannot rot unseen).
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-for extra in (REPO, REPO / "loadtest", Path(__file__).resolve().parent):
+for extra in (REPO, Path(__file__).resolve().parent):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 

@@ -103,8 +103,9 @@ def dry_run_case() -> Case:
 def make_llama(case: Case) -> Any:
     """The random Llama, built on the device in the run's dtype and saved (with a byte-level
     tokenizer) to case.llama_dir; returns the transformers model."""
-    from bench_engine import write_byte_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loadtest.checkpoint import write_byte_tokenizer
 
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
@@ -303,13 +304,14 @@ def free_run(hf: Any, prompts: dict[str, list[int]], outputs: dict[tuple[str, in
 
 
 def speed(case: Case, left: Left) -> dict[str, Any]:
-    import bench_engine
     from transformers import LlamaForCausalLM
+
+    from loadtest.bench_engine import workload
 
     if not (case.llama_dir / "config.json").is_file():
         make_llama(case)
     loaded = load_model(str(case.llama_dir), case.device, case.dtype)
-    mix = bench_engine.workload(case.speed_mix, 0)
+    mix = workload(case.speed_mix, 0)
     out: dict[str, Any] = {"model": str(case.llama_dir), "prompt_chars": case.speed_len[0],
                            "new_tokens": case.speed_len[1], "mix": mix,
                            "max_tokens_per_tick": case.tick_tokens}
@@ -357,7 +359,7 @@ def ours_speed(case: Case, loaded: LoadedModel, mix: list[tuple[int, int]],
 
 
 def hf_speed(case: Case, hf: Any, mix: list[tuple[int, int]]) -> dict[str, Any]:
-    from bench_engine import left_padded
+    from loadtest.bench_engine import left_padded
 
     gen = torch.Generator().manual_seed(0)
 

@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-import sse_client
 import torch
 from gpu_engine import KEPT, Case, Left, make_llama
+
+from loadtest import sse_client
+from loadtest.metrics import scrape
+from loadtest.pair import ServerPair, served_model, tether_command
 
 REPO = Path(__file__).resolve().parents[2]
 UTILIZATION = 0.85
@@ -81,16 +83,16 @@ def memory(case: Case, left: Left) -> dict[str, Any]:
         out["cpu_refusal"] = refusal()
         sizing = ["--kv-cache-blocks", "512"]
         free0 = 0
-    pair = common.ServerPair(model=model, max_num_seqs=case.serve_streams,
-                             extra_args=[*serve_args(case), *sizing],
-                             startup_timeout=max(30.0, min(180.0, left() - 20)))
+    pair = ServerPair(model=model, max_num_seqs=case.serve_streams,
+                      extra_args=[*serve_args(case), *sizing],
+                      startup_timeout=max(30.0, min(180.0, left() - 20)))
     with FreeMemory(case.device) as free:
         t0 = time.monotonic()
         pair.start()
         out["startup_s"] = time.monotonic() - t0
         try:
             out.update(asyncio.run(streams(pair.base_url, case.serve_streams)))
-            out["kv_blocks_total"] = common.scrape(pair.base_url).total(
+            out["kv_blocks_total"] = scrape(pair.base_url).total(
                 "tether_kv_cache_blocks_total")
             out["server_alive"] = pair.proc is not None and pair.proc.poll() is None
             log = pair.log_path.read_text(errors="replace")
@@ -118,7 +120,7 @@ def refusal() -> dict[str, Any]:
     """On the CPU the setting is refused at start, with a message naming it."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
-            [*common.tether_command(), "daemon", "--device", "cpu", "--model", "builtin:tiny",
+            [*tether_command(), "daemon", "--device", "cpu", "--model", "builtin:tiny",
              "--gpu-memory-utilization", "0.5", "--runtime-dir", f"{tmp}/run",
              "--state-dir", f"{tmp}/state"],
             capture_output=True, text=True, timeout=120, cwd=REPO,
@@ -132,7 +134,7 @@ def refusal() -> dict[str, Any]:
 async def streams(base: str, n: int, prompt_chars: int = 200, new_tokens: int = 256
                   ) -> dict[str, Any]:
     """n non-streaming completions at once; every one must bring back all its tokens."""
-    model = common.served_model(base) or "default"
+    model = served_model(base) or "default"
 
     async def one(i: int) -> int | None:
         body = {"model": model, "prompt": f"{i} " + "w" * prompt_chars,
@@ -156,7 +158,7 @@ async def streams(base: str, n: int, prompt_chars: int = 200, new_tokens: int = 
 def abort(case: Case, left: Left) -> dict[str, Any]:
     model = _checkpoint(case)
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, str(REPO / "loadtest" / "bench_abort.py"), "--serve-model",
+        argv = [sys.executable, "-m", "loadtest.bench_abort", "--serve-model",
                 model, "--serve-args", shlex.join([*serve_args(case), "--kv-cache-blocks",
                                                    "4096"]),
                 *case.abort_args, "--out", tmp]

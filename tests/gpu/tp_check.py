@@ -5,7 +5,7 @@
 1. parity: tests/daemon/model/parallel/test_runner.py on CUDA: TP=N logits within 1e-4 of one GPU
    (float32) and greedy tokens identical, for builtin:tiny and an HF checkpoint made on the
    spot, with chunked prefill, preemption, n > 1 and an abort mid-decode;
-2. benchmark: loadtest/bench_tp.py --device cuda --dtype bfloat16: tokens/s at TP=1 and TP=N
+2. benchmark: python -m loadtest.bench_tp --device cuda --dtype bfloat16: tokens/s at TP=1 and TP=N
    and the time per tick in the NCCL collectives (synchronised to be timed).
 
 For a machine with several GPUs; not part of the suite (CI has none). Exits non-zero when a
@@ -40,7 +40,7 @@ def main() -> int:
     steps = [[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
               "tests/daemon/model/parallel/test_runner.py"]]
     if not args.skip_bench:
-        steps.append([sys.executable, "loadtest/bench_tp.py", "--tensor-parallel-size",
+        steps.append([sys.executable, "-m", "loadtest.bench_tp", "--tensor-parallel-size",
                       str(size), "--device", "cuda", "--dtype", "bfloat16", "--threads", "4"])
     for argv in steps:
         print("tp_check:", " ".join(argv[1:]), flush=True)

@@ -1,11 +1,6 @@
 """The proxy benchmark's reading of py-spy's collapsed stacks."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
-
-import bench_proxy
+from loadtest import bench_proxy
 
 STACKS = """\
 main (tether/cli.py:9);send (uvicorn/protocols/http/httptools_impl.py:5);write (libc.so.6) 6

@@ -1,12 +1,7 @@
 """The engine benchmark's in-process figures on builtin:tiny: the ticker loads the model the way
 the daemon does, times real forward passes, and the KL of a model against itself is zero."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
-
-import decode_figures
+from loadtest import decode_figures
 
 
 def test_tick_scaling_times_real_forward_passes() -> None:

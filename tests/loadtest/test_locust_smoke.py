@@ -19,7 +19,7 @@ def test_locust_smoke_run_passes_its_checks(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = {**os.environ, "LT_CHURN": "0.5", "LT_MAX_TOKENS": "16"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "loadtest" / "run_locust.py"), "--duration", "15",
+        [sys.executable, "-m", "loadtest.run_locust", "--duration", "15",
          "--users", "10", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=170, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-import common
+from loadtest.metrics import Metrics
 
 
 class Tally:
@@ -17,7 +17,7 @@ class Tally:
         self.completed: collections.Counter[str] = collections.Counter()
         self.status_5xx = 0
         self.usage_mismatch = 0
-        self.baseline: common.Metrics | None = None
+        self.baseline: Metrics | None = None
         self.settle: dict[str, Any] = {}
 
     def drop(self, kind: str, sequences: int) -> None:
@@ -25,7 +25,11 @@ class Tally:
         self.dropped_sequences += sequences
 
 
-def checks(tally: Tally, final: common.Metrics) -> tuple[dict[str, Any], list[str]]:
+# One tally per locust process: run the load test alone, not distributed.
+TALLY = Tally()
+
+
+def checks(tally: Tally, final: Metrics) -> tuple[dict[str, Any], list[str]]:
     """The run's figures, and what fails it (an empty list: it passes)."""
     assert tally.baseline is not None
     base = tally.baseline

@@ -1,0 +1,41 @@
+"""A random Llama checkpoint of a given shape for the decode benchmarks, written with
+save_pretrained, and the byte-level tokenizer it ships with (one token per byte)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SMOLLM_135M: dict[str, Any] = {
+    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 0,
+    "eos_token_id": 0, "pad_token_id": 0}
+
+
+def write_checkpoint(path: Path, config: dict[str, Any] = SMOLLM_135M) -> None:
+    """A random Llama of `config`'s shape (SmolLM-135M's by default) + a byte-level
+    tokenizer (one token per byte)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).float()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    write_byte_tokenizer(path)
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer without merges: id 0 is <|endoftext|>, ids 1..256 the bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<|endoftext|>": 0, **{ch: i + 1 for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
