@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import random
 import sys
@@ -197,7 +198,7 @@ def run_in_process(model_dir: Path, args: argparse.Namespace,
                 t.tick(batches[n])  # warm
             # The bandwidth is read between the ticks, so both see the same background load.
             calls: dict[str, Callable[[], float]] = {"read": bandwidth.seconds}
-            calls.update({n: (lambda t=t, b=batches[n]: t.tick(b)) for n, t in tickers.items()})
+            calls.update({n: functools.partial(t.tick, batches[n]) for n, t in tickers.items()})
             best = figs.interleaved(calls, args.rounds * 5)
             bytes_s = max(bandwidth.nbytes / best["read"],
                           out["bandwidth"].get(str(threads), 0.0))

@@ -22,6 +22,7 @@ import statistics
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -51,6 +52,16 @@ def _stats() -> Stats:
 def _welcome_hellos(pipes: DaemonPipes) -> list[ToProxy]:
     return [Welcome(PROTOCOL_VERSION, os.getpid(), "bench", 2048, r.epoch, r.nonce)
             for r in pipes.read_control() if isinstance(r, Hello)]
+
+
+def _sets_when_up(up: asyncio.Event) -> Callable[[bool, str], None]:
+    """ProxyPipes' on_state callback: sets `up` once the link to the daemon is up."""
+
+    def on_state(is_up: bool, _why: str) -> None:
+        if is_up:
+            up.set()
+
+    return on_state
 
 
 # -- 1. token records/s ------------------------------------------------------------------------
@@ -91,7 +102,7 @@ async def _token_proxy(run: Path, total: int) -> float:
                 t_last = time.perf_counter()
                 done.set()
 
-    pipes = ProxyPipes(run, on_record, lambda is_up, _why: is_up and up.set())
+    pipes = ProxyPipes(run, on_record, _sets_when_up(up))
     await pipes.start()
     await asyncio.wait_for(up.wait(), 10)
     await asyncio.wait_for(done.wait(), 120)
@@ -153,7 +164,7 @@ def bench_bare(path: Path, total: int, batched: bool) -> float:
 def _control_proxy(run: Path, count: int) -> None:
     async def main() -> None:
         up = asyncio.Event()
-        pipes = ProxyPipes(run, lambda r: None, lambda is_up, _why: is_up and up.set())
+        pipes = ProxyPipes(run, lambda r: None, _sets_when_up(up))
         await pipes.start()
         await asyncio.wait_for(up.wait(), 10)
         rng = random.Random(0)

@@ -7,6 +7,7 @@ sees the same background load), best of the rounds. Imported as a sibling module
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,7 +87,7 @@ def tick_scaling(tickers: dict[str, Ticker], streams: Sequence[int], contexts: S
             batches = {name: t.chunks(n, context) for name, t in tickers.items()}
             for name, t in tickers.items():
                 t.tick(batches[name])  # warm
-            best = interleaved({name: (lambda t=t, b=batches[name]: t.tick(b))
+            best = interleaved({name: functools.partial(t.tick, batches[name])
                                 for name, t in tickers.items()}, rounds)
             rows.append({"streams": n, "context": context,
                          **{name: ms * 1e3 for name, ms in best.items()}})
