@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -13,10 +12,10 @@ from typing import TYPE_CHECKING
 from daemon.engine.core import Engine, Runner
 from daemon.epochs import EpochCounter
 from daemon.model.tokenizer import Tokenizer
+from daemon.options import DaemonOptions, ModelOptions
 from daemon.responses.store import ResponseStore, StoreError
 from daemon.server import DaemonServer, Notify
 from ipc.pipes import DaemonPipes, PipeError, inherited_fifos
-from tether.settings import Settings
 
 if TYPE_CHECKING:
     from daemon.model.parallel.group import Ranks
@@ -24,33 +23,33 @@ if TYPE_CHECKING:
 log = logging.getLogger("tether.daemon")
 
 
-def run(settings: Settings, notify: Notify | None = None) -> int:
+def run(options: DaemonOptions, notify: Notify | None = None) -> int:
     """Entry point of `tether daemon`; returns the process exit code."""
     t0 = time.monotonic()
     try:
-        built, ranks = _build_runner(settings)
+        built, ranks = _build_runner(options.model)
     except ValueError as e:
-        log.error("cannot load model %s: %s", settings.model, e)
+        log.error("cannot load model %s: %s", options.model.model, e)
         return 1
     try:
-        return _serve(settings, built, ranks, notify, t0)
+        return _serve(options, built, ranks, notify, t0)
     finally:
         if ranks is not None:
             ranks.close()
 
 
-def _serve(settings: Settings, built: Built, ranks: Ranks | None, notify: Notify | None,
+def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: Notify | None,
            t0: float) -> int:
     runner, tokenizer, name, max_model_len = built
+    o = options.store
     try:
-        store = ResponseStore(settings.state_url or settings.state_dir / "responses.sqlite3",
-                              settings.response_store_max, settings.response_store_max_age_s,
-                              replica_id=replica_id(settings), lease_s=settings.replica_lease_s)
+        store = ResponseStore(o.location, o.max_responses, o.max_age_s,
+                              replica_id=o.replica_id, lease_s=o.lease_s)
     except (StoreError, ValueError) as e:
         log.error("%s", e)
         return 1
     try:
-        pipes = DaemonPipes(settings.runtime_dir, settings.pipe_group, inherited_fifos())
+        pipes = DaemonPipes(options.runtime_dir, options.pipe_group, inherited_fifos())
     except (PipeError, ValueError) as e:
         log.error("%s", e)
         store.close()
@@ -60,21 +59,21 @@ def _serve(settings: Settings, built: Built, ranks: Ranks | None, notify: Notify
         log.warning("ended %d responses left unfinished by a previous run", crashed)
     store.start_watching()
     try:
-        engine = Engine(runner, tokenizer, store, settings.max_num_seqs,
-                        settings.max_tokens_per_tick, max_model_len, name,
-                        prefix_caching=settings.prefix_caching)
+        engine = Engine(runner, tokenizer, store, options.model.max_num_seqs,
+                        options.model.max_tokens_per_tick, max_model_len, name,
+                        prefix_caching=options.prefix_caching)
     except ValueError as e:
         log.error("%s", e)
         pipes.close()
         store.close()
         return 1
-    size = settings.tensor_parallel_size
+    size = options.model.tensor_parallel_size
     log.info("model %s loaded in %.1f s; %d KV blocks of %d tokens%s; prefix caching %s; "
              "pipes in %s", name, time.monotonic() - t0, runner.num_blocks, runner.block_size,
              f" on each of {size} tensor-parallel ranks" if size > 1 else "",
-             "on" if settings.prefix_caching else "off", settings.runtime_dir)
-    epoch_file = settings.runtime_dir / "epoch" if settings.runtime_dir.is_dir() else None
-    server = DaemonServer(engine, pipes, store, settings.drain_timeout_s, notify,
+             "on" if options.prefix_caching else "off", options.runtime_dir)
+    epoch_file = options.runtime_dir / "epoch" if options.runtime_dir.is_dir() else None
+    server = DaemonServer(engine, pipes, store, options.drain_timeout_s, notify,
                           epochs=EpochCounter(epoch_file), tensor_parallel_size=size)
     if ranks is not None:
         ranks.watch(server.fail)
@@ -88,40 +87,35 @@ def _serve(settings: Settings, built: Built, ranks: Ranks | None, notify: Notify
         store.close()
 
 
-def replica_id(settings: Settings) -> str:
-    """``--replica-id``, or host:port: unique per pair, and the same across its restarts."""
-    return settings.replica_id or f"{socket.gethostname()}:{settings.port}"
-
-
 Built = tuple[Runner, Tokenizer, str, int]  # runner, tokenizer, model name, max model length
 
 
-def _build_runner(settings: Settings) -> tuple[Built, Ranks | None]:
+def _build_runner(options: ModelOptions) -> tuple[Built, Ranks | None]:
     """The runner and what the engine needs of the model, and the tensor-parallel ranks when
     there are several; ValueError naming what is wrong."""
-    if settings.model.startswith("sim:"):
+    if options.model.startswith("sim:"):
         from daemon.model import sim
 
-        tick_s = sim.parse_spec(settings.model)
-        if settings.kv_cache_mib:
+        tick_s = sim.parse_spec(options.model)
+        if options.kv_cache_mib:
             raise ValueError("--kv-cache-mib sizes real KV tensors; a sim: model has none, "
                              "give it --kv-cache-blocks")
-        if settings.tensor_parallel_size > 1:
+        if options.tensor_parallel_size > 1:
             raise ValueError("a sim: model has no weights to split; --tensor-parallel-size "
                              "must be 1")
         tokenizer = sim.SimTokenizer()
-        return (sim.SimRunner(tokenizer, settings.kv_cache_blocks, tick_s), tokenizer,
-                settings.model, sim.SIM_MAX_MODEL_LEN), None
+        return (sim.SimRunner(tokenizer, options.kv_cache_blocks, tick_s), tokenizer,
+                options.model, sim.SIM_MAX_MODEL_LEN), None
     from daemon.model.config import ConfigError
     from daemon.model.loader import ModelLoadError
     from daemon.model.parallel.group import StartError
-    from daemon.model.parallel.runner import load_runner
+    from daemon.model.parallel.load import load_runner
 
     # Threads: a core left to the proxy and the kernel keeps ticks short when everything shares
     # a small machine (on 2 cores, 1 thread halved the mean abort latency: docs/benchmarks.md),
     # and what remains is shared out between the tensor-parallel ranks (load_runner).
     try:
-        loaded, runner, ranks = load_runner(settings)
+        loaded, runner, ranks = load_runner(options)
     except (ModelLoadError, ConfigError, StartError, OSError) as e:
         raise ValueError(str(e)) from e
     log.info("forward pass on %s kernels", loaded.kernels)

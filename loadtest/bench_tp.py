@@ -55,7 +55,7 @@ def generate(engine: Any, jobs: int, prompt_len: int, gen_len: int, tag: str) ->
 
 def tick_figures(runner: Any, before: list[Any], wall_s: float, ticks: int) -> dict[str, Any]:
     """Per forward pass over one phase: wall time and, per rank, time in collectives."""
-    from daemon.model.parallel.runner import DriverRunner
+    from daemon.model.parallel.driver import DriverRunner
 
     out: dict[str, Any] = {"tick_ms": 1e3 * wall_s / ticks}
     if not isinstance(runner, DriverRunner):
@@ -74,12 +74,14 @@ def one_config(spec: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from daemon.engine.core import Engine
-    from daemon.model.parallel.runner import DriverRunner, load_runner
+    from daemon.model.parallel.driver import DriverRunner
+    from daemon.model.parallel.load import load_runner
+    from tether.options import daemon_options
     from tether.settings import Settings
 
     settings = Settings(model=spec, device=args.device, dtype=args.dtype, threads=args.threads,
                         tensor_parallel_size=tp, kv_cache_blocks=args.kv_blocks)
-    loaded, runner, ranks = load_runner(settings)
+    loaded, runner, ranks = load_runner(daemon_options(settings).model)
     try:
         engine = Engine(runner, loaded.tokenizer, None, max(64, args.streams), 512,
                         loaded.max_model_len, loaded.name)

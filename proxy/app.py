@@ -20,8 +20,8 @@ from proxy.engine_client import EngineClient
 from proxy.errors import EXCEPTION_HANDLERS, ApiError, error_response
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.openapi import openapi_json
+from proxy.options import ProxyOptions
 from proxy.schemas import REQUEST_ID_PATTERN
-from tether.settings import Settings
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN.encode())
 
@@ -119,12 +119,12 @@ async def metrics(request: Request) -> Response:
 
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
-    settings: Settings = app.state.settings
-    engine = EngineClient(settings.runtime_dir, settings.max_waiting,
-                          request_timeout=settings.request_timeout_s,
-                          stall_timeout=settings.stall_timeout_s,
-                          max_buffered=settings.max_buffered_tokens,
-                          merge_tokens=settings.stream_merge_tokens)
+    options: ProxyOptions = app.state.options
+    engine = EngineClient(options.runtime_dir, options.max_waiting,
+                          request_timeout=options.request_timeout_s,
+                          stall_timeout=options.stall_timeout_s,
+                          max_buffered=options.max_buffered_tokens,
+                          merge_tokens=options.stream_merge_tokens)
     app.state.engine = engine
     app.state.metrics = ProxyMetrics(engine)
     app.state.started_at = int(time.time())
@@ -136,7 +136,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.close()
 
 
-def create_app(settings: Settings) -> Starlette:
+def create_app(options: ProxyOptions) -> Starlette:
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -147,11 +147,11 @@ def create_app(settings: Settings) -> Starlette:
     ]
     middleware = [
         Middleware(RequestIdMiddleware),
-        Middleware(ApiKeyMiddleware, keys=settings.api_key),
-        Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes),
+        Middleware(ApiKeyMiddleware, keys=options.api_keys),
+        Middleware(BodyLimitMiddleware, max_bytes=options.max_body_bytes),
     ]
     app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
                     lifespan=lifespan)
-    app.state.settings = settings
+    app.state.options = options
     return app

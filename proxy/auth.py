@@ -7,7 +7,7 @@ server's own ``receive``: wrapping it in a task-and-queue layer delays or loses 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -18,7 +18,7 @@ PROTECTED_PREFIX = "/v1"
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
         self.app = app
         self.keys = [key.encode() for key in keys]
 

@@ -258,12 +258,12 @@ async def respond(request: Request, submit: Submit, shape: Shape, wants: Wants) 
 
 def served_model(request: Request) -> str:
     engine: EngineClient = request.app.state.engine
-    return engine.model or request.app.state.settings.model
+    return engine.model or request.app.state.options.model
 
 
 def served_models(request: Request) -> tuple[str, ...]:
     engine: EngineClient = request.app.state.engine
-    names = [request.app.state.settings.model]
+    names = [request.app.state.options.model]
     if engine.model is not None and engine.model not in names:
         names.insert(0, engine.model)
     return tuple(names)

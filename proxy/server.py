@@ -23,8 +23,8 @@ from starlette.applications import Starlette
 from ipc.records import AbortCause
 from proxy.app import create_app
 from proxy.engine_client import EngineClient
+from proxy.options import ProxyOptions
 from proxy.responses import release_background
-from tether.settings import Settings
 
 log = logging.getLogger("tether.proxy")
 
@@ -107,10 +107,10 @@ class ProxyServer(uvicorn.Server):
                      self.drain_timeout_s)
 
 
-def build_server(settings: Settings, notify: Notify | None = None) -> ProxyServer:
-    app = create_app(settings)
+def build_server(options: ProxyOptions, notify: Notify | None = None) -> ProxyServer:
+    app = create_app(options)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, loop="auto", http="auto",
+        app, host=options.host, port=options.port, loop="auto", http="auto",
         lifespan="on", log_config=None, access_log=False,
         # Nothing reads the client's address (no access log): rewriting it from X-Forwarded-*
         # headers would be a middleware layer on every request for nothing.
@@ -119,14 +119,14 @@ def build_server(settings: Settings, notify: Notify | None = None) -> ProxyServe
         # A client that sends on an idle connection just as the server closes it loses that
         # request. Clients keep idle connections a few seconds (httpx: 5, uvicorn's own default),
         # load balancers about a minute: the server waits longer, and says how long.
-        timeout_keep_alive=settings.keep_alive_timeout_s,
-        headers=[("keep-alive", f"timeout={settings.keep_alive_timeout_s}")],
+        timeout_keep_alive=options.keep_alive_timeout_s,
+        headers=[("keep-alive", f"timeout={options.keep_alive_timeout_s}")],
     )
-    return ProxyServer(config, app, settings.drain_timeout_s, notify)
+    return ProxyServer(config, app, options.drain_timeout_s, notify)
 
 
-def run(settings: Settings, notify: Callable[[str], object] | None = None) -> int:
-    server = build_server(settings, notify)
+def run(options: ProxyOptions, notify: Callable[[str], object] | None = None) -> int:
+    server = build_server(options, notify)
     try:
         server.run()
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start the app

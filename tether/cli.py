@@ -12,7 +12,7 @@ import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 
-from tether import logs, sdnotify, settings
+from tether import logs, options, sdnotify, settings
 from tether.settings import Settings
 
 COMMANDS: dict[str, str] = {
@@ -73,13 +73,13 @@ def _serve(s: Settings, args: argparse.Namespace) -> int | None:
 def _daemon(s: Settings, args: argparse.Namespace) -> int | None:
     from daemon import main as server
 
-    return server.run(s, notify=sdnotify.notify)
+    return server.run(options.daemon_options(s), notify=sdnotify.notify)
 
 
 def _proxy(s: Settings, args: argparse.Namespace) -> int | None:
     from proxy import server
 
-    return server.run(s, notify=sdnotify.notify)
+    return server.run(options.proxy_options(s), notify=sdnotify.notify)
 
 
 def _cluster(s: Settings, args: argparse.Namespace) -> int | None:

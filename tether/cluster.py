@@ -15,7 +15,6 @@ workers store; send those to any replica (they share the store) — the printout
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import shutil
@@ -27,7 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tether.launcher import _die_with_launcher, child_environ
+from tether.launcher import child_environ, orphan_guard
 from tether.settings import Settings
 
 log = logging.getLogger("tether.cluster")
@@ -93,11 +92,6 @@ class Cluster:
         self.router: subprocess.Popen[bytes] | None = None
         self.stop_signals = 0
 
-    @property
-    def _orphan_guard(self) -> functools.partial[None]:
-        # Even `kill -9` of this process leaves no replica or router running.
-        return functools.partial(_die_with_launcher, os.getpid())
-
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{r.port}" for r in self.replicas]
 
@@ -115,7 +109,7 @@ class Cluster:
                 env.pop("WATCHDOG_USEC")
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "tether.cli", "serve"], env=env,
-                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=self._orphan_guard))
+                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=orphan_guard()))
             if not self._wait_ready():
                 return 1
             self.router = subprocess.Popen(
@@ -123,7 +117,7 @@ class Cluster:
                             self.settings.port + len(self.replicas) + 1, self.policy,
                             self.settings.drain_timeout_s,
                             self.settings.api_key[0] if self.settings.api_key else None),
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=self._orphan_guard)
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=orphan_guard())
             if not self._wait_router():
                 return 1
             self._announce()

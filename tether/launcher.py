@@ -8,7 +8,6 @@ SIGTERM to both, waits past the drain timeout and SIGKILLs what is left (KillMod
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import enum
 import functools
@@ -26,6 +25,7 @@ from types import FrameType
 
 import tether
 from ipc.pipes import PipeError, ensure_fifos
+from ipc.processes import describe_exit, die_with_parent
 from tether.sdnotify import Notification, NotifyListener
 from tether.settings import Settings, env_name
 
@@ -39,9 +39,6 @@ STABLE_S = 30.0  # a child up this long starts its next backoff afresh
 STOP_GRACE_S = 5.0  # on top of the drain timeout before SIGKILL
 TICK_S = 0.5
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class State(enum.Enum):
@@ -79,20 +76,9 @@ def child_environ(s: Settings, notify_socket: str) -> dict[str, str]:
     return env
 
 
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with status {returncode}"
-
-
-def _die_with_launcher(launcher_pid: int) -> None:
-    # Runs in the child between fork and exec: no orphans even if the launcher is SIGKILLed.
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
-        os._exit(1)
+def orphan_guard() -> functools.partial[None]:
+    """A child's preexec_fn: SIGTERM when this process dies, even by SIGKILL (no orphans)."""
+    return functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -200,7 +186,7 @@ class Launcher:
         child.proc = subprocess.Popen(
             argv, env=child_environ(self.settings, self.listener.name),
             stdin=subprocess.DEVNULL, process_group=0,
-            preexec_fn=functools.partial(_die_with_launcher, os.getpid()),
+            preexec_fn=orphan_guard(),
         )
         child.state = State.STARTING
         child.started_at = time.monotonic()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import logging.config
 import os
 import sys
 import time
@@ -107,23 +108,34 @@ def choose_format(log_format: str, stream: TextIO) -> str:
     return "text"
 
 
-def setup(settings: Settings, component: str, stream: TextIO | None = None) -> None:
-    """Route every logger through one handler on the root logger (call once, first thing)."""
-    if settings.log_level not in LEVELS:
-        raise ValueError(f"--log-level must be one of {', '.join(LEVELS)}, "
-                         f"got {settings.log_level!r}")
+def config(log_format: str, log_level: str, component: str,
+           stream: TextIO | None = None) -> dict[str, Any]:
+    """A `logging.config.dictConfig` dict: every logger through one handler on the root logger.
+
+    With no `stream` it writes to stderr and is plain JSON, so another process can take it (a
+    tensor-parallel rank, which shares this process's stderr: "auto" is decided here for it).
+    """
+    if log_level not in LEVELS:
+        raise ValueError(f"--log-level must be one of {', '.join(LEVELS)}, got {log_level!r}")
     out = sys.stderr if stream is None else stream
-    handler = logging.StreamHandler(out)
-    if choose_format(settings.log_format, out) == "json":
-        handler.setFormatter(JsonFormatter(component, syslog_prefix=stream_is_journal(out)))
+    if choose_format(log_format, out) == "json":
+        formatter = {"()": f"{__name__}.JsonFormatter", "component": component,
+                     "syslog_prefix": stream_is_journal(out)}
     else:
-        handler.setFormatter(TextFormatter(component))
-    root = logging.getLogger()
-    for old in root.handlers[:]:
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(settings.log_level.upper())
-    # uvicorn installs its own handlers unless told not to; let its records reach ours.
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).handlers.clear()
-        logging.getLogger(name).propagate = True
+        formatter = {"()": f"{__name__}.TextFormatter", "component": component}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"tether": formatter},
+        "handlers": {"tether": {"class": "logging.StreamHandler", "formatter": "tether",
+                                "stream": "ext://sys.stderr" if stream is None else stream}},
+        "root": {"handlers": ["tether"], "level": log_level.upper()},
+        # uvicorn installs its own handlers unless told not to; let its records reach ours.
+        "loggers": {name: {"handlers": [], "propagate": True}
+                    for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+    }
+
+
+def setup(settings: Settings, component: str, stream: TextIO | None = None) -> None:
+    """Configure this process's logging (call once, first thing)."""
+    logging.config.dictConfig(config(settings.log_format, settings.log_level, component, stream))

@@ -296,11 +296,12 @@ def test_run_loads_the_model_and_exits_0_on_sigterm(tmp_path: Path):
 
     listener = NotifyListener()
     code = ("import sys, logging; from pathlib import Path; logging.basicConfig(); "
-            "from daemon.main import run; from tether.settings import Settings; "
+            "from daemon.main import run; from tether.options import daemon_options; "
+            "from tether.settings import Settings; "
             "from tether.sdnotify import notify; "
-            f"sys.exit(run(Settings(runtime_dir=Path({str(tmp_path / 'run')!r}), "
+            f"sys.exit(run(daemon_options(Settings(runtime_dir=Path({str(tmp_path / 'run')!r}), "
             f"state_dir=Path({str(tmp_path / 'state')!r}), kv_cache_blocks=64, "
-            "drain_timeout_s=0.5), notify=notify))")
+            "drain_timeout_s=0.5)), notify=notify))")
     env = dict(os.environ, NOTIFY_SOCKET=listener.name)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env,
                             cwd=Path(__file__).parents[2])

@@ -25,7 +25,7 @@ STREAM = {"prompt": "hello", "max_tokens": 1500, "ignore_eos": True, "temperatur
 
 
 def rank1(daemon: psutil.Process) -> psutil.Process:
-    ranks = [c for c in daemon.children() if "daemon.model.parallel.runner" in " ".join(c.cmdline())]
+    ranks = [c for c in daemon.children() if "daemon.model.parallel.rank" in " ".join(c.cmdline())]
     assert len(ranks) == 1, ranks
     return ranks[0]
 

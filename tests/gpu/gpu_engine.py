@@ -16,9 +16,10 @@ import torch
 
 from daemon.engine.core import Engine
 from daemon.model.loader import LoadedModel, load_model
-from daemon.model.parallel.runner import make_runner
+from daemon.model.parallel.load import make_runner
 from daemon.model.runner import ModelRunner
 from ipc.records import Admitted, Delta, RequestKind, SamplingParams, Submit
+from tether.options import daemon_options
 from tether.settings import Settings
 
 Left = Callable[[], float]  # seconds left of the run's budget
@@ -162,7 +163,7 @@ def build_runner(case: Case, loaded: LoadedModel, num_blocks: int, max_num_seqs:
     settings = Settings(model=str(case.llama_dir), device=case.device, max_num_seqs=max_num_seqs,
                         max_tokens_per_tick=tick_tokens, kv_cache_blocks=num_blocks,
                         cuda_graphs=graphs)
-    return make_runner(settings, loaded)
+    return make_runner(daemon_options(settings).model, loaded)
 
 
 def graph_figures(runner: ModelRunner) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import anyio
@@ -11,10 +12,10 @@ import pytest
 from starlette.types import Message
 
 from proxy.app import create_app
+from proxy.options import ProxyOptions
 from tests.support.metrics import parse_metrics
 from tests.support.peer import MODEL, Peer
 from tests.support.wait import wait_until
-from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio
 
@@ -78,9 +79,9 @@ async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
-async def test_body_over_the_limit_is_413(settings: Settings, peer: Peer) -> None:
-    settings.max_body_bytes = 100
-    app = create_app(settings)
+async def test_body_over_the_limit_is_413(options: ProxyOptions, peer: Peer) -> None:
+    options = dataclasses.replace(options, max_body_bytes=100)
+    app = create_app(options)
     async with app.router.lifespan_context(app):
         await wait_until(lambda: app.state.engine.up)
         big = b'{"prompt": "' + b"x" * 200 + b'"}'
@@ -120,8 +121,8 @@ async def test_health_models_and_metrics(client: httpx.AsyncClient, peer: Peer) 
     assert figures["tether_daemon_up"] == 1
 
 
-async def test_daemon_down_is_503_everywhere_but_metrics(settings: Settings) -> None:
-    app = create_app(settings)  # no daemon peer at all
+async def test_daemon_down_is_503_everywhere_but_metrics(options: ProxyOptions) -> None:
+    app = create_app(options)  # no daemon peer at all
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://p") as c:
@@ -134,7 +135,7 @@ async def test_daemon_down_is_503_everywhere_but_metrics(settings: Settings) -> 
             assert (await c.get("/v1/models")).status_code == 200
 
 
-async def test_two_apps_have_separate_registries(settings: Settings, peer: Peer) -> None:
-    first, second = create_app(settings), create_app(settings)
+async def test_two_apps_have_separate_registries(options: ProxyOptions, peer: Peer) -> None:
+    first, second = create_app(options), create_app(options)
     async with first.router.lifespan_context(first), second.router.lifespan_context(second):
         assert first.state.metrics.registry is not second.state.metrics.registry

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import orjson
@@ -13,10 +14,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from ipc.records import RequestKind, TokenLogprob
 from proxy.app import create_app
 from proxy.completions import CHAT, COMPLETION
+from proxy.options import ProxyOptions
 from tests.support.peer import MODEL, Peer
 from tests.support.raw_http import sse_events
 from tests.support.wait import wait_until
-from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio
 
@@ -113,9 +114,9 @@ async def test_x_request_id_is_echoed_never_the_key(client: httpx.AsyncClient,
     assert answers[0].json()["id"] != answers[1].json()["id"]
 
 
-async def test_too_many_waiting_is_429(settings: Settings, peer: Peer) -> None:
-    settings.max_waiting = 1
-    app = create_app(settings)
+async def test_too_many_waiting_is_429(options: ProxyOptions, peer: Peer) -> None:
+    options = dataclasses.replace(options, max_waiting=1)
+    app = create_app(options)
     peer.hold = True
     async with app.router.lifespan_context(app):
         await wait_until(lambda: app.state.engine.up)

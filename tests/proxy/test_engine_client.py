@@ -12,16 +12,16 @@ import pytest
 from ipc.records import AbortCause, Finish, RequestKind, ResponseOpKind, SamplingParams, Submit
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
+from proxy.options import ProxyOptions
 from tests.support.peer import Peer
 from tests.support.wait import wait_until
-from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-async def engine(settings: Settings, peer: Peer) -> AsyncIterator[EngineClient]:
-    client = EngineClient(settings.runtime_dir, settings.max_waiting)
+async def engine(options: ProxyOptions, peer: Peer) -> AsyncIterator[EngineClient]:
+    client = EngineClient(options.runtime_dir, options.max_waiting)
     await client.start()
     await wait_until(lambda: client.up)
     yield client
@@ -158,9 +158,9 @@ async def test_held_streams_are_cheap(engine: EngineClient, peer: Peer) -> None:
     peer.wait_for(lambda p: len(p.aborts) == count, timeout=20)
 
 
-async def test_a_request_the_daemon_never_takes_times_out(settings: Settings,
+async def test_a_request_the_daemon_never_takes_times_out(options: ProxyOptions,
                                                           peer: Peer) -> None:
-    client = EngineClient(settings.runtime_dir, settings.max_waiting, request_timeout=0.5)
+    client = EngineClient(options.runtime_dir, options.max_waiting, request_timeout=0.5)
     await client.start()
     try:
         await wait_until(lambda: client.up)
@@ -175,9 +175,9 @@ async def test_a_request_the_daemon_never_takes_times_out(settings: Settings,
         await client.close()
 
 
-async def test_a_reader_that_stops_pauses_the_session_then_stalls_it(settings: Settings,
+async def test_a_reader_that_stops_pauses_the_session_then_stalls_it(options: ProxyOptions,
                                                                       peer: Peer) -> None:
-    client = EngineClient(settings.runtime_dir, settings.max_waiting, stall_timeout=1.5,
+    client = EngineClient(options.runtime_dir, options.max_waiting, stall_timeout=1.5,
                           max_buffered=8)
     await client.start()
     try:

@@ -12,9 +12,9 @@ from starlette.types import Message
 
 from proxy.app import create_app
 from proxy.errors import CLIENT_CLOSED_REQUEST
+from proxy.options import ProxyOptions
 from tests.support.peer import Peer
 from tests.support.wait import wait_until
-from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio
 
@@ -67,8 +67,8 @@ async def test_a_response_id_that_cannot_exist_is_400(
 
 
 async def test_a_client_leaving_while_its_body_is_read_is_not_a_crash(
-        settings: Settings, peer: Peer, caplog: pytest.LogCaptureFixture) -> None:
-    app = create_app(settings)
+        options: ProxyOptions, peer: Peer, caplog: pytest.LogCaptureFixture) -> None:
+    app = create_app(options)
     async with app.router.lifespan_context(app):
         await wait_until(lambda: app.state.engine.up)
         pending: list[Message] = [{"type": "http.request", "body": b'{"prompt": ',

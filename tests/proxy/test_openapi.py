@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 from openapi_spec_validator import validate
@@ -10,7 +12,7 @@ from starlette.routing import Route
 
 from proxy.app import create_app
 from proxy.openapi import document
-from tether.settings import Settings
+from proxy.options import ProxyOptions
 
 pytestmark = pytest.mark.anyio
 
@@ -21,8 +23,8 @@ def test_the_document_is_valid_openapi_3_1() -> None:
     validate(doc)
 
 
-def test_every_route_is_documented_and_nothing_else(settings: Settings) -> None:
-    app = create_app(settings)
+def test_every_route_is_documented_and_nothing_else(options: ProxyOptions) -> None:
+    app = create_app(options)
     routes = {(method.lower(), route.path) for route in app.routes if isinstance(route, Route)
               for method in route.methods or () if method != "HEAD"}
     documented = {(method, path) for path, ops in document()["paths"].items() for method in ops}
@@ -37,9 +39,9 @@ def test_request_bodies_are_the_schemas_the_handlers_decode_with() -> None:
     assert schemas["CreateResponse"]["required"] == ["input"]
 
 
-async def test_the_document_is_served_without_a_key(settings: Settings) -> None:
-    settings.api_key = ["secret"]
-    app = create_app(settings)
+async def test_the_document_is_served_without_a_key(options: ProxyOptions) -> None:
+    options = dataclasses.replace(options, api_keys=("secret",))
+    app = create_app(options)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
         r = await c.get("/openapi.json")

@@ -36,12 +36,12 @@ from ipc.records import (
     ToProxy,
 )
 from proxy.app import create_app
+from proxy.options import ProxyOptions
 from tests.proxy.conftest import running_app
 from tests.support.live_proxy import LiveProxy
 from tests.support.peer import CACHED_TOKENS, MODEL, PROMPT_TOKENS, Peer
 from tests.support.raw_http import sse_events
 from tests.support.wait import wait_for, wait_until
-from tether.settings import Settings
 
 STREAM_EVENTS = TypeAdapter(ResponseStreamEvent)
 
@@ -85,8 +85,8 @@ class StorePeer(Peer):
 
 
 @pytest.fixture
-def peer(settings: Settings) -> Iterator[StorePeer]:
-    p = StorePeer(settings.runtime_dir)
+def peer(options: ProxyOptions) -> Iterator[StorePeer]:
+    p = StorePeer(options.runtime_dir)
     p.start()
     yield p
     p.stop()
@@ -98,8 +98,8 @@ def oai(live: LiveProxy) -> openai.OpenAI:
 
 
 @pytest.fixture
-async def app(settings: Settings, peer: StorePeer) -> AsyncIterator[Starlette]:
-    async with running_app(settings) as application:
+async def app(options: ProxyOptions, peer: StorePeer) -> AsyncIterator[Starlette]:
+    async with running_app(options) as application:
         yield application
 
 
@@ -450,12 +450,12 @@ async def test_cancel_before_the_daemon_admits_it(app: Starlette, client: httpx.
 
 
 @pytest.mark.anyio
-async def test_shutdown_releases_background_responses_to_the_daemon(settings: Settings,
+async def test_shutdown_releases_background_responses_to_the_daemon(options: ProxyOptions,
                                                                     peer: StorePeer) -> None:
     """A stopping proxy neither waits for nor aborts a background response: the daemon goes on
     with it. Its readers get an error event that says so, and their stream ends."""
     peer.hold = True
-    application = create_app(settings)
+    application = create_app(options)
     async with application.router.lifespan_context(application):
         await wait_until(lambda: application.state.engine.up)
         transport = httpx.ASGITransport(app=application)

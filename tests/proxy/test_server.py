@@ -5,6 +5,7 @@ Clients are raw sockets so that a test controls exactly when the connection goes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import subprocess
@@ -20,10 +21,10 @@ import psutil
 import pytest
 
 from ipc.records import AbortCause
+from proxy.options import ProxyOptions
 from tests.support.live_proxy import LiveProxy, settle, start_live, stop_live
 from tests.support.peer import Peer
 from tests.support.raw_http import post_raw, read_events, read_plain, read_to_end
-from tether.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,9 +102,9 @@ def test_normal_finish_writes_no_abort(live: LiveProxy, peer: Peer) -> None:
     assert open_sessions(live) == 0
 
 
-def test_auth_on_still_aborts(settings: Settings, peer: Peer) -> None:
-    settings.api_key = ["sk-test"]
-    live = start_live(settings)
+def test_auth_on_still_aborts(options: ProxyOptions, peer: Peer) -> None:
+    options = dataclasses.replace(options, api_keys=("sk-test",))
+    live = start_live(options)
     try:
         peer.wait_for(lambda p: bool(live.server.app.state.engine.up))
         r = httpx.post(live.url + "/v1/completions", json={"prompt": "p"})
@@ -148,9 +149,9 @@ def test_ready_status_and_watchdog_notifications(live: LiveProxy) -> None:
 
 
 def test_shutdown_aborts_what_is_left_and_leaks_no_task(
-        settings: Settings, peer: Peer, caplog: pytest.LogCaptureFixture) -> None:
-    settings.drain_timeout_s = 0.2
-    live = start_live(settings)
+        options: ProxyOptions, peer: Peer, caplog: pytest.LogCaptureFixture) -> None:
+    options = dataclasses.replace(options, drain_timeout_s=0.2)
+    live = start_live(options)
     peer.wait_for(lambda p: bool(live.server.app.state.engine.up))
     sock = post_raw(live.port, "/v1/completions", {"prompt": "p", "stream": True, **ENDLESS},
                     "shut")
@@ -170,10 +171,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from proxy.server import run
+from tether.options import proxy_options
 from tether.settings import Settings
 heavy = [m for m in ("torch", "tokenizers", "transformers", "daemon") if m in sys.modules]
 assert not heavy, heavy
-code = run(Settings(runtime_dir=Path(sys.argv[1]), port=0), notify=lambda m: print(m, flush=True))
+code = run(proxy_options(Settings(runtime_dir=Path(sys.argv[1]), port=0)),
+           notify=lambda m: print(m, flush=True))
 heavy = [m for m in ("torch", "tokenizers", "transformers", "daemon") if m in sys.modules]
 print("HEAVY", heavy, flush=True)
 sys.exit(code)

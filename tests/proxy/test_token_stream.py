@@ -6,6 +6,7 @@ leaving while a write waits still aborts at once, and flow control still sees wh
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,10 +16,10 @@ from starlette.applications import Starlette
 from starlette.types import Message
 
 from ipc.records import AbortCause, Pause, Resume
+from proxy.options import ProxyOptions
 from tests.proxy.conftest import running_app
 from tests.support.peer import CACHED_TOKENS, MODEL, PROMPT_TOKENS, Peer
 from tests.support.wait import wait_until
-from tether.settings import Settings
 
 pytestmark = pytest.mark.anyio
 
@@ -72,8 +73,8 @@ class Client:
 
 
 @pytest.fixture
-async def app(settings: Settings, peer: Peer) -> AsyncIterator[Starlette]:
-    async with running_app(settings) as application:
+async def app(options: ProxyOptions, peer: Peer) -> AsyncIterator[Starlette]:
+    async with running_app(options) as application:
         yield application
 
 
@@ -157,10 +158,10 @@ async def test_a_client_that_falls_behind_gets_the_same_bytes_in_fewer_writes(
 
 
 @pytest.mark.parametrize("path", PATHS)
-async def test_merged_events_carry_the_same_tokens_in_order(settings: Settings, peer: Peer,
+async def test_merged_events_carry_the_same_tokens_in_order(options: ProxyOptions, peer: Peer,
                                                            path: str) -> None:
-    settings.stream_merge_tokens = 4
-    async with running_app(settings) as application:
+    options = dataclasses.replace(options, stream_merge_tokens=4)
+    async with running_app(options) as application:
         # The tokens' logprobs in both shapes (chat: no alternatives)
         extra: dict[str, Any] = {"logprobs": True} if "chat" in path else {"logprobs": 1}
         client = Client(application, path, request(path, 30, n=2, **extra))
@@ -204,10 +205,10 @@ async def test_leaving_while_a_write_waits_writes_the_abort_at_once(app: Starlet
                   == [(peer.submits[0].rid, AbortCause.CLIENT_DISCONNECT)])
 
 
-async def test_flow_control_sees_what_waits_behind_a_write(settings: Settings,
+async def test_flow_control_sees_what_waits_behind_a_write(options: ProxyOptions,
                                                            peer: Peer) -> None:
-    settings.max_buffered_tokens = 8
-    async with running_app(settings) as application:
+    options = dataclasses.replace(options, max_buffered_tokens=8)
+    async with running_app(options) as application:
         client = Client(application, "/v1/completions", request("/v1/completions", 4000))
         client.reading.clear()
         await wait_until(lambda: [type(r) for r in peer.flow] == [Pause])

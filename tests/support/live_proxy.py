@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import httpx
 
+from proxy.options import ProxyOptions
 from proxy.server import ProxyServer, build_server
 from tests.support.wait import wait_for
-from tether.settings import Settings
 
 
 @dataclass
@@ -30,9 +30,9 @@ class LiveProxy:
         return port
 
 
-def start_live(settings: Settings) -> LiveProxy:
+def start_live(options: ProxyOptions) -> LiveProxy:
     notes: list[str] = []
-    server = build_server(settings, notes.append)
+    server = build_server(options, notes.append)
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

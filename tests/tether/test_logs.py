@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import logging
+import logging.config
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,3 +118,11 @@ def test_journal_stream_gets_syslog_priorities(
 def test_bad_log_level_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--log-level"):
         logs.setup(Settings(log_level="loud"), "proxy", stream=io.StringIO())
+
+
+def test_a_config_for_another_process_travels_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    config = logs.config("text", "warning", "daemon rank 1")
+    logging.config.dictConfig(orjson.loads(orjson.dumps(config)))  # as a rank receives it
+    logging.getLogger("tether.daemon").info("not shown")
+    logging.getLogger("tether.daemon").warning("rank 1 stops")
+    assert capsys.readouterr().err.strip().endswith("WARNING daemon rank 1: rank 1 stops")

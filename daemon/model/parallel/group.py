@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tether.launcher import describe_exit
+from ipc.processes import describe_exit
 
 log = logging.getLogger("tether.daemon.parallel")
 

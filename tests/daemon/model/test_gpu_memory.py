@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.model.gpu_memory import Measured, Start, plan_kv_cache, profile_chunks
-from tether.settings import Settings
+from tests.support.options import model_options
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -60,9 +60,9 @@ def test_profile_ticks_hold_the_longest_chunk_and_every_sequence() -> None:
 
 
 def test_the_setting_is_refused_without_a_gpu() -> None:
-    from daemon.model.parallel.runner import load_runner
+    from daemon.model.parallel.load import load_runner
 
-    settings = Settings(model="builtin:tiny", device="cpu", gpu_memory_utilization=0.5)
+    options = model_options(model="builtin:tiny", device="cpu", gpu_memory_utilization=0.5)
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization .* on cpu: size it with "
                                          r"--kv-cache-blocks"):
-        load_runner(settings)
+        load_runner(options)

@@ -117,10 +117,10 @@ def test_checkpoint_shards_read_only_their_slices(tmp_path: Path) -> None:
 
 
 def test_a_kv_memory_budget_holds_twice_the_blocks_when_each_rank_holds_half_the_heads() -> None:
-    from daemon.model.parallel.runner import kv_cache_blocks
-    from tether.settings import Settings
+    from daemon.model.parallel.load import kv_cache_blocks
+    from tests.support.options import model_options
 
-    settings = Settings(kv_cache_mib=8)
+    options = model_options(kv_cache_mib=8)
     whole = load_model("builtin:tiny", "cpu", torch.float32)
     half = load_model("builtin:tiny", "cpu", torch.float32, group=TPGroup(1, 2))
-    assert kv_cache_blocks(settings, half) == 2 * kv_cache_blocks(settings, whole) > 0
+    assert kv_cache_blocks(options, half) == 2 * kv_cache_blocks(options, whole) > 0

@@ -1,5 +1,5 @@
 """Tensor parallelism on real processes (gloo on the CPU): this test process is rank 0, started
-by the daemon's own `load_runner`, and rank 1 is a spawned `python -m daemon.model.parallel.runner`.
+by the daemon's own `load_runner`, and rank 1 is a spawned `python -m daemon.model.parallel.rank`.
 
 Everything is compared with one process running the whole model: logits, and greedy tokens
 through the real engine with chunked prefill, preemption and n > 1 (forked sequences, so
@@ -19,11 +19,13 @@ import torch
 from daemon.engine.core import Engine
 from daemon.model.batch import ScheduledChunk
 from daemon.model.loader import LoadedModel, load_model
-from daemon.model.parallel.runner import DriverRunner, decode_run, encode_run, load_runner
+from daemon.model.parallel.codec import decode_run, encode_run
+from daemon.model.parallel.driver import DriverRunner
+from daemon.model.parallel.load import load_runner
 from daemon.model.runner import ModelRunner
 from ipc.records import AbortCause, Delta, RequestKind, SamplingParams, Submit, ToProxy
 from tests.support.checkpoints import write_tokenizer
-from tether.settings import Settings
+from tests.support.options import model_options
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,9 +59,10 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         write_checkpoint(path)
         spec = str(path)
     threads = torch.get_num_threads()
-    settings = Settings(model=spec, device=DEVICE, dtype="float32", threads=2,
-                        tensor_parallel_size=SIZE, kv_cache_blocks=NUM_BLOCKS, log_format="text")
-    loaded, driver, ranks = load_runner(settings)
+    options = model_options(model=spec, device=DEVICE, dtype="float32", threads=2,
+                            tensor_parallel_size=SIZE, kv_cache_blocks=NUM_BLOCKS,
+                            log_format="text")
+    loaded, driver, ranks = load_runner(options)
     assert isinstance(driver, DriverRunner) and ranks is not None
     try:
         whole = load_model(spec, driver.runner.device, torch.float32)

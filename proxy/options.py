@@ -1,0 +1,26 @@
+"""What `tether proxy` is told: frozen values, built and validated by tether/ from its settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProxyOptions:
+    # The server: where it listens, how long it keeps idle connections and drains on SIGTERM.
+    host: str
+    port: int
+    keep_alive_timeout_s: int
+    drain_timeout_s: float
+    # The app: who may call it, what it accepts, the name it answers to before the daemon says.
+    api_keys: tuple[str, ...]
+    max_body_bytes: int
+    model: str
+    # The engine client: the pipes, and the limits and flow control of the sessions on them.
+    runtime_dir: Path
+    max_waiting: int
+    request_timeout_s: float
+    stall_timeout_s: float
+    max_buffered_tokens: int
+    stream_merge_tokens: int
