@@ -43,12 +43,12 @@ $(VENV)/.installed-cluster: pyproject.toml | $(BIN)/python
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
-	$(BIN)/mypy ipc proxy tether
+	$(BIN)/mypy ipc proxy tether daemon loadtest
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
-	$(BIN)/mypy ipc proxy tether
+	$(BIN)/mypy ipc proxy tether daemon loadtest
 
 # Locust with disconnecting users against a fresh server pair; results under results/.
 loadtest: $(VENV)/.installed-dev
