@@ -125,7 +125,8 @@ class DaemonServer:
             self._handle(rec, now)
         # Cancels that reached another replica for a response this one runs (no I/O here: the
         # store's watcher thread fetched them).
-        for rid in self.store.take_cancels():
+        responses = self.engine.responses
+        for rid in responses.take_cancels() if responses is not None else ():
             self._out += self.engine.abort(rid, AbortCause.CANCEL, t_read=now)
 
     def _drain_requests(self) -> None:
@@ -239,11 +240,9 @@ class DaemonServer:
 
     def _response_op(self, op: ResponseOp) -> None:
         running = self.engine.is_running(op.response_id)
-        try:
-            reply = self.store.handle_op(op, running)
-        except Exception as e:  # a broken store answers 500 rather than hang the client
-            log.exception("response store failed on %s %s", op.op, op.response_id)
-            reply = ResponseReply(op.op_id, 500, message=f"response store error: {e}")
+        responses = self.engine.responses
+        reply = (responses.handle_op(op, running) if responses is not None else
+                 ResponseReply(op.op_id, 500, message="the Responses API needs the response store"))
         if op.op is ResponseOpKind.CANCEL and reply.status == 200 and running:
             self._out += self.engine.abort(op.response_id, AbortCause.CANCEL)
         self._out.append(reply)

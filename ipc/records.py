@@ -15,14 +15,15 @@ previous connection ends there (one bad record) instead of swallowing the first 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 
 # 3: logprob tokens travel as bytes; 4: connection epochs assigned by the daemon (Hello
 # nonce, Welcome), Admitted, Alive, Pause/Resume, Submit.client_id, Stats.paused;
-# 5: Welcome.tensor_parallel_size
-PROTOCOL_VERSION = 5
+# 5: Welcome.tensor_parallel_size; 6: ResponseFields.input as messages (the proxy parses the
+# Responses input), ResponseReply typed (StoredResponse, input_items, deleted) instead of a body
+PROTOCOL_VERSION = 6
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -81,6 +82,19 @@ class AbortCause(enum.StrEnum):
     TIMEOUT = "timeout"
 
 
+class ResponseStatus(enum.StrEnum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    INCOMPLETE = "incomplete"
+
+
+# A placeholder is a stored response whose session has not ended yet.
+PLACEHOLDER_STATUSES = frozenset({ResponseStatus.QUEUED, ResponseStatus.IN_PROGRESS})
+
+
 class ResponseOpKind(enum.StrEnum):
     GET = "get"
     DELETE = "delete"
@@ -119,8 +133,12 @@ class ResponseFields(msgspec.Struct, frozen=True):
     background: bool = False
     previous_response_id: str | None = None
     instructions: str | None = None
-    # The request's input items as sent by the client (kept verbatim in the store).
-    input_items: list[dict[str, Any]] = []
+    # The request's input as chat messages (the proxy parses it; instructions not included).
+    input: list[Message] = []
+    # The input items as the client sent them, as JSON text: stored and listed verbatim, never
+    # parsed by the daemon. (Text, not msgspec.Raw: a Raw decoded in place would pin the
+    # reader's buffer, which drops each frame once decoded.)
+    input_items: str = "[]"
     # Echoed into the stored response object.
     created_at: int = 0
     model: str = ""
@@ -301,10 +319,36 @@ class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
     paused: int = 0  # requests the proxy has paused (flow control)
 
 
+class StoredResponse(msgspec.Struct, frozen=True):
+    """A stored response as its row holds it; the proxy builds the API object from it."""
+
+    id: str
+    status: ResponseStatus
+    created_at: int
+    model: str
+    background: bool
+    completed_at: float | None = None
+    output_text: str | None = None  # None: no output yet (queued, in progress)
+    usage: Usage | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    error: str | None = None  # why it failed
+    incomplete_reason: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+
+
 class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):
+    """The answer to a ResponseOp: with status 200, the response (GET, CANCEL), its input items
+    (INPUT_ITEMS: ResponseFields.input_items as stored) or ``deleted`` (DELETE); else
+    ``message``."""
+
     op_id: str
     status: int  # HTTP status the proxy should answer with
-    body: dict[str, Any] | None = None
+    response: StoredResponse | None = None
+    input_items: str | None = None
+    deleted: bool = False
     message: str | None = None
 
 

@@ -14,21 +14,20 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ipc.records import AbortCause, ResponseOpKind, ResponseReply, Submit
-from ipc.response_object import ResponseStatus
+from ipc.records import AbortCause, ResponseOpKind, ResponseReply, ResponseStatus, Submit
 from proxy.batching import Batch
 from proxy.cancellation import DisconnectWatch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable
 from proxy.errors import ApiError
 from proxy.metrics import RequestTimer
+from proxy.response_object import deleted_object, input_item_objects, stored_response_object
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
 from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record
 from proxy.responses_request import (
@@ -75,14 +74,14 @@ async def create_response(request: Request) -> Response:
     t_submit = time.monotonic()
     client_id = client_request_id(request.headers.get("x-request-id"))
     rid = request.state.request_id = new_id("resp_")  # response ids are the server's own
-    req = decode_request(await request.body(), served_models(request))
+    req, messages = decode_request(await request.body(), served_models(request))
     engine = _engine(request)
     if not engine.up:
         raise unavailable(engine.down_reason)
     registry = background_registry(request.app)
     sampling = sampling_params(req, engine.max_model_len)
     params = response_params(req, rid, served_model(request), sampling)
-    submit = build_submit(req, params, sampling, engine.epoch, t_submit, client_id)
+    submit = build_submit(req, messages, params, sampling, engine.epoch, t_submit, client_id)
     events = ResponseEvents(params)
     timer = RequestTimer(request.app.state.metrics, "responses", t_submit)
     if not req.background:
@@ -175,9 +174,13 @@ async def _sse(batches: AsyncGenerator[list[Event], None]) -> AsyncGenerator[byt
 # --- GET / DELETE / cancel ------------------------------------------------------------------
 
 
-def _reply(reply: ResponseReply) -> Response:
+def _reply(reply: ResponseReply, rid: str) -> Response:
+    """The daemon's answer about response `rid`: the stored response, its deletion or an error."""
+    if reply.status == 200 and reply.deleted:
+        return JSONResponse(deleted_object(rid))
     if reply.status == 200:
-        return JSONResponse(reply.body)
+        stored = reply.response
+        return JSONResponse(None if stored is None else stored_response_object(stored))
     code = "not_found" if reply.status == 404 else None
     raise ApiError(reply.status, reply.message or f"response operation failed ({reply.status})",
                    code=code)
@@ -204,7 +207,7 @@ async def get_response(request: Request) -> Response:
         return JSONResponse(run.events.snapshot())  # the daemon is down; this proxy knows
     if reply.status == 404 and run is not None:
         return JSONResponse(run.events.snapshot())
-    return _reply(reply)
+    return _reply(reply, rid)
 
 
 async def delete_response(request: Request) -> Response:
@@ -218,8 +221,8 @@ async def delete_response(request: Request) -> Response:
             _engine(request).abort(rid, AbortCause.CANCEL)
             run.end(Outcome(ResponseStatus.CANCELLED))
         registry.remove(rid)
-        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
-    return _reply(reply)
+        return JSONResponse(deleted_object(rid))
+    return _reply(reply, rid)
 
 
 async def cancel_response(request: Request) -> Response:
@@ -236,7 +239,7 @@ async def cancel_response(request: Request) -> Response:
         run.end(Outcome(ResponseStatus.CANCELLED))
         if reply.status == 404:  # queued in the daemon, not admitted: no row to answer from
             return JSONResponse(run.events.snapshot())
-    return _reply(reply)
+    return _reply(reply, rid)
 
 
 async def list_input_items(request: Request) -> Response:
@@ -248,9 +251,9 @@ async def list_input_items(request: Request) -> Response:
     if order not in ("asc", "desc"):
         raise ApiError(400, f"'order' must be 'asc' or 'desc', got {order!r}", param="order")
     reply = await _engine(request).response_op(ResponseOpKind.INPUT_ITEMS, rid)
-    if reply.status != 200 or reply.body is None:
-        return _reply(reply)
-    items: list[dict[str, Any]] = reply.body["data"]
+    if reply.status != 200 or reply.input_items is None:
+        return _reply(reply, rid)
+    items = input_item_objects(rid, reply.input_items)
     if order == "desc":
         items = items[::-1]
     after = query.get("after")

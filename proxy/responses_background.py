@@ -22,8 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 
-from ipc.records import Submit
-from ipc.response_object import ResponseStatus
+from ipc.records import ResponseStatus, Submit
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.metrics import RequestTimer

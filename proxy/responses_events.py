@@ -18,8 +18,8 @@ import dataclasses
 import time
 from typing import Any
 
-from ipc.records import AbortCause, Delta, Finish, FinishReason, Usage
-from ipc.response_object import ResponseStatus, build_response, message_id
+from ipc.records import AbortCause, Delta, Finish, FinishReason, ResponseStatus, Usage
+from proxy.response_object import build_response, message_id
 
 Event = dict[str, Any]
 

@@ -1,8 +1,8 @@
 """POST /v1/responses bodies: validation, and the Submit they become.
 
-The daemon builds the conversation (instructions, the previous response's history, the input)
-from the Submit's ResponseFields; the proxy checks the input here too, so that a malformed
-item is a 400 naming it rather than an engine error after the stream has begun.
+The proxy turns the input into chat messages here (a malformed item is a 400 naming it); the
+daemon puts instructions and the previous response's history before them, and stores the items
+as they came for listing.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import msgspec
 
-from ipc.records import NonNegInt, RequestKind, ResponseFields, SamplingParams, Submit
-from ipc.response_object import InputError, input_items_to_messages
+from ipc.records import Message, NonNegInt, RequestKind, ResponseFields, SamplingParams, Submit
 from proxy.errors import ApiError
+from proxy.response_object import InputError, input_items_to_messages
 from proxy.responses_events import ResponseParams
 from proxy.schemas import (
     DEFAULT_MAX_TOKENS,
@@ -64,12 +64,13 @@ class CreateResponse(msgspec.Struct):
     metadata: dict[str, str] | None = None
 
 
-def decode_request(body: bytes, served: tuple[str, ...]) -> CreateResponse:
-    """The validated body; ApiError(400) naming the offending field otherwise."""
+def decode_request(body: bytes, served: tuple[str, ...]) -> tuple[CreateResponse, list[Message]]:
+    """The validated body and its input as chat messages; ApiError(400) naming the offending
+    field otherwise."""
     req = decode_body(body, CreateResponse)
     check_model(req.model, served)
     try:
-        input_items_to_messages(req.input, req.instructions)
+        messages = input_items_to_messages(req.input, None)
     except InputError as exc:
         raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
     if isinstance(req.input, list):
@@ -80,7 +81,7 @@ def decode_request(body: bytes, served: tuple[str, ...]) -> CreateResponse:
     if req.background and not req.store:
         raise ApiError(400, "'background' requires 'store' to be true: a background response "
                        "is fetched from the store", param="background", code="invalid_value")
-    return req
+    return req, messages
 
 
 def response_params(req: CreateResponse, rid: str, model: str,
@@ -113,13 +114,15 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
                           ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
 
 
-def build_submit(req: CreateResponse, params: ResponseParams, sampling: SamplingParams,
-                 epoch: int, t_submit: float, client_id: str | None = None) -> Submit:
+def build_submit(req: CreateResponse, messages: list[Message], params: ResponseParams,
+                 sampling: SamplingParams, epoch: int, t_submit: float,
+                 client_id: str | None = None) -> Submit:
     items = ([{"type": "message", "role": "user", "content": req.input}]
              if isinstance(req.input, str) else req.input)
     fields = ResponseFields(store=req.store, background=req.background,
                             previous_response_id=req.previous_response_id,
-                            instructions=req.instructions, input_items=items,
+                            instructions=req.instructions, input=messages,
+                            input_items=msgspec.json.encode(items).decode(),
                             created_at=params.created_at, model=params.model)
     return Submit(rid=params.id, epoch=epoch, kind=RequestKind.RESPONSE, sampling=sampling,
                   n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id)

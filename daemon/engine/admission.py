@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol
 
 from daemon.engine.block_manager import BlockManager
 from daemon.engine.sampler import seed_for
@@ -17,12 +16,6 @@ from daemon.engine.sequence import Detokenizer, Sequence
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import Tokenizer
 from ipc.records import AbortCause, Error, Message, RequestKind, Submit
-
-
-class Conversations(Protocol):
-    """The part of the response store that renders a Responses-API turn."""
-
-    def conversation(self, submit: Submit) -> list[Message] | None: ...
 
 
 class Rejected(Exception):
@@ -46,8 +39,9 @@ def num_sequences(submit: Submit) -> int:
 
 
 def render_prompts(submit: Submit, tokenizer: Tokenizer,
-                   store: Conversations | None) -> list[list[int]]:
-    """Token ids of each distinct prompt (one for chat and responses)."""
+                   history: Callable[[Submit], list[Message]] | None) -> list[list[int]]:
+    """Token ids of each distinct prompt (one for chat and responses); `history` gives a
+    response's messages (None: there is no response store)."""
     if submit.kind is RequestKind.COMPLETION:
         if not submit.prompts:
             raise Rejected("prompt must not be empty", param="prompt")
@@ -58,29 +52,14 @@ def render_prompts(submit: Submit, tokenizer: Tokenizer,
                 raise Rejected("messages must contain at least one message", param="messages")
             text = _chat_text(tokenizer, submit.messages)
         else:
-            text = _chat_text(tokenizer, _response_messages(submit, store))
+            if history is None or submit.response is None:
+                raise Rejected("the Responses API needs the response store", status=500)
+            text = _chat_text(tokenizer, history(submit))
         # The template writes its own special tokens (BOS included).
         prompts = [tokenizer.encode(text, add_special_tokens=False)]
     if any(not ids for ids in prompts):
         raise Rejected("prompt must not be empty", param="prompt")
     return prompts
-
-
-def _response_messages(submit: Submit, store: Conversations | None) -> list[Message]:
-    fields = submit.response
-    if store is None or fields is None:
-        raise Rejected("the Responses API needs the response store", status=500)
-    try:
-        messages = store.conversation(submit)
-    except ValueError as e:
-        raise Rejected(str(e), param="input") from None
-    if messages is None:
-        prev = fields.previous_response_id
-        raise Rejected(f"Previous response with id '{prev}' not found.", status=404,
-                       param="previous_response_id", code="previous_response_not_found")
-    if not any(m.role != "system" for m in messages):
-        raise Rejected("input must not be empty", param="input")
-    return messages
 
 
 def _chat_text(tokenizer: Tokenizer, messages: list[Message]) -> str:

@@ -30,7 +30,7 @@ from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import Detokenizer, Sequence, Session
 from daemon.model.batch import ScheduledChunk
 from daemon.model.tokenizer import Tokenizer
-from daemon.responses.guard import GuardedStore, Store
+from daemon.responses.lifecycle import Aborted, Completed, Ending, Failed, Responses, Store
 from ipc.records import (
     AbortCause,
     Admitted,
@@ -82,8 +82,8 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        # Every store call goes through the guard: a failing store costs one session at most.
-        self.store = GuardedStore(store) if store is not None else None
+        # A stored response's whole life goes through here: a failing store costs one session.
+        self.responses = Responses(store) if store is not None else None
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.model_name = model_name
@@ -126,7 +126,8 @@ class Engine:
             return [Rejected(f"request id {rec.rid!r} is already running", status=409)
                     .to_error(rec.rid)]
         try:
-            prompts = render_prompts(rec, self.tokenizer, self.store)
+            history = self.responses.history if self.responses is not None else None
+            prompts = render_prompts(rec, self.tokenizer, history)
             check_limits(rec, prompts, self.max_model_len, self.max_num_seqs,
                          self.block_manager, self.tokenizer.vocab_size)
             session = self._open_session(rec, prompts)
@@ -173,15 +174,9 @@ class Engine:
                           sequences=build_sequences(rec, prompts, self._make_detok),
                           t_arrival=self.clock(), client_id=rec.client_id)
         fields = rec.response
-        if rec.kind is RequestKind.RESPONSE and fields is not None and self.store is not None:
+        if rec.kind is RequestKind.RESPONSE and fields is not None and self.responses is not None:
             session.background = fields.background
-            if fields.store or fields.background:
-                try:
-                    self.store.begin(rec)
-                except ValueError as e:
-                    raise Rejected(str(e)) from None
-                session.placeholder = True
-                session.queued = fields.background
+            session.placeholder = self.responses.admitted(rec)
         return session
 
     # --- aborts ---------------------------------------------------------------------------------
@@ -220,10 +215,16 @@ class Engine:
 
     def _evict(self, session: Session, cause: AbortCause | None, *, error: str | None = None,
                t_read: float | None = None) -> list[Finish]:
-        ended = session.evict(self.scheduler, self.store, cause, error)
+        """Release everything the session holds (blocks, queue slots, its placeholder) and
+        report its end. `cause` None means the session failed with `error`."""
+        reason = FinishReason.ERROR if cause is None else FinishReason.ABORT
+        ended = session.end(reason)
+        for seq in ended:
+            self.scheduler.remove(seq)
+        self._end_response(session, Failed(error or "internal error") if cause is None
+                           else Aborted(cause, session.background))
         del self.sessions[session.rid]
         now = self.clock()
-        reason = FinishReason.ERROR if cause is None else FinishReason.ABORT
         self.finished[reason.value] += 1
         extra: dict[str, Any] = {}
         if cause is not None:
@@ -263,10 +264,9 @@ class Engine:
         sampled: Counter[str] = Counter(seq.rid for seq in seqs)
         for rid in rids:
             session = self.sessions[rid]
+            if session.placeholder and not session.ticks and self.responses is not None:
+                self.responses.started(rid)
             session.ticks.append(t_start, sampled[rid])
-            if session.queued and self.store is not None:
-                session.queued = False
-                self.store.start(rid)
         if not to_sample:
             return []
         rows = [row for row, _ in to_sample]
@@ -327,11 +327,8 @@ class Engine:
         error: str | None = None
         if session.is_finished:
             del self.sessions[seq.rid]
-            if session.placeholder and self.store is not None:
-                incomplete = ("max_output_tokens" if reason is FinishReason.LENGTH else None)
-                error = self.store.complete(session.rid, session.output_text(), session.usage,
-                                            incomplete_reason=incomplete)
-                session.placeholder = False
+            error = self._end_response(session, Completed(reason, session.output_text(),
+                                                          session.usage))
             # Counted per request, like the aborts: a request's reason is its last sequence's.
             ended = reason if error is None else FinishReason.ERROR
             self.finished[ended.value] += 1
@@ -339,6 +336,14 @@ class Engine:
         if error is not None:  # the client learns that its response was not stored
             return [Finish(seq.rid, seq.index, FinishReason.ERROR, seq.usage, message=error)]
         return [Finish(seq.rid, seq.index, reason, seq.usage)]
+
+    def _end_response(self, session: Session, ending: Ending) -> str | None:
+        """Tells the responses room how a session with a placeholder ended; returns why its
+        result could not be stored, if it could not."""
+        if not session.placeholder or self.responses is None:
+            return None
+        session.placeholder = False
+        return self.responses.ended(session.rid, ending)
 
     # --- figures --------------------------------------------------------------------------------
 
@@ -356,7 +361,7 @@ class Engine:
             kv_blocks_cached=self.block_manager.num_cached_free,
             prefix_cache_queries=self.scheduler.num_cache_queries,
             prefix_cache_hits=self.scheduler.num_cache_hits,
-            placeholders=self.store.num_placeholders() if self.store is not None else 0,
+            placeholders=self.responses.num_placeholders() if self.responses is not None else 0,
             ticks=self.num_ticks,
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,

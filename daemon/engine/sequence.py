@@ -7,20 +7,10 @@ import enum
 import itertools
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from daemon.engine.stops import StopMatcher
-from ipc.records import (
-    AbortCause,
-    FinishReason,
-    RequestKind,
-    SamplingParams,
-    TokenLogprob,
-    Usage,
-)
-
-if TYPE_CHECKING:
-    from daemon.engine.scheduler import Scheduler
+from ipc.records import FinishReason, RequestKind, SamplingParams, TokenLogprob, Usage
 
 # Ticks remembered per session to attribute sampled tokens to "after the client left".
 _TICK_MEMORY = 4096
@@ -37,6 +27,9 @@ class TickHistory:
     def __init__(self) -> None:
         self.starts = array("d")
         self.counts = array("I")
+
+    def __len__(self) -> int:
+        return len(self.starts)
 
     def append(self, start: float, tokens: int) -> None:
         if len(self.starts) >= _TICK_MEMORY:
@@ -58,14 +51,6 @@ class TickHistory:
 class Detokenizer(Protocol):
     def push(self, token_id: int) -> str: ...
     def flush(self) -> str: ...
-
-
-class Placeholders(Protocol):
-    """The part of the response store a session releases."""
-
-    def remove(self, rid: str) -> None: ...
-    def cancel(self, rid: str) -> None: ...
-    def fail(self, rid: str, message: str) -> None: ...
 
 
 class SeqStatus(enum.Enum):
@@ -135,10 +120,9 @@ class Session:
     kind: RequestKind
     sequences: list[Sequence]
     t_arrival: float
-    # Set when the response store holds an in_progress/queued object for this rid.
+    # Set when the response store holds a queued/in_progress row for this rid.
     placeholder: bool = False
-    background: bool = False
-    queued: bool = False  # a background response's row says queued until its first tick
+    background: bool = False  # a background response: its client leaving does not end it
     t_disconnect: float | None = None
     paused: bool = False  # the proxy asked to stop scheduling it (its client is not reading)
     client_id: str | None = None  # the client's X-Request-Id, for the request log
@@ -169,25 +153,10 @@ class Session:
         """(ticks, tokens) of this session's ticks that started after time `t`."""
         return self.ticks.after(t)
 
-    def evict(self, scheduler: Scheduler, store: Placeholders | None,
-              cause: AbortCause | None, error: str | None = None) -> list[Sequence]:
-        """Release everything the session holds: blocks, queue slots, its placeholder.
-
-        `cause` None means the session failed with `error`. Returns the sequences this call
-        ended, for the caller to report.
-        """
+    def end(self, reason: FinishReason) -> list[Sequence]:
+        """Ends every sequence still going with `reason` (ABORT or ERROR) and returns them, for
+        the engine to release and report."""
         ended = [s for s in self.sequences if not s.is_finished]
         for seq in ended:
-            scheduler.remove(seq)
-            seq.finish_reason = FinishReason.ABORT if cause is not None else FinishReason.ERROR
-        if self.placeholder and store is not None:
-            if cause is None:
-                store.fail(self.rid, error or "internal error")
-            elif not self.background:
-                store.remove(self.rid)
-            elif cause is AbortCause.CANCEL:
-                store.cancel(self.rid)
-            else:
-                store.fail(self.rid, f"aborted: {cause.value}")
-            self.placeholder = False
+            seq.finish_reason = reason
         return ended

@@ -1,7 +1,8 @@
 """The Responses-API store: stored responses and their conversations, in a database chosen by
 URL (daemon/responses/db.py: SQLite by default, PostgreSQL shared by replicas).
 
-The daemon owns it because only the daemon knows when a response ends. The lifecycle of a row:
+The daemon owns it because only the daemon knows when a response ends; the engine and the server
+reach it through daemon/responses/lifecycle.py (`Responses`), never directly. The life of a row:
 
 - ``begin`` writes a placeholder when the Submit is admitted: ``in_progress``, or ``queued`` for
   a background response. A response with ``store: false`` gets no row (background implies store).
@@ -36,20 +37,16 @@ from daemon.responses.db import Database, StoreError, connect
 from daemon.responses.schema import SCHEMA_VERSION
 from daemon.responses.watcher import PLACEHOLDERS_SQL, Watcher
 from ipc.records import (
+    PLACEHOLDER_STATUSES,
     Message,
     ResponseFields,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,
+    ResponseStatus,
+    StoredResponse,
     Submit,
     Usage,
-)
-from ipc.response_object import (
-    PLACEHOLDER_STATUSES,
-    ResponseStatus,
-    build_response,
-    input_item_objects,
-    input_items_to_messages,
 )
 
 __all__ = ["CRASHED_MESSAGE", "SCHEMA_VERSION", "ResponseStore", "StoreError",
@@ -89,29 +86,28 @@ def _fields(submit: Submit) -> ResponseFields:
     return submit.response
 
 
-def _body(row: Any) -> dict[str, Any]:
-    return build_response(
+def _stored(row: Any) -> StoredResponse:
+    return StoredResponse(
         id=row["id"],
-        status=row["status"],
+        status=ResponseStatus(row["status"]),
         created_at=row["created_at"],
         model=row["model"],
+        background=bool(row["background"]),
+        completed_at=row["completed_at"],
         output_text=_from_text_column(row["output_text"]),
         usage=None if row["usage"] is None else _usage_decoder.decode(row["usage"]),
         instructions=_from_text_column(row["instructions"]),
         previous_response_id=row["previous_response_id"],
-        background=bool(row["background"]),
-        store=True,
         error=_from_text_column(row["error"]),
         incomplete_reason=row["incomplete_reason"],
         temperature=row["temperature"],
         top_p=row["top_p"],
         max_output_tokens=row["max_output_tokens"],
-        completed_at=row["completed_at"],
     )
 
 
 class ResponseStore:
-    """The store's interface to the engine and the server; used from the tick thread only.
+    """The store backend behind `Responses` (lifecycle.py); used from the tick thread only.
 
     ``target``: None (SQLite in memory), a Path (a SQLite file) or a URL (``sqlite:///path``,
     ``postgresql://…``). ``replica_id`` names this replica in the rows it owns.
@@ -148,7 +144,6 @@ class ResponseStore:
         """Messages to render for this response: instructions, history, then the new input.
 
         None when ``previous_response_id`` is unknown (answer with ``previous_not_found``).
-        Raises ``ValueError`` (an ``InputError``) on malformed input items.
         """
         fields = _fields(submit)
         turn = self._turn(fields)
@@ -176,7 +171,7 @@ class ResponseStore:
             " ON CONFLICT (id) DO NOTHING",
             (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
              text_column(fields.instructions), fields.previous_response_id, int(fields.background),
-             _json(fields.input_items), _json(turn), submit.sampling.temperature,
+             fields.input_items, _json(turn), submit.sampling.temperature,
              submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id),
         ).rowcount
         if inserted != 1:
@@ -236,7 +231,7 @@ class ResponseStore:
             history = self.history(fields.previous_response_id)
         if history is None:
             return None
-        return history + input_items_to_messages(fields.input_items, None)
+        return history + fields.input
 
     def _end(self, rid: str, status: ResponseStatus, **columns: Any) -> None:
         self._placeholders.discard(rid)
@@ -259,10 +254,9 @@ class ResponseStore:
             return ResponseReply(op.op_id, 404,
                                  message=f"No response found with id '{op.response_id}'.")
         if op.op is ResponseOpKind.GET:
-            return ResponseReply(op.op_id, 200, body=_body(row))
+            return ResponseReply(op.op_id, 200, response=_stored(row))
         if op.op is ResponseOpKind.INPUT_ITEMS:
-            items = input_item_objects(op.response_id, msgspec.json.decode(row["input_items"]))
-            return ResponseReply(op.op_id, 200, body={"data": items})
+            return ResponseReply(op.op_id, 200, input_items=row["input_items"])
         if op.op is ResponseOpKind.DELETE:
             return self._delete(op, row, running)
         return self._cancel_op(op, row)
@@ -291,8 +285,7 @@ class ResponseStore:
                 f"{row['status']}; cancel it (background) or wait for it to finish.",
             )
         self._db.execute("DELETE FROM responses WHERE id = ?", (op.response_id,))
-        body = {"id": op.response_id, "object": "response.deleted", "deleted": True}
-        return ResponseReply(op.op_id, 200, body=body)
+        return ResponseReply(op.op_id, 200, deleted=True)
 
     def _cancel_op(self, op: ResponseOp, row: Any) -> ResponseReply:
         if not row["background"]:
@@ -313,7 +306,7 @@ class ResponseStore:
         elif status != ResponseStatus.CANCELLED:
             return ResponseReply(op.op_id, 400,
                                  message=f"Cannot cancel a response that is {status}.")
-        return ResponseReply(op.op_id, 200, body=_body(row))
+        return ResponseReply(op.op_id, 200, response=_stored(row))
 
     # --- replicas: the cancel channel and the lease ---------------------------------------------
 

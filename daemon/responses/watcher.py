@@ -18,7 +18,7 @@ from collections.abc import Callable
 import msgspec
 
 from daemon.responses.db import Database, Listener
-from ipc.response_object import PLACEHOLDER_STATUSES, ResponseStatus
+from ipc.records import PLACEHOLDER_STATUSES, ResponseStatus
 
 log = logging.getLogger("tether.store")
 

@@ -33,6 +33,7 @@ from ipc.records import (
     Goodbye,
     Heartbeat,
     Hello,
+    Message,
     Pause,
     RequestKind,
     ResponseFields,
@@ -331,8 +332,7 @@ def test_run_loads_the_model_and_exits_0_on_sigterm(tmp_path: Path):
 def test_a_cancel_through_another_replica_is_applied_at_the_next_tick(daemon, tmp_path: Path):
     server, proxy, _ = daemon
     hello(proxy)
-    fields = ResponseFields(store=True, background=True, input_items=[{"role": "user",
-                                                                       "content": "go"}])
+    fields = ResponseFields(store=True, background=True, input=[Message("user", "go")])
     proxy.send(Submit("resp_bg", 1, RequestKind.RESPONSE,
                       SamplingParams(max_tokens=400, ignore_eos=True), response=fields))
     proxy.wait_for(lambda r: isinstance(r, Delta) and r.rid == "resp_bg")

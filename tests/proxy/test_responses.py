@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import orjson
 import pytest
@@ -132,7 +133,9 @@ def test_create_with_the_openai_client(oai: openai.OpenAI, peer: StorePeer) -> N
     assert submit.messages == [] and submit.n == 1
     assert submit.sampling.max_tokens == 3 and submit.sampling.temperature == 0.5
     assert submit.response is not None and submit.response.instructions == "be brief"
-    assert submit.response.input_items == [{"type": "message", "role": "user", "content": "hi"}]
+    assert msgspec.json.decode(submit.response.input_items) == [
+        {"type": "message", "role": "user", "content": "hi"}]
+    assert [(m.role, m.content) for m in submit.response.input] == [("user", "hi")]
     stored = oai.responses.retrieve(response.id)
     assert stored.status == "incomplete" and stored.output_text == tokens(3)
 

@@ -10,8 +10,7 @@ import pytest
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from ipc.records import AbortCause, FinishReason, Usage
-from ipc.response_object import ResponseStatus
+from ipc.records import AbortCause, FinishReason, ResponseStatus, Usage
 from proxy.errors import ApiError
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
 from proxy.responses_events import Outcome, ResponseEvents, ResponseParams, finish_outcome

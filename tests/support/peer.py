@@ -152,7 +152,7 @@ class Peer:
             self.submits.append(record)
             text = " ".join(record.prompts) + " ".join(m.content for m in record.messages)
             if record.response is not None:
-                text += " ".join(str(item.get("content")) for item in record.response.input_items)
+                text += " ".join(m.content for m in record.response.input)
             if "TOO LONG" in text:
                 return [Error(record.rid, f"the prompt is longer than {MAX_MODEL_LEN} tokens",
                               status=400, param="messages" if record.messages else "prompt",

@@ -1,5 +1,6 @@
 import logging
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -254,14 +255,14 @@ def test_chat_renders_the_template():
 def response(rid: str, text: str, previous: str | None = None,
              background: bool = False) -> Submit:
     fields = ResponseFields(previous_response_id=previous, background=background,
-                            input_items=[{"role": "user", "content": text}], model="fake")
+                            input=[Message("user", text)], model="fake")
     return Submit(rid, 1, RequestKind.RESPONSE, SamplingParams(max_tokens=30, temperature=0.0),
                   response=fields)
 
 
 def get(store: ResponseStore, rid: str) -> tuple[int, dict | None]:
     reply = store.handle_op(ResponseOp("op", ResponseOpKind.GET, rid, 1), running=False)
-    return reply.status, reply.body
+    return reply.status, None if reply.response is None else msgspec.to_builtins(reply.response)
 
 
 def test_response_is_stored_and_continued():

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from openai.types.responses import Response
 
@@ -17,10 +18,12 @@ from ipc.records import (
     ResponseFields,
     ResponseOp,
     ResponseOpKind,
+    ResponseReply,
     SamplingParams,
     Submit,
     Usage,
 )
+from proxy.response_object import input_item_objects, stored_response_object
 from tests.support.wait import wait_for
 
 
@@ -46,7 +49,8 @@ def submit(
         background=background,
         previous_response_id=previous,
         instructions=instructions,
-        input_items=[{"role": "user", "content": text}],
+        input=[Message("user", text)],
+        input_items=msgspec.json.encode([{"role": "user", "content": text}]).decode(),
         created_at=1_700_000_000,
         model="tiny",
     )
@@ -57,9 +61,14 @@ def op(kind: ResponseOpKind, rid: str) -> ResponseOp:
     return ResponseOp(f"op-{kind}-{rid}", kind, rid, 1)
 
 
+def response_object(reply: ResponseReply) -> dict[str, Any] | None:
+    """The Response object the proxy answers with."""
+    return None if reply.response is None else stored_response_object(reply.response)
+
+
 def get(store: ResponseStore, rid: str) -> tuple[int, dict[str, Any] | None]:
     reply = store.handle_op(op(ResponseOpKind.GET, rid), running=False)
-    return reply.status, reply.body
+    return reply.status, response_object(reply)
 
 
 @pytest.fixture
@@ -155,7 +164,7 @@ def test_background_cancel_stays_cancelled_after_a_late_finish(store: ResponseSt
     assert get(store, "resp_bg")[1]["status"] == "queued"  # type: ignore[index]
     reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=True)
     assert reply.status == 200
-    assert Response.model_validate(reply.body).status == "cancelled"
+    assert Response.model_validate(response_object(reply)).status == "cancelled"
     assert store.num_placeholders() == 0
 
     # The engine's last tick races the cancel; and its abort path must not delete the row.
@@ -193,7 +202,7 @@ def test_delete(store: ResponseStore) -> None:
     store.complete("resp_1", "x", Usage(1, 1))
     reply = store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False)
     assert reply.status == 200
-    assert reply.body == {"id": "resp_1", "object": "response.deleted", "deleted": True}
+    assert reply.deleted and reply.response is None
     assert get(store, "resp_1")[0] == 404
     assert store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False).status == 404
 
@@ -401,7 +410,8 @@ def test_any_replica_reads_continues_and_deletes_any_response(open_store: Open) 
     b.begin(second)
     b.complete("resp_2", "TWO", Usage(1, 1))
     items = a.handle_op(op(ResponseOpKind.INPUT_ITEMS, "resp_2"), running=False)
-    assert items.status == 200 and items.body is not None and len(items.body["data"]) == 1
+    assert items.status == 200 and items.input_items is not None
+    assert len(input_item_objects("resp_2", items.input_items)) == 1
     assert a.handle_op(op(ResponseOpKind.DELETE, "resp_2"), running=False).status == 200
     assert get(b, "resp_2")[0] == 404
 
@@ -411,7 +421,8 @@ def test_cancel_through_another_replica_reaches_the_owner(open_store: Open) -> N
     owner.watcher().renew()
     owner.begin(submit("resp_bg", background=True))
     reply = other.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False)
-    assert reply.status == 200 and reply.body is not None and reply.body["status"] == "cancelled"
+    assert reply.status == 200 and reply.response is not None
+    assert reply.response.status == "cancelled"
     assert get(owner, "resp_bg")[1]["status"] == "cancelled"  # type: ignore[index]
     assert owner.take_cancels() == []  # nothing until the owner's watcher looks
     assert other.watcher().poll_cancels() == 0  # a request names its owner only

@@ -22,6 +22,7 @@ from ipc.records import (
     Error,
     Finish,
     FinishReason,
+    Message,
     RequestKind,
     ResponseFields,
     ResponseOp,
@@ -41,8 +42,7 @@ def make_engine(store: ResponseStore) -> Engine:
 
 
 def response(rid: str, max_tokens: int = 8, background: bool = False) -> Submit:
-    fields = ResponseFields(background=background, model="fake",
-                            input_items=[{"role": "user", "content": "hi"}])
+    fields = ResponseFields(background=background, model="fake", input=[Message("user", "hi")])
     return Submit(rid, 1, RequestKind.RESPONSE,
                   SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), response=fields)
 
@@ -68,7 +68,7 @@ def finish(records: list[ToProxy], rid: str) -> Finish:
 
 def status(store: ResponseStore, rid: str) -> str | None:
     reply = store.handle_op(ResponseOp("op", ResponseOpKind.GET, rid, 1), running=False)
-    return None if reply.body is None else str(reply.body["status"])
+    return None if reply.response is None else str(reply.response.status)
 
 
 def store_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -133,3 +133,16 @@ def test_a_result_too_large_for_the_store_leaves_the_response_failed(
     assert status(store, "resp_big") == "failed"
     assert any("resp_big" in line for line in store_errors(caplog))
     assert store.num_placeholders() == 0
+
+
+def test_a_broken_store_answers_a_response_op_with_500(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = ResponseStore(tmp_path / "responses.sqlite3", 100, 3600.0)
+    responses = make_engine(store).responses
+    assert responses is not None
+    store.db.close()
+    with caplog.at_level(logging.ERROR):
+        reply = responses.handle_op(ResponseOp("op", ResponseOpKind.GET, "resp_x", 1), False)
+    assert (reply.op_id, reply.status) == ("op", 500)
+    assert (reply.message or "").startswith("response store error: ")
+    assert any("resp_x" in line for line in store_errors(caplog))

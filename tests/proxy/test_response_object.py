@@ -3,12 +3,13 @@ from typing import Any
 import pytest
 from openai.types.responses import Response, ResponseOutputMessage
 
-from ipc.records import Message, Usage
-from ipc.response_object import (
+from ipc.records import PLACEHOLDER_STATUSES, Message, ResponseStatus, StoredResponse, Usage
+from proxy.response_object import (
     InputError,
-    ResponseStatus,
     build_response,
+    input_item_objects,
     input_items_to_messages,
+    stored_response_object,
 )
 
 
@@ -38,6 +39,26 @@ def test_every_status_parses_with_the_openai_client(status: ResponseStatus) -> N
     assert parsed.id == "resp_abc"
     assert parsed.output_text == (text or "")
     assert (parsed.error is not None) == (status is ResponseStatus.FAILED)
+
+
+@pytest.mark.parametrize("status", list(ResponseStatus))
+def test_a_stored_response_parses_with_the_openai_client(status: ResponseStatus) -> None:
+    text = None if status in PLACEHOLDER_STATUSES else "hi"
+    stored = StoredResponse("resp_abc", status, 1700000000, "tiny", background=True,
+                            output_text=text, usage=Usage(5, 3),
+                            error="boom" if status is ResponseStatus.FAILED else None)
+    parsed = Response.model_validate(stored_response_object(stored))
+    assert (parsed.id, parsed.status, parsed.output_text) == ("resp_abc", status.value, text or "")
+    assert parsed.store and parsed.background
+
+
+def test_stored_input_items_are_listed_as_messages_with_ids() -> None:
+    items = '[{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", ' \
+        '"id": "msg_mine", "content": [{"type": "output_text", "text": "yo"}]}]'
+    listed = input_item_objects("resp_abc", items)
+    assert [(i["id"], i["role"], i["status"]) for i in listed] == [
+        ("msg_abc_0", "user", "completed"), ("msg_mine", "assistant", "completed")]
+    assert listed[0]["content"] == [{"type": "input_text", "text": "hi"}]
 
 
 def test_completed_object_carries_usage_and_a_stable_message_id() -> None:

@@ -1,28 +1,17 @@
-"""The OpenAI Responses API object, and Responses ``input`` turned into chat messages.
+"""The OpenAI Responses API's shapes: the Response object, the listed input items, and
+Responses ``input`` turned into chat messages.
 
-Both processes use this module: the proxy to answer foreground requests and validate input,
-the daemon to answer GET/DELETE/cancel from its store. It must stay torch-free.
+Application schema, built here from the typed records the daemon sends (StoredResponse) and
+from the proxy's own live state; the daemon never sees these shapes.
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
-from ipc.records import Message, Usage
+import msgspec
 
-
-class ResponseStatus(enum.StrEnum):
-    QUEUED = "queued"
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    CANCELLED = "cancelled"
-    FAILED = "failed"
-    INCOMPLETE = "incomplete"
-
-
-# A placeholder is a response whose session has not ended yet.
-PLACEHOLDER_STATUSES = frozenset({ResponseStatus.QUEUED, ResponseStatus.IN_PROGRESS})
+from ipc.records import PLACEHOLDER_STATUSES, Message, ResponseStatus, StoredResponse, Usage
 
 # Chat templates rarely know "developer"; it plays the same part as "system".
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -125,6 +114,22 @@ def build_response(
     }
 
 
+def stored_response_object(stored: StoredResponse) -> dict[str, Any]:
+    """A stored response as GET and cancel answer with it."""
+    return build_response(
+        id=stored.id, status=stored.status, created_at=stored.created_at, model=stored.model,
+        output_text=stored.output_text, usage=stored.usage, instructions=stored.instructions,
+        previous_response_id=stored.previous_response_id, background=stored.background,
+        store=True, error=stored.error, incomplete_reason=stored.incomplete_reason,
+        temperature=stored.temperature, top_p=stored.top_p,
+        max_output_tokens=stored.max_output_tokens, completed_at=stored.completed_at,
+    )
+
+
+def deleted_object(response_id: str) -> dict[str, Any]:
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
 def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -180,12 +185,13 @@ def input_items_to_messages(
     return messages
 
 
-def input_item_objects(response_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A stored response's input items as the API lists them: every item a message with an id
-    (the client's, or one derived from the response id and the position) and typed parts."""
+def input_item_objects(response_id: str, input_items: str) -> list[dict[str, Any]]:
+    """A stored response's input items (the JSON text the client sent) as the API lists them:
+    every item a message with an id (the client's, or one derived from the response id and the
+    position) and typed parts."""
     stem = response_id.removeprefix("resp_")
     out = []
-    for i, item in enumerate(items):
+    for i, item in enumerate(msgspec.json.decode(input_items)):
         content = item.get("content")
         if isinstance(content, str):
             kind = "output_text" if item.get("role") == "assistant" else "input_text"
