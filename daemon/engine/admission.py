@@ -15,21 +15,8 @@ from daemon.engine.sampler import seed_for
 from daemon.engine.sequence import Detokenizer, Sequence
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import Tokenizer
-from ipc.records import AbortCause, Error, Message, RequestKind, Submit
-
-
-class Rejected(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
-
-    def to_error(self, rid: str) -> Error:
-        return Error(rid=rid, message=self.message, status=self.status, param=self.param,
-                     code=self.code)
+from daemon.rejected import Rejected
+from ipc.records import AbortCause, Message, RequestKind, Submit
 
 
 def num_sequences(submit: Submit) -> int:

@@ -17,7 +17,6 @@ from typing import Any, Protocol
 import torch
 
 from daemon.engine.admission import (
-    Rejected,
     Tombstones,
     build_sequences,
     check_limits,
@@ -30,6 +29,7 @@ from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import Detokenizer, Sequence, Session
 from daemon.model.batch import ScheduledChunk
 from daemon.model.tokenizer import Tokenizer
+from daemon.rejected import Rejected
 from daemon.responses.lifecycle import Aborted, Completed, Ending, Failed, Responses, Store
 from ipc.records import (
     AbortCause,

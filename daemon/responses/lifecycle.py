@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from daemon.engine.admission import Rejected
+from daemon.rejected import Rejected
 from daemon.responses.store import previous_not_found
 from ipc.records import (
     AbortCause,
