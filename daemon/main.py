@@ -11,11 +11,10 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from daemon.engine.core import Engine, Runner
-from daemon.epochs import EpochCounter
 from daemon.model.tokenizer import Tokenizer
 from daemon.responses.store import ResponseStore, StoreError
 from daemon.server import DaemonServer, Notify
-from ipc.pipes import DaemonPipes, PipeError, inherited_fifos
+from ipc.pipes import DaemonPipes, EpochCounter, PipeError, inherited_fifos
 from tether.settings import Settings
 
 if TYPE_CHECKING:

@@ -1,9 +1,9 @@
 """IPC benchmark: two processes over real FIFOs.
 
-1. Token records/s, daemon -> proxy, through DaemonPipes.send and ProxyPipes (encode, write,
+1. Token records/s, daemon -> proxy, through DaemonPipes.send and ProxyConnection (encode, write,
    read, decode, dispatch), next to a bare anchor: orjson lines over a FIFO, one write per
    record and batched.
-2. Control-record latency, ProxyPipes.control -> DaemonPipes.read_control, while the reader
+2. Control-record latency, ProxyConnection.control -> DaemonPipes.read_control, while the reader
    idles in wait_readable and while it simulates ticks (busy 5 ms, then drains).
 
     python loadtest/bench_ipc.py [--records N] [--aborts N] [--out results/bench_ipc.json]
@@ -29,7 +29,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ipc.pipes import DaemonPipes, ProxyPipes, ensure_fifos
+from ipc.pipes import DaemonPipes, ProxyConnection, ensure_fifos
 from ipc.records import (
     PROTOCOL_VERSION,
     Abort,
@@ -94,7 +94,7 @@ async def _token_proxy(run: Path, total: int) -> float:
                 t_last = time.perf_counter()
                 done.set()
 
-    pipes = ProxyPipes(run, on_record, lambda is_up, _why: is_up and up.set())
+    pipes = ProxyConnection(run, on_record, lambda loss: loss is None and up.set())
     await pipes.start()
     await asyncio.wait_for(up.wait(), 10)
     await asyncio.wait_for(done.wait(), 120)
@@ -156,7 +156,7 @@ def bench_bare(path: Path, total: int, batched: bool) -> float:
 def _control_proxy(run: Path, count: int) -> None:
     async def main() -> None:
         up = asyncio.Event()
-        pipes = ProxyPipes(run, lambda r: None, lambda is_up, _why: is_up and up.set())
+        pipes = ProxyConnection(run, lambda r: None, lambda loss: loss is None and up.set())
         await pipes.start()
         await asyncio.wait_for(up.wait(), 10)
         rng = random.Random(0)
@@ -268,7 +268,7 @@ def main() -> None:
           f"   goal >= {GOAL_RECORDS_PER_S:,}")
     print(f"  bare    orjson lines, one write each      {tokens['bare_orjson_one_write_per_s']:>12,.0f}")
     print(f"  bare    orjson lines, batched writes      {tokens['bare_orjson_batched_per_s']:>12,.0f}")
-    print("control latency, ProxyPipes.control -> DaemonPipes.read_control:")
+    print("control latency, ProxyConnection.control -> DaemonPipes.read_control:")
     for name, label in (("idle", "idle in wait_readable"), ("tick", "5 ms ticks, then drain"),
                         ("bare_fifo", "bare FIFO, poll() reader")):
         c = control[name]

@@ -114,13 +114,13 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
 
 
 def build_submit(req: CreateResponse, params: ResponseParams, sampling: SamplingParams,
-                 epoch: int, t_submit: float, client_id: str | None = None) -> Submit:
+                 t_submit: float, client_id: str | None = None) -> Submit:
     items = ([{"type": "message", "role": "user", "content": req.input}]
              if isinstance(req.input, str) else req.input)
     fields = ResponseFields(store=req.store, background=req.background,
                             previous_response_id=req.previous_response_id,
                             instructions=req.instructions, input_items=items,
                             created_at=params.created_at, model=params.model)
-    return Submit(rid=params.id, epoch=epoch, kind=RequestKind.RESPONSE, sampling=sampling,
+    return Submit(rid=params.id, kind=RequestKind.RESPONSE, sampling=sampling,
                   n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id)
 
