@@ -2,13 +2,13 @@
 
 The connection (ipc/connection/proxy.py) says whether the daemon is up, why it is not, and what
 model it serves, and stamps its epoch on what is written. It delivers every record from the
-tokens pipe to `_on_record` on the event loop; each
-record is routed by rid to its session's buffer (proxy/session.py) and wakes the one coroutine
-reading it. A sweep twice a second ends what would otherwise wait forever: a request the daemon
-has not acknowledged within the request timeout (504, Abort with cause ``timeout``) and a
-session whose client has taken nothing for the stall timeout (same cause). Flow control: once
-a session holds ``max_buffered`` weighted tokens its client has not read, the daemon is told to
-Pause it, and to Resume once the client has read half of them.
+tokens pipe to `_on_record` on the event loop; each record is routed by rid to its session's
+buffer (proxy/session.py) and wakes the one coroutine reading it. A sweep twice a second ends
+what would otherwise wait forever: a request the daemon has not acknowledged within the request
+timeout (504, Abort with cause ``timeout``) and a session whose client has taken nothing for the
+stall timeout (same cause). Flow control: once a session holds ``max_buffered`` weighted tokens
+its client has not read, the daemon is told to Pause it, and to Resume once the client has read
+half of them.
 """
 
 from __future__ import annotations
