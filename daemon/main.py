@@ -10,12 +10,11 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from daemon.engine.core import Engine, Runner
-from daemon.epochs import EpochCounter
 from daemon.model.tokenizer import Tokenizer
 from daemon.options import DaemonOptions, ModelOptions
 from daemon.responses.store import ResponseStore, StoreError
 from daemon.server import DaemonServer, Notify
-from ipc.pipes import DaemonPipes, PipeError, inherited_fifos
+from ipc.pipes import DaemonPipes, EpochCounter, PipeError, inherited_fifos
 
 if TYPE_CHECKING:
     from daemon.model.parallel.group import Ranks

@@ -5,40 +5,44 @@ read now is applied before the next forward pass) -> new requests -> one engine 
 records -> Stats. When there is no work it sleeps in `wait_readable`. (The pipes' keepalive
 thread only speaks for it while a forward pass runs.)
 
-Each proxy connection gets an epoch from the Hello/Welcome handshake; only Submits of the
-current epoch are admitted. Submits of an earlier connection still in the pipe, or read after
-the proxy was lost or said Goodbye, end at once as aborted with cause ``proxy_lost``.
+The connection (ipc/connection/daemon.py) answers the proxy's Hello and assigns each connection
+its epoch; what it reads comes here as work and events. A new connection ends the sessions of
+older ones, a Goodbye or a lost proxy those of the current one, and Submits of any epoch but the
+current one (still in the pipe from an earlier connection, or read after the proxy was lost or
+said Goodbye) end at once as aborted with cause ``proxy_lost``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 from daemon.engine.core import Engine
-from daemon.epochs import EpochCounter
 from daemon.responses.store import ResponseStore
-from ipc.pipes import DaemonPipes
+from ipc.pipes import (
+    Connected,
+    ControlItem,
+    DaemonConnection,
+    DaemonPipes,
+    EpochCounter,
+    Lost,
+    ModelInfo,
+    Stale,
+)
 from ipc.records import (
-    PROTOCOL_VERSION,
     Abort,
     AbortCause,
     Error,
     Goodbye,
-    Heartbeat,
-    Hello,
     Pause,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,
     Resume,
     Submit,
-    ToDaemon,
     ToProxy,
     Welcome,
-    version_mismatch,
 )
 
 log = logging.getLogger("tether.daemon")
@@ -65,12 +69,9 @@ class DaemonServer:
         self.drain_timeout_s = drain_timeout_s
         self.notify = notify or (lambda _msg: None)
         self.clock = clock
-        self.epochs = epochs or EpochCounter()
-        self.epoch: int | None = None  # the current connection's; None: none is open
-        self._hello_nonce: int | None = None
-        self._refused_nonce: int | None = None
+        self.connection = DaemonConnection(
+            pipes, ModelInfo(engine.model_name, engine.max_model_len, tensor_parallel_size), epochs)
         self.stop_deadline: float | None = None
-        self.tensor_parallel_size = tensor_parallel_size
         # Set (from any thread) when the daemon cannot go on, e.g. a tensor-parallel rank died.
         self.failure: str | None = None
         self._out: list[ToProxy] = []
@@ -107,7 +108,6 @@ class DaemonServer:
         """One turn of the loop; returns whether a forward pass ran."""
         now = self.clock()
         self._drain_control(now)
-        self._check_proxy()
         self._drain_requests()
         if self._out and self.engine.has_work:
             # Admissions and evictions go out before a forward pass that may take seconds.
@@ -121,8 +121,8 @@ class DaemonServer:
     # --- phases ---------------------------------------------------------------------------------
 
     def _drain_control(self, now: float) -> None:
-        for rec in self.pipes.read_control():
-            self._handle(rec, now)
+        for item in self.connection.read_control():
+            self._control(item, now)
         # Cancels that reached another replica for a response this one runs (no I/O here: the
         # store's watcher thread fetched them).
         responses = self.engine.responses
@@ -130,15 +130,11 @@ class DaemonServer:
             self._out += self.engine.abort(rid, AbortCause.CANCEL, t_read=now)
 
     def _drain_requests(self) -> None:
-        for rec in self.pipes.read_requests():
-            self._handle(rec, self.clock())
-
-    def _check_proxy(self) -> None:
-        reason = self.pipes.take_lost()  # EOF, EPIPE, a stalled reader or heartbeat silence
-        if reason is not None:
-            log.warning("proxy lost (%s); aborting its requests", reason)
-            self.epoch = None  # what it left in the pipes is for nobody
-            self._out += self.engine.abort_all(AbortCause.PROXY_LOST)
+        for item in self.connection.read_requests():
+            if isinstance(item, Stale):
+                self._out += self.engine.refuse(item.submit, AbortCause.PROXY_LOST)
+            else:
+                self._submit(item)
 
     def _step(self) -> bool:
         if not self.engine.has_work:
@@ -179,34 +175,25 @@ class DaemonServer:
 
     # --- records --------------------------------------------------------------------------------
 
-    def _handle(self, rec: ToDaemon, now: float) -> None:
-        if isinstance(rec, Abort):
-            self._out += self.engine.abort(rec.rid, rec.cause, rec.t_disconnect, t_read=now)
-        elif isinstance(rec, Submit):
-            self._submit(rec)
-        elif isinstance(rec, Heartbeat):
-            pass  # DaemonPipes tracks the silence
-        elif isinstance(rec, Hello):
-            self._hello(rec, now)
-        elif isinstance(rec, Pause | Resume):
-            self.engine.set_paused(rec.rid, isinstance(rec, Pause))
-        elif isinstance(rec, Goodbye):
-            self._goodbye(rec)
-        elif isinstance(rec, ResponseOp):
-            self._response_op(rec)
-
-    def _goodbye(self, rec: Goodbye) -> None:
-        if rec.epoch != self.epoch:
-            log.info("ignoring a goodbye of epoch %d (current: %s)", rec.epoch, self.epoch)
-            return
-        log.info("proxy (epoch %d) said goodbye", rec.epoch)
-        self.epoch = None
-        self._out += self.engine.abort_epoch_older_than(rec.epoch + 1, AbortCause.PROXY_LOST)
+    def _control(self, item: ControlItem, now: float) -> None:
+        if isinstance(item, Abort):
+            self._out += self.engine.abort(item.rid, item.cause, item.t_disconnect, t_read=now)
+        elif isinstance(item, Pause | Resume):
+            self.engine.set_paused(item.rid, isinstance(item, Pause))
+        elif isinstance(item, ResponseOp):
+            self._response_op(item)
+        elif isinstance(item, Connected):
+            # The sessions of older connections belong to clients their proxy already failed.
+            self._out += self.engine.abort_epoch_older_than(item.epoch, AbortCause.PROXY_LOST)
+        elif isinstance(item, Goodbye):
+            self._out += self.engine.abort_epoch_older_than(item.epoch + 1, AbortCause.PROXY_LOST)
+        elif isinstance(item, Lost):
+            log.warning("proxy lost (%s); aborting its requests", item.loss.detail)
+            self._out += self.engine.abort_all(AbortCause.PROXY_LOST)
+        elif isinstance(item, Welcome | Error):
+            self._out.append(item)  # the connection's answers go out in order with ours
 
     def _submit(self, rec: Submit) -> None:
-        if rec.epoch != self.epoch:
-            self._out += self.engine.refuse(rec, AbortCause.PROXY_LOST)
-            return
         if self.stop_deadline is not None:
             self._out.append(Error(rec.rid, "the server is shutting down", status=503))
             return
@@ -216,27 +203,6 @@ class DaemonServer:
             log.exception("admitting %s failed", rec.rid)
             self._out.append(Error(rec.rid, f"internal error: {type(e).__name__}: {e}",
                                    status=500, code="internal_error"))
-
-    def _hello(self, rec: Hello, now: float) -> None:
-        if rec.version != PROTOCOL_VERSION:
-            message = version_mismatch(PROTOCOL_VERSION, rec.version)
-            if rec.nonce != self._refused_nonce:  # the proxy retries every few seconds
-                log.error("proxy pid %d refused: %s", rec.pid, message)
-                self._refused_nonce = rec.nonce
-            self._out.append(Error(None, message, status=500, code="version_mismatch"))
-            return
-        epoch = self.epoch
-        if epoch is None or rec.nonce != self._hello_nonce:
-            # A new connection (a repeated Hello of the current one keeps its epoch). A loss
-            # noticed since the last tick belongs to the old one: settle it first.
-            self._check_proxy()
-            epoch = self.epochs.next(at_least=rec.epoch)
-            log.info("proxy pid %d connected: epoch %d", rec.pid, epoch)
-            self._out += self.engine.abort_epoch_older_than(epoch, AbortCause.PROXY_LOST)
-            self.epoch, self._hello_nonce = epoch, rec.nonce
-        self._out.append(Welcome(PROTOCOL_VERSION, os.getpid(), self.engine.model_name,
-                                 self.engine.max_model_len, epoch, rec.nonce,
-                                 self.tensor_parallel_size))
 
     def _response_op(self, op: ResponseOp) -> None:
         running = self.engine.is_running(op.response_id)

@@ -36,6 +36,7 @@ from ipc.fifo import (
     try_open_writer,
 )
 from ipc.framing import FrameDecoder, daemon_decoder, encode_many
+from ipc.loss import Loss, LossReason
 from ipc.records import (
     HEARTBEAT_INTERVAL_S,
     SILENCE_TIMEOUT_S,
@@ -140,7 +141,7 @@ class _TokensWriter:
         self.buf = bytearray()
         self.last_write = 0.0  # when bytes last went into the pipe
         self.stuck_since = 0.0  # the later of: buf went non-empty, the pipe last took bytes
-        self.broken: str | None = None  # EPIPE met by the keepalive thread, for the loop
+        self.broken: Loss | None = None  # EPIPE met by the keepalive thread, for the loop
         self.next_try = 0.0
 
     def try_open(self, now: float) -> bool:
@@ -167,17 +168,17 @@ class _TokensWriter:
             self.stuck_since = now
         self.buf += data
 
-    def send(self, data: bytes, now: float) -> str | None:
+    def send(self, data: bytes, now: float) -> Loss | None:
         with self.lock:
             self._append(data, now)
             return self._flush(now)
 
-    def flush(self, now: float) -> str | None:
-        """Write what the pipe takes now; the reason the proxy is lost, if it is."""
+    def flush(self, now: float) -> Loss | None:
+        """Write what the pipe takes now; why the proxy is lost, if it is."""
         with self.lock:
             return self._flush(now)
 
-    def _flush(self, now: float) -> str | None:
+    def _flush(self, now: float) -> Loss | None:
         if self.broken is not None:
             return self.broken
         buf = self.buf
@@ -188,7 +189,7 @@ class _TokensWriter:
             except BlockingIOError:
                 break
             except BrokenPipeError:
-                return "proxy closed the tokens pipe (EPIPE)"
+                return Loss(LossReason.EPIPE, "proxy closed the tokens pipe (EPIPE)")
             del buf[:n]
             moved = True
         if moved:
@@ -196,9 +197,11 @@ class _TokensWriter:
         if not buf:
             return None
         if len(buf) > MAX_BACKLOG_BYTES:
-            return f"tokens backlog over {MAX_BACKLOG_BYTES >> 20} MiB (proxy not reading)"
+            return Loss(LossReason.BACKLOG,
+                        f"tokens backlog over {MAX_BACKLOG_BYTES >> 20} MiB (proxy not reading)")
         if now - self.stuck_since > MAX_STALL_S:
-            return f"the proxy took nothing from the tokens pipe for {MAX_STALL_S:g} s"
+            return Loss(LossReason.STALLED_READER,
+                        f"the proxy took nothing from the tokens pipe for {MAX_STALL_S:g} s")
         return None
 
     def keepalive(self, now: float) -> None:
@@ -207,9 +210,9 @@ class _TokensWriter:
             if self.fd is None or self.broken is not None or now - self.last_write < KEEPALIVE_S:
                 return
             self._append(msgspec.json.encode(Alive(now)) + b"\n", now)
-            reason = self._flush(now)
-            if reason is not None and "EPIPE" in reason:
-                self.broken = reason
+            loss = self._flush(now)
+            if loss is not None and loss.reason is LossReason.EPIPE:
+                self.broken = loss
 
     def drop(self) -> None:
         """Forget the buffer and let go of the proxy (an inherited fd is kept, only idled)."""
@@ -246,7 +249,7 @@ class DaemonPipes:
         self.heartbeat_timeout = heartbeat_timeout
         self.clock = clock  # the silence and flush bounds are measured on it
         self._last_control: float | None = None
-        self._lost: str | None = None
+        self._lost: Loss | None = None
         # A systemd-held tokens pipe never tells us whether a proxy reads it: wait for a Hello.
         self._await_hello = TOKENS in inherited
         self._proxy_seen = False
@@ -276,15 +279,16 @@ class DaemonPipes:
                 self._tokens.next_try = 0.0  # a proxy is there now: the Welcome must not wait
         elif (self.heartbeat_timeout is not None and self._last_control is not None
               and now - self._last_control > self.heartbeat_timeout):
-            self._lose(f"no heartbeat from the proxy for {self.heartbeat_timeout:g} s")
+            self._lose(Loss(LossReason.SILENCE,
+                            f"no heartbeat from the proxy for {self.heartbeat_timeout:g} s"))
         if eof:
-            self._lose("proxy closed the control pipe (EOF)", reopen=True)
+            self._lose(Loss(LossReason.EOF, "proxy closed the control pipe (EOF)"), reopen=True)
         return records
 
     def read_requests(self) -> list[ToDaemon]:
         records, eof = self._read(self._requests)
         if eof:
-            self._lose("proxy closed the requests pipe (EOF)", reopen=True)
+            self._lose(Loss(LossReason.EOF, "proxy closed the requests pipe (EOF)"), reopen=True)
         return records
 
     def _read(self, reader: _Reader) -> tuple[list[ToDaemon], bool]:
@@ -326,10 +330,10 @@ class DaemonPipes:
         if not self._open_tokens(now):
             self.num_dropped += len(records)
             return
-        reason = self._tokens.send(encode_many(records), now) if records else \
+        loss = self._tokens.send(encode_many(records), now) if records else \
             self._tokens.flush(now)
-        if reason is not None:
-            self._lose(reason)
+        if loss is not None:
+            self._lose(loss)
 
     def _open_tokens(self, now: float) -> bool:
         if self._await_hello:
@@ -339,13 +343,13 @@ class DaemonPipes:
         return self._tokens.fd is not None
 
     def _flush(self, now: float) -> None:
-        reason = self._tokens.flush(now)
-        if reason is not None:
-            self._lose(reason)
+        loss = self._tokens.flush(now)
+        if loss is not None:
+            self._lose(loss)
 
     # -- liveness --------------------------------------------------------------------------
 
-    def _lose(self, reason: str, reopen: bool = False) -> None:
+    def _lose(self, loss: Loss, reopen: bool = False) -> None:
         if reopen:
             # Both: the other pipe is about to hang up too, and its unread Submits are stale.
             self._control.reopen()
@@ -354,14 +358,14 @@ class DaemonPipes:
         self._last_control = None
         self._await_hello = True
         if self._proxy_seen and self._lost is None:
-            log.warning("ipc: proxy lost: %s", reason)
-            self._lost = reason
+            log.warning("ipc: proxy lost: %s", loss.detail)
+            self._lost = loss
         self._proxy_seen = False
 
-    def take_lost(self) -> str | None:
+    def take_lost(self) -> Loss | None:
         """Why the proxy was lost since the last call, or None."""
-        reason, self._lost = self._lost, None
-        return reason
+        loss, self._lost = self._lost, None
+        return loss
 
     @property
     def bad_records(self) -> dict[str, int]:

@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 
+from ipc.loss import Loss, LossReason
 from ipc.records import AbortCause
 
 log = logging.getLogger("tether.ipc")
@@ -21,7 +22,9 @@ log = logging.getLogger("tether.ipc")
 SEPARATOR = b"\n"
 MAX_CONTROL_QUEUE = 4096
 
-OnBroken = Callable[[str], None]
+OnBroken = Callable[[Loss], None]
+REQUESTS_EPIPE = Loss(LossReason.EPIPE, "daemon closed the requests pipe (EPIPE)")
+CONTROL_EPIPE = Loss(LossReason.EPIPE, "daemon closed the control pipe (EPIPE)")
 
 
 class OutFrame:
@@ -106,7 +109,7 @@ class RequestWriter:
                 self._watch()
                 return
             except BrokenPipeError:
-                self._on_broken("daemon closed the requests pipe (EPIPE)")
+                self._on_broken(REQUESTS_EPIPE)
                 return
             if frame.done == len(frame.data):
                 queue.popleft()
@@ -164,7 +167,7 @@ class ControlWriter:
                     return False
                 self._loop.add_writer(fd, self._flush)
             except BrokenPipeError:
-                self._on_broken("daemon closed the control pipe (EPIPE)")
+                self._on_broken(CONTROL_EPIPE)
                 return False
             else:
                 self._count(abort)
@@ -191,7 +194,7 @@ class ControlWriter:
             except BlockingIOError:
                 return
             except BrokenPipeError:
-                self._on_broken("daemon closed the control pipe (EPIPE)")
+                self._on_broken(CONTROL_EPIPE)
                 return
             queue.popleft()
             self._count(abort)

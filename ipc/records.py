@@ -42,6 +42,9 @@ def version_mismatch(daemon: int, proxy: int) -> str:
             "run a daemon and a proxy of the same release")
 
 
+VERSION_MISMATCH = "version_mismatch"  # the code of the Error by which the daemon refuses a Hello
+
+
 class Kind(enum.StrEnum):
     SUBMIT = "submit"
     HELLO = "hello"
@@ -153,13 +156,15 @@ class Submit(msgspec.Struct, tag=Kind.SUBMIT.value, tag_field="k"):
     Sequences are ``len(prompts) * n`` (completions) or ``n`` (chat, responses); sequence
     index ``i`` is prompt ``i // n``, sample ``i % n`` as OpenAI numbers choices.
     ``rid`` is the engine's key, always made by the proxy (for RESPONSE, the response id); the
-    daemon admits a Submit only if ``epoch`` is the connection's current one.
+    daemon admits a Submit only if ``epoch`` is the connection's current one. The proxy's
+    connection stamps ``epoch`` as it queues the record (0, never assigned, until then), as it
+    does on the control records.
     """
 
     rid: str
-    epoch: int
     kind: RequestKind
     sampling: SamplingParams
+    epoch: int = 0
     n: PosInt = 1
     prompts: list[str] = []
     messages: list[Message] = []
@@ -194,7 +199,7 @@ class Goodbye(msgspec.Struct, tag=Kind.GOODBYE.value, tag_field="k"):
 class Abort(msgspec.Struct, tag=Kind.ABORT.value, tag_field="k"):
     rid: str
     cause: AbortCause
-    epoch: int
+    epoch: int = 0
     # Proxy monotonic time at which it saw the disconnect (CLOCK_MONOTONIC is system-wide).
     t_disconnect: float | None = None
 
@@ -204,12 +209,12 @@ class Pause(msgspec.Struct, tag=Kind.PAUSE.value, tag_field="k"):
     it (its KV blocks stay) until a Resume."""
 
     rid: str
-    epoch: int
+    epoch: int = 0
 
 
 class Resume(msgspec.Struct, tag=Kind.RESUME.value, tag_field="k"):
     rid: str
-    epoch: int
+    epoch: int = 0
 
 
 class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
@@ -218,7 +223,7 @@ class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
     op_id: str
     op: ResponseOpKind
     response_id: str
-    epoch: int
+    epoch: int = 0
 
 
 # --- daemon -> proxy: tokens pipe ---------------------------------------------------------------

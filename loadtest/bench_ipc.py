@@ -1,9 +1,9 @@
 """IPC benchmark: two processes over real FIFOs.
 
-1. Token records/s, daemon -> proxy, through DaemonPipes.send and ProxyPipes (encode, write,
+1. Token records/s, daemon -> proxy, through DaemonPipes.send and ProxyConnection (encode, write,
    read, decode, dispatch), next to a bare anchor: orjson lines over a FIFO, one write per
    record and batched.
-2. Control-record latency, ProxyPipes.control -> DaemonPipes.read_control, while the reader
+2. Control-record latency, ProxyConnection.control -> DaemonPipes.read_control, while the reader
    idles in wait_readable and while it simulates ticks (busy 5 ms, then drains).
 
     python -m loadtest.bench_ipc [--records N] [--aborts N] [--out results/bench_ipc.json]
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import orjson
 
-from ipc.pipes import DaemonPipes, ProxyPipes, ensure_fifos
+from ipc.pipes import DaemonPipes, Loss, ProxyConnection, ensure_fifos
 from ipc.records import (
     PROTOCOL_VERSION,
     Abort,
@@ -54,11 +54,11 @@ def _welcome_hellos(pipes: DaemonPipes) -> list[ToProxy]:
             for r in pipes.read_control() if isinstance(r, Hello)]
 
 
-def _sets_when_up(up: asyncio.Event) -> Callable[[bool, str], None]:
-    """ProxyPipes' on_state callback: sets `up` once the link to the daemon is up."""
+def _sets_when_up(up: asyncio.Event) -> Callable[[Loss | None], None]:
+    """ProxyConnection's on_state callback: sets `up` once the link to the daemon is up."""
 
-    def on_state(is_up: bool, _why: str) -> None:
-        if is_up:
+    def on_state(loss: Loss | None) -> None:
+        if loss is None:
             up.set()
 
     return on_state
@@ -102,7 +102,7 @@ async def _token_proxy(run: Path, total: int) -> float:
                 t_last = time.perf_counter()
                 done.set()
 
-    pipes = ProxyPipes(run, on_record, _sets_when_up(up))
+    pipes = ProxyConnection(run, on_record, _sets_when_up(up))
     await pipes.start()
     await asyncio.wait_for(up.wait(), 10)
     await asyncio.wait_for(done.wait(), 120)
@@ -164,7 +164,7 @@ def bench_bare(path: Path, total: int, batched: bool) -> float:
 def _control_proxy(run: Path, count: int) -> None:
     async def main() -> None:
         up = asyncio.Event()
-        pipes = ProxyPipes(run, lambda r: None, _sets_when_up(up))
+        pipes = ProxyConnection(run, lambda r: None, _sets_when_up(up))
         await pipes.start()
         await asyncio.wait_for(up.wait(), 10)
         rng = random.Random(0)
@@ -276,7 +276,7 @@ def main() -> None:
           f"   goal >= {GOAL_RECORDS_PER_S:,}")
     print(f"  bare    orjson lines, one write each      {tokens['bare_orjson_one_write_per_s']:>12,.0f}")
     print(f"  bare    orjson lines, batched writes      {tokens['bare_orjson_batched_per_s']:>12,.0f}")
-    print("control latency, ProxyPipes.control -> DaemonPipes.read_control:")
+    print("control latency, ProxyConnection.control -> DaemonPipes.read_control:")
     for name, label in (("idle", "idle in wait_readable"), ("tick", "5 ms ticks, then drain"),
                         ("bare_fifo", "bare FIFO, poll() reader")):
         c = control[name]

@@ -41,8 +41,8 @@ def generate(engine: Any, jobs: int, prompt_len: int, gen_len: int, tag: str) ->
 
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     for i in range(jobs):
-        engine.submit(Submit(f"{tag}{i}", 1, RequestKind.COMPLETION, params,
-                             prompts=["a" * prompt_len]))
+        engine.submit(Submit(f"{tag}{i}", RequestKind.COMPLETION, params,
+                             prompts=["a" * prompt_len], epoch=1))
     ticks0, tokens0 = engine.num_ticks, engine.num_generation_tokens
     start = time.perf_counter()
     while engine.has_work:

@@ -309,8 +309,8 @@ def _completion(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wa
     check_model(req.model, served_models(request))
     engine: EngineClient = request.app.state.engine
     sampling = sampling_params(req, req.max_tokens, "max_tokens", engine.max_model_len)
-    submit = Submit(rid=begun.rid, epoch=engine.epoch, kind=RequestKind.COMPLETION,
-                    sampling=sampling, n=req.n, prompts=req.prompts, t_submit=begun.t_start,
+    submit = Submit(rid=begun.rid, kind=RequestKind.COMPLETION, sampling=sampling,
+                    n=req.n, prompts=req.prompts, t_submit=begun.t_start,
                     client_id=begun.client_id)
     return submit, Wants(req.stream, req.include_usage, req.return_token_ids)
 
@@ -324,7 +324,7 @@ def _chat(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wants]:
     if max_tokens is None:
         max_tokens, param = req.max_tokens, "max_tokens"
     sampling = sampling_params(req, max_tokens, param, engine.max_model_len)
-    submit = Submit(rid=begun.rid, epoch=engine.epoch, kind=RequestKind.CHAT, sampling=sampling,
+    submit = Submit(rid=begun.rid, kind=RequestKind.CHAT, sampling=sampling,
                     n=req.n, messages=[m.to_record() for m in req.messages],
                     t_submit=begun.t_start, client_id=begun.client_id)
     return submit, Wants(req.stream, req.include_usage, req.return_token_ids)

@@ -1,12 +1,14 @@
 """The proxy's side of the daemon: sessions keyed by engine id over the three FIFOs.
 
-`ProxyPipes` delivers every record from the tokens pipe to `_on_record` on the event loop; each
-record is routed by rid to its session's buffer (proxy/session.py) and wakes the one coroutine
-reading it. A sweep twice a second ends what would otherwise wait forever: a request the daemon
-has not acknowledged within the request timeout (504, Abort with cause ``timeout``) and a
-session whose client has taken nothing for the stall timeout (same cause). Flow control: once
-a session holds ``max_buffered`` weighted tokens its client has not read, the daemon is told to
-Pause it, and to Resume once the client has read half of them.
+The connection (ipc/connection/proxy.py) says whether the daemon is up, why it is not, and what
+model it serves, and stamps its epoch on what is written. It delivers every record from the
+tokens pipe to `_on_record` on the event loop; each record is routed by rid to its session's
+buffer (proxy/session.py) and wakes the one coroutine reading it. A sweep twice a second ends
+what would otherwise wait forever: a request the daemon has not acknowledged within the request
+timeout (504, Abort with cause ``timeout``) and a session whose client has taken nothing for the
+stall timeout (same cause). Flow control: once a session holds ``max_buffered`` weighted tokens
+its client has not read, the daemon is told to Pause it, and to Resume once the client has read
+half of them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 
-from ipc.pipes import DaemonUnavailable, ProxyPipes
+from ipc.pipes import DaemonUnavailable, Loss, ProxyConnection
 from ipc.records import (
     Abort,
     AbortCause,
@@ -36,7 +38,6 @@ from ipc.records import (
     Stats,
     Submit,
     ToProxy,
-    Welcome,
 )
 from proxy.batching import Batch, merge_deltas
 from proxy.errors import ApiError
@@ -68,27 +69,22 @@ class EngineClient:
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
         self.high_water = max_buffered
-        self.model: str | None = None
-        self.max_model_len: int | None = None
-        self.tensor_parallel_size: int | None = None
         self.last_stats: Stats | None = None  # the connected daemon's; None while it is away
-        self.down_reason = "the daemon has not connected yet"
         self.stats_listeners: list[StatsListener] = []
-        self._pipes_up = False
-        self._welcomed = False
         self._sessions: dict[str, Session] = {}
         self._num_unstarted = 0
         self._ops: dict[str, asyncio.Future[ResponseReply]] = {}
         self._ready: list[Session] = []  # sessions given records by the read being delivered
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pipes = ProxyPipes(runtime_dir, self._on_record, self._on_state, self._on_delivered)
+        self._connection = ProxyConnection(runtime_dir, self._on_record, self._on_state,
+                                           self._on_delivered)
         self._sweeper: asyncio.Task[None] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await self._pipes.start()
+        await self._connection.start()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="tether-sessions-sweep")
 
     async def close(self) -> None:
@@ -97,7 +93,7 @@ class EngineClient:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        await self._pipes.close()
+        await self._connection.close()
 
     def abort_all(self, cause: AbortCause) -> int:
         """Aborts every open session but background ones (the daemon goes on with those, and a
@@ -116,17 +112,33 @@ class EngineClient:
 
     @property
     def up(self) -> bool:
-        return self._pipes_up and self._welcomed
+        return self._connection.up
 
     @property
-    def epoch(self) -> int:
-        """The current connection's epoch: Submits carry it, and only it is admitted."""
-        return self._pipes.epoch
+    def down_reason(self) -> str:
+        return self._connection.down_reason
+
+    # What the daemon serves, as its last Welcome said (None until the first).
+
+    @property
+    def model(self) -> str | None:
+        welcome = self._connection.welcome
+        return None if welcome is None else welcome.model
+
+    @property
+    def max_model_len(self) -> int | None:
+        welcome = self._connection.welcome
+        return None if welcome is None else welcome.max_model_len
+
+    @property
+    def tensor_parallel_size(self) -> int | None:
+        welcome = self._connection.welcome
+        return None if welcome is None else welcome.tensor_parallel_size
 
     @property
     def aborts_sent(self) -> dict[AbortCause, int]:
         """Abort records actually written to the daemon, by cause."""
-        return self._pipes.aborts_written
+        return self._connection.aborts_written
 
     @property
     def num_sessions(self) -> int:
@@ -144,7 +156,7 @@ class EngineClient:
 
     @property
     def bad_records(self) -> int:
-        return self._pipes.bad_records
+        return self._connection.bad_records
 
     # --- sessions -------------------------------------------------------------------------------
 
@@ -153,7 +165,7 @@ class EngineClient:
         Whoever opens a session closes it, however its request ends."""
         session = self._open(submit, detached)
         try:
-            session.frame = self._pipes.queue_submit(submit)
+            session.frame = self._connection.queue_submit(submit)
         except DaemonUnavailable as exc:
             session.fail(unavailable(str(exc) or self.down_reason))
         return session
@@ -214,13 +226,13 @@ class EngineClient:
 
     def abort(self, rid: str, cause: AbortCause, t_disconnect: float | None = None) -> None:
         """Writes one Abort record now; idempotent on the daemon side, a no-op if it is down."""
-        if not self._pipes.control(Abort(rid, cause, self.epoch, t_disconnect)):
+        if not self._connection.control(Abort(rid, cause, t_disconnect=t_disconnect)):
             log.debug("abort of %s not written: the daemon is down", rid)
 
     def _end(self, session: Session, cause: AbortCause, t_disconnect: float | None = None) -> None:
         """Stop the daemon's work on a session: take its Submit back if none of it went out,
         else write the Abort."""
-        if session.frame is None or not self._pipes.withdraw(session.frame):
+        if session.frame is None or not self._connection.withdraw(session.frame):
             self.abort(session.rid, cause, t_disconnect)
 
     async def response_op(self, op: ResponseOpKind, response_id: str,
@@ -231,7 +243,7 @@ class EngineClient:
         future: asyncio.Future[ResponseReply] = asyncio.get_running_loop().create_future()
         self._ops[op_id] = future
         try:
-            if not self._pipes.control(ResponseOp(op_id, op, response_id, self.epoch)):
+            if not self._connection.control(ResponseOp(op_id, op, response_id)):
                 raise unavailable(self.down_reason)
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
@@ -260,7 +272,7 @@ class EngineClient:
             if not session.started:
                 self._num_unstarted -= 1
 
-    # --- callbacks from ProxyPipes (on the event loop) ------------------------------------------
+    # --- callbacks from the connection (on the event loop) --------------------------------------
 
     def _on_record(self, record: ToProxy) -> None:
         if isinstance(record, Delta | Finish | Error) and record.rid is not None:
@@ -288,8 +300,6 @@ class EngineClient:
             future = self._ops.get(record.op_id)
             if future is not None and not future.done():
                 future.set_result(record)
-        elif isinstance(record, Welcome):
-            self._on_welcome(record)
         elif isinstance(record, Error):
             log.error("daemon error: %s", record.message)
 
@@ -304,38 +314,31 @@ class EngineClient:
                 session.sink = None
                 session.fail(ApiError(500, f"internal error: {exc}", code="internal_error"))
 
-    def _on_welcome(self, record: Welcome) -> None:
-        self.model = record.model
-        self.max_model_len = record.max_model_len
-        self.tensor_parallel_size = record.tensor_parallel_size
-        self._welcomed = True
-        log.info("daemon %d serves %s (max_model_len %d, tensor parallel %d)", record.pid,
-                 record.model, record.max_model_len, record.tensor_parallel_size)
-
-    def _on_state(self, up: bool, reason: str) -> None:
-        self._pipes_up = up
-        if up:
+    def _on_state(self, loss: Loss | None) -> None:
+        if loss is None:
+            welcome = self._connection.welcome
+            assert welcome is not None  # up means welcomed
+            log.info("daemon %d serves %s (max_model_len %d, tensor parallel %d)", welcome.pid,
+                     welcome.model, welcome.max_model_len, welcome.tensor_parallel_size)
             return
-        self._welcomed = False
         # The next connection gets a new epoch: a daemon that only stalled then evicts the
         # sessions we just failed here, and refuses their Submits still in the pipe.
         self.last_stats = None  # its gauges describe a daemon we no longer hear from
-        self.down_reason = reason or "the daemon went away"
-        error = unavailable(self.down_reason)
+        error = unavailable(loss.detail)
         for session in list(self._sessions.values()):
             session.fail(error)
         for future in self._ops.values():
             if not future.done():
                 future.set_exception(error)
-        log.warning("daemon lost: %s", self.down_reason)
+        log.warning("daemon lost: %s", loss.detail)
 
 
     # --- what would otherwise wait forever ------------------------------------------------------
 
     def _flow(self, session: Session, paused: bool) -> None:
         session.paused = paused
-        record = Pause(session.rid, self.epoch) if paused else Resume(session.rid, self.epoch)
-        if self._pipes.control(record):
+        record = Pause(session.rid) if paused else Resume(session.rid)
+        if self._connection.control(record):
             session.pause_sent = paused  # else the sweep tries again
 
     async def _sweep_forever(self) -> None:

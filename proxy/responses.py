@@ -81,7 +81,7 @@ async def create_response(request: Request) -> Response:
     registry = background_registry(request.app)
     sampling = sampling_params(req, engine.max_model_len)
     params = response_params(req, rid, served_model(request), sampling)
-    submit = build_submit(req, messages, params, sampling, engine.epoch, t_submit, client_id)
+    submit = build_submit(req, messages, params, sampling, t_submit, client_id)
     events = ResponseEvents(params)
     timer = RequestTimer(request.app.state.metrics, "responses", t_submit)
     if not req.background:

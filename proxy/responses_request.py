@@ -115,7 +115,7 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
 
 
 def build_submit(req: CreateResponse, messages: list[Message], params: ResponseParams,
-                 sampling: SamplingParams, epoch: int, t_submit: float,
+                 sampling: SamplingParams, t_submit: float,
                  client_id: str | None = None) -> Submit:
     items = ([{"type": "message", "role": "user", "content": req.input}]
              if isinstance(req.input, str) else req.input)
@@ -124,6 +124,6 @@ def build_submit(req: CreateResponse, messages: list[Message], params: ResponseP
                             instructions=req.instructions, input=messages,
                             input_items=msgspec.json.encode(items).decode(),
                             created_at=params.created_at, model=params.model)
-    return Submit(rid=params.id, epoch=epoch, kind=RequestKind.RESPONSE, sampling=sampling,
+    return Submit(rid=params.id, kind=RequestKind.RESPONSE, sampling=sampling,
                   n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id)
 

@@ -119,7 +119,7 @@ class RawProxy:
 
 
 def completion(rid: str, epoch: int = 1, **params) -> Submit:
-    return Submit(rid, epoch, RequestKind.COMPLETION, SamplingParams(**params), prompts=["hi"])
+    return Submit(rid, RequestKind.COMPLETION, SamplingParams(**params), prompts=["hi"], epoch=epoch)
 
 
 def finish_of(rid: str) -> Callable[[ToProxy], bool]:
@@ -333,8 +333,8 @@ def test_a_cancel_through_another_replica_is_applied_at_the_next_tick(daemon, tm
     server, proxy, _ = daemon
     hello(proxy)
     fields = ResponseFields(store=True, background=True, input=[Message("user", "go")])
-    proxy.send(Submit("resp_bg", 1, RequestKind.RESPONSE,
-                      SamplingParams(max_tokens=400, ignore_eos=True), response=fields))
+    proxy.send(Submit("resp_bg", RequestKind.RESPONSE,
+                      SamplingParams(max_tokens=400, ignore_eos=True), response=fields, epoch=1))
     proxy.wait_for(lambda r: isinstance(r, Delta) and r.rid == "resp_bg")
     other = ResponseStore(tmp_path / "store.db", 100, 3600.0, replica_id="other")
     cancel = ResponseOp("op-1", ResponseOpKind.CANCEL, "resp_bg", 1)

@@ -184,7 +184,7 @@ def submit(rid: str, prompt: str, new_tokens: int, n: int = 1,
            logprobs: int | None = None) -> Submit:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
                             logprobs=logprobs)
-    return Submit(rid, 1, RequestKind.COMPLETION, params, n=n, prompts=[prompt])
+    return Submit(rid, RequestKind.COMPLETION, params, n=n, prompts=[prompt], epoch=1)
 
 
 def drive(engine: Engine, submits: list[Submit]) -> tuple[dict[str, list[int]],

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ipc import proxy_side
+from ipc.connection import proxy as proxy_connection
 from ipc.framing import encode_control
-from ipc.pipes import DaemonPipes, ProxyPipes
+from ipc.pipes import DaemonPipes, Loss, LossReason, ProxyConnection
 from ipc.records import (
     PROTOCOL_VERSION,
     SILENCE_TIMEOUT_S,
@@ -74,20 +74,25 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 class _Proxy:
-    """ProxyPipes plus queues of what it reported, for awaiting in tests."""
+    """ProxyConnection plus queues of what it reported, for awaiting in tests."""
 
     def __init__(self, run: Path) -> None:
-        self.states: asyncio.Queue[tuple[bool, str]] = asyncio.Queue()
+        self.states: asyncio.Queue[Loss | None] = asyncio.Queue()
         self.records: asyncio.Queue[ToProxy] = asyncio.Queue()
-        self.pipes = ProxyPipes(run, self.records.put_nowait,
-                                lambda up, why: self.states.put_nowait((up, why)))
+        self.pipes = ProxyConnection(run, self.records.put_nowait, self.states.put_nowait)
 
-    async def state(self, within: float = 5.0) -> tuple[bool, str]:
+    async def state(self, within: float = 5.0) -> Loss | None:
+        """The next change: None once connected, else the Loss."""
         return await asyncio.wait_for(self.states.get(), within)
 
+    async def lost(self, within: float = 5.0) -> Loss:
+        loss = await self.state(within)
+        assert loss is not None, "connected where a loss was expected"
+        return loss
+
     async def echo(self, rid: str, prompt: str) -> str:
-        submit = Submit(rid=rid, epoch=self.pipes.epoch, kind=RequestKind.COMPLETION,
-                        sampling=SamplingParams(), prompts=[prompt])
+        submit = Submit(rid=rid, kind=RequestKind.COMPLETION, sampling=SamplingParams(),
+                        prompts=[prompt])
         await self.pipes.submit(submit)
         while True:
             record = await asyncio.wait_for(self.records.get(), 5)
@@ -101,14 +106,15 @@ def test_proxy_sees_daemon_killed_and_reconnects_to_a_new_one(tmp_path: Path) ->
         proxy = _Proxy(tmp_path)
         await proxy.pipes.start()
         try:
-            assert await proxy.state() == (True, "connected")
+            assert await proxy.state() is None  # connected
             assert await proxy.echo("a", "abc") == "cba"
             _kill(daemon)
-            up, why = await proxy.state(2.0)
-            assert not up and ("EOF" in why or "EPIPE" in why)
+            loss = await proxy.lost(2.0)
+            assert loss.reason in (LossReason.EOF, LossReason.EPIPE)
+            assert "EOF" in loss.detail or "EPIPE" in loss.detail
             assert not proxy.pipes.up
             daemon = _start_daemon(tmp_path)
-            assert await proxy.state() == (True, "connected")
+            assert await proxy.state() is None
             assert await proxy.echo("b", "xyz") == "zyx"
             assert proxy.pipes.bad_records == 0
         finally:
@@ -124,11 +130,11 @@ def test_proxy_declares_a_hung_daemon_lost(tmp_path: Path) -> None:
         proxy = _Proxy(tmp_path)
         await proxy.pipes.start()
         try:
-            assert await proxy.state() == (True, "connected")
+            assert await proxy.state() is None
             os.kill(daemon.pid, signal.SIGSTOP)
             t0 = time.monotonic()
-            up, why = await proxy.state(SILENCE_TIMEOUT_S + 3.0)
-            assert not up and "no record from the daemon" in why
+            loss = await proxy.lost(SILENCE_TIMEOUT_S + 3.0)
+            assert loss.reason is LossReason.SILENCE and "no record from the daemon" in loss.detail
             assert SILENCE_TIMEOUT_S - 0.1 < time.monotonic() - t0 < SILENCE_TIMEOUT_S + 2.0
         finally:
             await proxy.pipes.close()
@@ -142,7 +148,7 @@ def test_a_proxy_stalled_past_the_bound_reads_before_it_judges(
     """A proxy stopped just as its silence timer fired wakes with the daemon's records waiting
     in the tokens pipe, not yet polled: that is not silence. (The bound is shortened so that
     the daemon's own 3 s heartbeat bound does not fire during the stall.)"""
-    monkeypatch.setattr(proxy_side, "SILENCE_S", 0.5)
+    monkeypatch.setattr(proxy_connection, "SILENCE_S", 0.5)
 
     async def main() -> None:
         daemon = _start_daemon(tmp_path)
@@ -159,7 +165,7 @@ def test_a_proxy_stalled_past_the_bound_reads_before_it_judges(
         monkeypatch.setattr(proxy.pipes, "_check", stalled)
         await proxy.pipes.start()
         try:
-            assert await proxy.state() == (True, "connected")
+            assert await proxy.state() is None
             for _ in range(100):
                 if stalls:
                     break
@@ -199,7 +205,9 @@ def test_a_stop_between_an_empty_read_and_the_clock_is_not_silence(
     assert pipes.read_control() == [] and pipes.take_lost() is None
     clock.advance(0.02)
     assert pipes.read_control() == []
-    assert "no heartbeat from the proxy for 3 s" in (pipes.take_lost() or "")
+    lost = pipes.take_lost()
+    assert lost is not None and lost.reason is LossReason.SILENCE
+    assert "no heartbeat from the proxy for 3 s" in lost.detail
     os.close(control)
     pipes.close()
 
@@ -211,7 +219,7 @@ def test_a_long_forward_pass_is_not_silence(tmp_path: Path) -> None:
         proxy = _Proxy(tmp_path)
         await proxy.pipes.start()
         try:
-            assert await proxy.state() == (True, "connected")
+            assert await proxy.state() is None
             with pytest.raises(TimeoutError):
                 await proxy.state(SILENCE_TIMEOUT_S + 2.0)
             assert proxy.pipes.up
@@ -228,9 +236,9 @@ def test_proxy_refuses_a_daemon_with_another_protocol_version(tmp_path: Path) ->
         proxy = _Proxy(tmp_path)
         await proxy.pipes.start()
         try:
-            up, why = await proxy.state()
-            assert not up
-            assert f"daemon {PROTOCOL_VERSION + 1}, proxy {PROTOCOL_VERSION}" in why
+            loss = await proxy.lost()
+            assert loss.reason is LossReason.VERSION_MISMATCH
+            assert f"daemon {PROTOCOL_VERSION + 1}, proxy {PROTOCOL_VERSION}" in loss.detail
             assert proxy.records.empty()
         finally:
             await proxy.pipes.close()
@@ -241,7 +249,7 @@ def test_proxy_refuses_a_daemon_with_another_protocol_version(tmp_path: Path) ->
 
 def _idle_proxy(run: Path) -> None:
     async def main() -> None:
-        pipes = ProxyPipes(run, lambda r: None, lambda up, why: None)
+        pipes = ProxyConnection(run, lambda r: None, lambda loss: None)
         await pipes.start()
         await asyncio.sleep(60)
 
@@ -261,7 +269,7 @@ def _await_hello(pipes: DaemonPipes, timeout: float = 5.0) -> Hello:
     raise AssertionError("no Hello from the proxy")
 
 
-def _await_lost(pipes: DaemonPipes, timeout: float) -> str:
+def _await_lost(pipes: DaemonPipes, timeout: float) -> Loss:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pipes.wait_readable(0.05)
@@ -283,7 +291,8 @@ def test_daemon_sees_proxy_killed_and_does_not_spin(tmp_path: Path) -> None:
         assert pipes.proxy_connected
         os.kill(proxy.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        assert "EOF" in _await_lost(pipes, 2.0)
+        lost = _await_lost(pipes, 2.0)
+        assert lost.reason is LossReason.EOF and "EOF" in lost.detail
         assert time.monotonic() - t0 < 0.5
         assert not pipes.proxy_connected and pipes.take_lost() is None
         # Hung-up fds are reopened, so an idle loop really waits instead of spinning on HUP.
@@ -310,7 +319,8 @@ def test_daemon_drops_a_hung_proxy_which_then_resyncs(tmp_path: Path) -> None:
     try:
         _await_hello(pipes)
         os.kill(proxy.pid, signal.SIGSTOP)
-        assert "no heartbeat" in _await_lost(pipes, 2.0)
+        lost = _await_lost(pipes, 2.0)
+        assert lost.reason is LossReason.SILENCE and "no heartbeat" in lost.detail
         os.kill(proxy.pid, signal.SIGCONT)
         # The proxy reads EOF on tokens (we closed it), reconnects and says Hello again.
         _await_hello(pipes, 3.0)

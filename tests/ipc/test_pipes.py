@@ -19,7 +19,7 @@ import pytest
 
 from ipc import daemon_side
 from ipc.framing import encode, encode_control
-from ipc.pipes import DaemonPipes, DaemonUnavailable, ProxyPipes, ensure_fifos
+from ipc.pipes import DaemonPipes, DaemonUnavailable, LossReason, ProxyConnection, ensure_fifos
 from ipc.records import (
     PROTOCOL_VERSION,
     Abort,
@@ -69,7 +69,7 @@ def _proxy_child(run: Path, big: int, results: multiprocessing.Queue) -> None:
             if isinstance(record, Finish) and record.rid == "big":
                 finished.set()
 
-        pipes = ProxyPipes(run, on_record, lambda is_up, _why: is_up and up.set())
+        pipes = ProxyConnection(run, on_record, lambda loss: loss is None and up.set())
         await pipes.start()
         await asyncio.wait_for(up.wait(), 5)
         for i in range(50):
@@ -123,11 +123,11 @@ def test_proxy_without_daemon_stays_down(tmp_path: Path) -> None:
     assert exc.value.errno == errno.ENXIO
 
     async def main() -> None:
-        states: list[tuple[bool, str]] = []
-        pipes = ProxyPipes(tmp_path, lambda r: None, lambda up, why: states.append((up, why)))
+        states: list[object] = []
+        pipes = ProxyConnection(tmp_path, lambda r: None, states.append)
         attempts: list[None] = []
-        try_connect = pipes._try_connect
-        pipes._try_connect = lambda: (attempts.append(None), try_connect())[1]  # type: ignore[method-assign]
+        connect = pipes._connect
+        pipes._connect = lambda: (attempts.append(None), connect())[1]  # type: ignore[method-assign]
         await pipes.start()
         await wait_until(lambda: len(attempts) >= 3)  # it keeps trying, and stays down
         assert not pipes.up and not pipes.connected and states == []
@@ -200,10 +200,11 @@ def test_tokens_backlog_is_bounded(tmp_path: Path) -> None:
     pipes.send([delta])
     assert pipes.proxy_connected
     sent = 0
-    while pipes.take_lost() is None:
+    while (lost := pipes.take_lost()) is None:
         pipes.send([delta] * 100)
         sent += 100
         assert sent < 5000, "8 MiB backlog bound never tripped"
+    assert lost.reason is LossReason.BACKLOG
     assert not pipes.proxy_connected and pipes.tokens_backlog == 0
     pipes.send([delta])
     assert pipes.num_dropped >= 1  # no proxy until it says Hello again
@@ -221,7 +222,9 @@ def test_tokens_backlog_is_bounded(tmp_path: Path) -> None:
     assert pipes.take_lost() is None  # not a moment early
     clock.advance(0.02)
     pipes.send([])
-    assert "took nothing" in (pipes.take_lost() or "")
+    lost = pipes.take_lost()
+    assert lost is not None and lost.reason is LossReason.STALLED_READER
+    assert "took nothing" in lost.detail
     os.close(reader)
     os.close(control)
     pipes.close()
@@ -251,13 +254,13 @@ def _abort_burst_child(run: Path, count: int, results: multiprocessing.Queue,
                        read: multiprocessing.synchronize.Event) -> None:
     async def main() -> int:
         up = asyncio.Event()
-        pipes = ProxyPipes(run, lambda r: None, lambda is_up, _why: is_up and up.set())
+        pipes = ProxyConnection(run, lambda r: None, lambda loss: loss is None and up.set())
         await pipes.start()
         await asyncio.wait_for(up.wait(), 5)
         accepted = sum(pipes.control(Abort(f"r{i}:" + "x" * 1000, AbortCause.CLIENT_DISCONNECT, 7))
                        for i in range(count))
-        assert pipes._control is not None
-        control = pipes._control
+        assert pipes.pipes._control is not None
+        control = pipes.pipes._control
         results.put(len(control._queue))  # what the full pipe did not take
         await wait_until(lambda: not control._queue, 10)  # drains as the daemon reads
         # Closing now would hang up on records still in the pipe (the daemon, seeing EOF on
@@ -305,12 +308,12 @@ def _cancelling_child(run: Path, big: int, results: multiprocessing.Queue) -> No
             if isinstance(record, Finish) and record.rid == "after":
                 finished.set()
 
-        def on_state(is_up: bool, _why: str) -> None:
-            states.append(is_up)
-            if is_up:
+        def on_state(loss: object) -> None:
+            states.append(loss is None)
+            if loss is None:
                 up.set()
 
-        pipes = ProxyPipes(run, on_record, on_state)
+        pipes = ProxyConnection(run, on_record, on_state)
         await pipes.start()
         await asyncio.wait_for(up.wait(), 5)
         big_task = asyncio.create_task(pipes.submit(_submit("big", "x" * big), timeout=30))

@@ -33,9 +33,8 @@ async def barrier(engine: EngineClient) -> None:
     assert (await engine.response_op(ResponseOpKind.GET, "resp_barrier")).status == 404
 
 
-def submit(engine: EngineClient, rid: str, max_tokens: int = 3, prompts: int = 1,
-           n: int = 1) -> Submit:
-    return Submit(rid=rid, epoch=engine.epoch, kind=RequestKind.COMPLETION,
+def submit(rid: str, max_tokens: int = 3, prompts: int = 1, n: int = 1) -> Submit:
+    return Submit(rid=rid, kind=RequestKind.COMPLETION,
                   sampling=SamplingParams(max_tokens=max_tokens),
                   prompts=[f"p{i}" for i in range(prompts)], n=n)
 
@@ -46,14 +45,14 @@ async def test_welcome_is_tracked(engine: EngineClient) -> None:
 
 
 async def test_full_session_writes_no_abort(engine: EngineClient, peer: Peer) -> None:
-    records = [r async for batch in engine.generate(submit(engine, "full", prompts=2, n=2))
+    records = [r async for batch in engine.generate(submit("full", prompts=2, n=2))
                for r in batch]
     finishes = [r for r in records if isinstance(r, Finish)]
     assert sorted(f.index for f in finishes) == [0, 1, 2, 3]
     assert isinstance(records[-1], Finish)
     # Stopping right after the last Finish (and closing, as the SSE response does) is still a
     # normal end.
-    async with contextlib.aclosing(engine.generate(submit(engine, "brk", max_tokens=1))) as stream:
+    async with contextlib.aclosing(engine.generate(submit("brk", max_tokens=1))) as stream:
         async for batch in stream:
             if isinstance(batch[-1], Finish):
                 break
@@ -62,7 +61,7 @@ async def test_full_session_writes_no_abort(engine: EngineClient, peer: Peer) ->
 
 
 async def test_closing_early_writes_the_abort_at_once(engine: EngineClient, peer: Peer) -> None:
-    stream = engine.generate(submit(engine, "early", max_tokens=4000))
+    stream = engine.generate(submit("early", max_tokens=4000))
     await anext(stream)
     await stream.aclose()
     assert engine.aborts_sent[AbortCause.CLIENT_DISCONNECT] == 1
@@ -73,7 +72,7 @@ async def test_closing_early_writes_the_abort_at_once(engine: EngineClient, peer
 async def test_cancelling_a_queued_session_writes_the_abort(engine: EngineClient,
                                                             peer: Peer) -> None:
     peer.hold = True
-    stream = engine.generate(submit(engine, "queued"))
+    stream = engine.generate(submit("queued"))
     task = asyncio.ensure_future(anext(stream))
     await wait_until(lambda: engine.num_waiting == 1)
     task.cancel()
@@ -85,7 +84,7 @@ async def test_cancelling_a_queued_session_writes_the_abort(engine: EngineClient
 
 async def test_abort_on_exit_false_leaves_the_session_running(engine: EngineClient,
                                                               peer: Peer) -> None:
-    stream = engine.generate(submit(engine, "bg", max_tokens=50), abort_on_exit=False)
+    stream = engine.generate(submit("bg", max_tokens=50), abort_on_exit=False)
     await anext(stream)
     await stream.aclose()
     await barrier(engine)
@@ -94,7 +93,7 @@ async def test_abort_on_exit_false_leaves_the_session_running(engine: EngineClie
 
 async def test_rejection_raises_its_error_without_abort(engine: EngineClient,
                                                         peer: Peer) -> None:
-    bad = Submit(rid="long", epoch=engine.epoch, kind=RequestKind.COMPLETION,
+    bad = Submit(rid="long", kind=RequestKind.COMPLETION,
                  sampling=SamplingParams(), prompts=["TOO LONG"])
     with pytest.raises(ApiError) as info:
         async for _ in engine.generate(bad):
@@ -105,7 +104,7 @@ async def test_rejection_raises_its_error_without_abort(engine: EngineClient,
 
 
 async def test_daemon_lost_fails_every_session(engine: EngineClient, peer: Peer) -> None:
-    streams = [engine.generate(submit(engine, f"lost{i}", max_tokens=4000)) for i in range(3)]
+    streams = [engine.generate(submit(f"lost{i}", max_tokens=4000)) for i in range(3)]
     for stream in streams:
         await anext(stream)
     peer.stop()
@@ -116,16 +115,16 @@ async def test_daemon_lost_fails_every_session(engine: EngineClient, peer: Peer)
         assert info.value.status == 503
     assert not engine.up and engine.num_sessions == 0
     with pytest.raises(ApiError):
-        await anext(engine.generate(submit(engine, "after")))
+        await anext(engine.generate(submit("after")))
 
 
 async def test_duplicate_rid_is_refused(engine: EngineClient, peer: Peer) -> None:
     peer.hold = True
-    first = engine.generate(submit(engine, "same"))
+    first = engine.generate(submit("same"))
     task = asyncio.ensure_future(anext(first))
     await wait_until(lambda: engine.num_sessions == 1)
     with pytest.raises(ApiError) as info:
-        await anext(engine.generate(submit(engine, "same")))
+        await anext(engine.generate(submit("same")))
     assert info.value.code == "duplicate_request_id"
     peer.hold = False
     await task
@@ -145,7 +144,7 @@ async def test_held_streams_are_cheap(engine: EngineClient, peer: Peer) -> None:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    streams = [engine.generate(submit(engine, f"held{i}")) for i in range(count)]
+    streams = [engine.generate(submit(f"held{i}")) for i in range(count)]
     tasks = [asyncio.ensure_future(anext(s)) for s in streams]
     await wait_until(lambda: engine.num_waiting == count, timeout=20)
     per_stream = (tracemalloc.get_traced_memory()[0] - base) / count
@@ -166,7 +165,7 @@ async def test_a_request_the_daemon_never_takes_times_out(options: ProxyOptions,
         await wait_until(lambda: client.up)
         peer.hold = True  # the test daemon reads the Submit and never answers it
         with pytest.raises(ApiError) as info:
-            await anext(client.generate(submit(client, "late")))
+            await anext(client.generate(submit("late")))
         assert (info.value.status, info.value.code) == (504, "timeout")
         peer.wait_for(lambda p: [(a.rid, a.cause) for a in p.aborts]
                       == [("late", AbortCause.TIMEOUT)])
@@ -182,7 +181,7 @@ async def test_a_reader_that_stops_pauses_the_session_then_stalls_it(options: Pr
     await client.start()
     try:
         await wait_until(lambda: client.up)
-        stream = client.generate(submit(client, "slow", max_tokens=4000, prompts=2))
+        stream = client.generate(submit("slow", max_tokens=4000, prompts=2))
         await anext(stream)
         # Not reading: the proxy holds more than 8 tokens, and the daemon is told to pause.
         await wait_until(lambda: [type(r).__name__ for r in peer.flow] == ["Pause"])

@@ -32,8 +32,8 @@ def make_engine(script: Script | None = None, num_blocks: int = 64, max_num_seqs
 
 
 def completion(rid: str, prompt: str = "hello", n: int = 1, **params) -> Submit:
-    return Submit(rid, 1, RequestKind.COMPLETION, SamplingParams(**params), n=n,
-                  prompts=[prompt])
+    return Submit(rid, RequestKind.COMPLETION, SamplingParams(**params), n=n,
+                  prompts=[prompt], epoch=1)
 
 
 def run(engine: Engine, max_ticks: int = 500) -> list[ToProxy]:

@@ -226,7 +226,7 @@ def test_tokens_after_disconnect_counts_ticks_started_after_it():
     (completion("a", "", max_tokens=20), "prompt", 400),
     (completion("a", n=9), "n", 400),
     (completion("a", stop_token_ids=[10**6], min_tokens=2), "stop_token_ids", 400),
-    (Submit("a", 1, RequestKind.CHAT, SamplingParams()), "messages", 400),
+    (Submit("a", RequestKind.CHAT, SamplingParams(), epoch=1), "messages", 400),
 ])
 def test_invalid_requests_are_rejected_naming_the_field(submit, param, status):
     engine, _runner = make_engine()
@@ -244,8 +244,8 @@ def test_context_length_error_names_the_limit():
 
 def test_chat_renders_the_template():
     engine, runner = make_engine()
-    engine.submit(Submit("c", 1, RequestKind.CHAT, SamplingParams(max_tokens=2),
-                         messages=[Message("user", "hi")]))
+    engine.submit(Submit("c", RequestKind.CHAT, SamplingParams(max_tokens=2),
+                         messages=[Message("user", "hi")], epoch=1))
     run(engine)
     prompt = runner.passes[0][0].token_ids
     assert TOK.decode(prompt) == "user\nhi\nassistant\n"
@@ -256,8 +256,8 @@ def response(rid: str, text: str, previous: str | None = None,
              background: bool = False) -> Submit:
     fields = ResponseFields(previous_response_id=previous, background=background,
                             input=[Message("user", text)], model="fake")
-    return Submit(rid, 1, RequestKind.RESPONSE, SamplingParams(max_tokens=30, temperature=0.0),
-                  response=fields)
+    return Submit(rid, RequestKind.RESPONSE, SamplingParams(max_tokens=30, temperature=0.0),
+                  response=fields, epoch=1)
 
 
 def get(store: ResponseStore, rid: str) -> tuple[int, dict | None]:
@@ -326,8 +326,8 @@ def test_proxy_loss_keeps_background_responses_running():
 
 def test_abort_epoch_older_than_spares_the_new_proxy():
     engine, _ = make_engine()
-    engine.submit(Submit("old", 1, RequestKind.COMPLETION, SamplingParams(), prompts=["x"]))
-    engine.submit(Submit("new", 2, RequestKind.COMPLETION, SamplingParams(), prompts=["y"]))
+    engine.submit(Submit("old", RequestKind.COMPLETION, SamplingParams(), prompts=["x"], epoch=1))
+    engine.submit(Submit("new", RequestKind.COMPLETION, SamplingParams(), prompts=["y"], epoch=2))
     out = engine.abort_epoch_older_than(2, AbortCause.PROXY_LOST)
     assert [r.rid for r in out] == ["old"] and engine.is_running("new")
 

@@ -19,8 +19,8 @@ def sim_engine(tick_ms: float = 0.0, num_blocks: int = 64) -> tuple[Engine, SimR
 
 
 def completion(rid: str, prompt: str = "hello", n: int = 1, **params) -> Submit:
-    return Submit(rid, 1, RequestKind.COMPLETION, SamplingParams(**params), n=n,
-                  prompts=[prompt])
+    return Submit(rid, RequestKind.COMPLETION, SamplingParams(**params), n=n,
+                  prompts=[prompt], epoch=1)
 
 
 @pytest.mark.parametrize(("spec", "seconds"), [("sim:0", 0.0), ("sim:20", 0.02),

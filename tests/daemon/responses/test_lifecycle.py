@@ -43,12 +43,12 @@ def make_engine(store: ResponseStore) -> Engine:
 
 def response(rid: str, max_tokens: int = 8, background: bool = False) -> Submit:
     fields = ResponseFields(background=background, model="fake", input=[Message("user", "hi")])
-    return Submit(rid, 1, RequestKind.RESPONSE,
+    return Submit(rid, RequestKind.RESPONSE,
                   SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), response=fields)
 
 
 def completion(rid: str, max_tokens: int) -> Submit:
-    return Submit(rid, 1, RequestKind.COMPLETION,
+    return Submit(rid, RequestKind.COMPLETION,
                   SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), prompts=["x"])
 
 

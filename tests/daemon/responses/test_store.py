@@ -54,7 +54,7 @@ def submit(
         created_at=1_700_000_000,
         model="tiny",
     )
-    return Submit(rid, 1, RequestKind.RESPONSE, SamplingParams(max_tokens=8), response=fields)
+    return Submit(rid, RequestKind.RESPONSE, SamplingParams(max_tokens=8), response=fields, epoch=1)
 
 
 def op(kind: ResponseOpKind, rid: str) -> ResponseOp:

@@ -107,7 +107,7 @@ def test_a_batch_larger_than_one_broadcast_arrives_whole(
 
 def completion(rid: str, prompt: str, n: int = 1, max_tokens: int = 24) -> Submit:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return Submit(rid, 1, RequestKind.COMPLETION, params, n=n, prompts=[prompt])
+    return Submit(rid, RequestKind.COMPLETION, params, n=n, prompts=[prompt], epoch=1)
 
 
 def greedy(runner: ModelRunner | DriverRunner, loaded: LoadedModel

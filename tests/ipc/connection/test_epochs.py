@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from daemon.epochs import EpochCounter
+from ipc.connection.epochs import EpochCounter
 
 
 def test_epochs_rise_across_restarts_through_the_file(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-log = logging.getLogger("tether.daemon")
+log = logging.getLogger("tether.ipc")
 
 
 class EpochCounter:
