@@ -172,6 +172,12 @@ class Submit(msgspec.Struct, tag=Kind.SUBMIT.value, tag_field="k"):
     t_submit: float = 0.0  # proxy monotonic time when the HTTP request arrived
     client_id: str | None = None  # the client's X-Request-Id: logged, never a key
 
+    @property
+    def num_sequences(self) -> int:
+        if self.kind is RequestKind.COMPLETION:
+            return len(self.prompts) * self.n
+        return self.n
+
 
 # --- proxy -> daemon: control pipe --------------------------------------------------------------
 

@@ -11,15 +11,15 @@ import time
 from typing import Any, NamedTuple
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, TokenLogprob, Usage
 from proxy.batching import Batch
-from proxy.cancellation import DisconnectWatch
 from proxy.chunks import StreamChunks
-from proxy.engine_client import EngineClient, num_sequences
+from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
+from proxy.exchange import exchange
 from proxy.metrics import RequestTimer
 from proxy.schemas import (
     ChatRequest,
@@ -32,9 +32,7 @@ from proxy.schemas import (
     new_id,
     sampling_params,
 )
-from proxy.session import Session
 from proxy.sse import DONE, sse_event
-from proxy.token_stream import TokenStream
 
 
 class Shape:
@@ -128,132 +126,101 @@ def usage_body(usages: dict[int, Usage], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)}}
 
 
-class Exchange:
-    """One request's rendering state and figures."""
+class CompletionAnswer:
+    """A completions or chat request's answer: the choices collected into one JSON body, or
+    each batch's stream events together (one write; the client's bytes the same as one event at
+    a time), the ending, or the error that ends the stream."""
 
-    def __init__(self, request: Request, submit: Submit, shape: Shape, model: str,
-                 include_usage: bool, return_token_ids: bool) -> None:
-        self.submit = submit
-        self.return_token_ids = return_token_ids
+    __slots__ = ("chunks", "finishes", "head", "include_usage", "logprobs", "num_sequences", "ok",
+                 "rid", "shape", "submit_n", "texts", "token_ids", "usages", "wants_logprobs",
+                 "wants_token_ids")
+
+    def __init__(self, submit: Submit, shape: Shape, model: str, wants: Wants) -> None:
+        self.rid = submit.rid
         self.shape = shape
-        self.model = model
-        self.include_usage = include_usage
-        self.created = int(time.time())
-        self.timer = RequestTimer(request.app.state.metrics, shape.endpoint, submit.t_submit)
-        self.usages: dict[int, Usage] = {}
-        self.num_sequences = num_sequences(submit)
+        self.submit_n = submit.n
+        self.num_sequences = submit.num_sequences
+        self.include_usage = wants.include_usage
+        self.wants_token_ids = wants.token_ids
         self.wants_logprobs = submit.sampling.logprobs is not None
+        self.head = {"id": submit.rid, "created": int(time.time()), "model": model}
+        self.usages: dict[int, Usage] = {}
+        self.ok = False  # every sequence finished (a stream ended with [DONE])
+        # Streaming.
+        self.chunks: StreamChunks | None = None
+        # Collecting.
+        self.texts: dict[int, list[str]] = {}
+        self.token_ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list[TokenLogprob]] = {}
+        self.finishes: dict[int, str] = {}
 
-    def head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.submit.rid, "object": obj, "created": self.created,
-                "model": self.model}
-
-    def on_finish(self, record: Finish) -> str:
+    def _on_finish(self, record: Finish) -> str:
         """Accounts one sequence's end; returns its finish reason."""
         self.usages[record.index] = record.usage
+        self.ok = len(self.usages) >= self.num_sequences
         return finish_reason(record)
 
-    @property
-    def finished(self) -> bool:
-        """Every sequence's Finish was seen."""
-        return len(self.usages) >= self.num_sequences
+    def _usage(self) -> dict[str, Any]:
+        return usage_body(self.usages, self.submit_n)
 
-    def usage(self) -> dict[str, Any]:
-        return usage_body(self.usages, self.submit.n)
-
-    def done(self) -> None:
-        self.timer.done()
-
-
-async def collect(ex: Exchange, first: Batch | None, engine: EngineClient,
-                  session: Session) -> Response:
-    texts: dict[int, list[str]] = {}
-    token_ids: dict[int, list[int]] = {}
-    logprobs: dict[int, list[TokenLogprob]] = {}
-    finishes: dict[int, str] = {}
-    batch = first
-    while batch is not None:
-        ex.timer.see(batch)
-        for record in batch:
-            if isinstance(record, Delta):
-                texts.setdefault(record.index, []).append(record.text)
-                token_ids.setdefault(record.index, []).extend(record.token_ids)
-                logprobs.setdefault(record.index, []).extend(record.logprobs or ())
-            else:
-                finishes[record.index] = ex.on_finish(record)
-        batch = await engine.next_batch(session)
-    choices = [ex.shape.choice(i, "".join(texts.get(i, ())), finishes.get(i))
-               for i in sorted(finishes)]
-    for choice in choices:
-        if ex.return_token_ids:
-            choice["token_ids"] = token_ids.get(choice["index"], [])
-        if ex.wants_logprobs:
-            choice["logprobs"] = ex.shape.logprobs(logprobs.get(choice["index"], []), 0)
-    body = {**ex.head(ex.shape.full_object), "choices": choices, "usage": ex.usage()}
-    ex.done()
-    return JSONResponse(body)
-
-
-class StreamBody:
-    """A completions or chat stream's bytes: each batch's events together (one write, the
-    client's bytes the same as one event at a time), the ending, or the error that ends it."""
-
-    __slots__ = ("chunks", "ex", "head", "ok")
-
-    def __init__(self, ex: Exchange) -> None:
-        self.ex = ex
-        self.head = ex.head(ex.shape.chunk_object)
-        self.chunks = StreamChunks(ex.shape, self.head, ex.include_usage, ex.return_token_ids)
-        self.ok = False  # ended with [DONE]
+    # --- streaming ------------------------------------------------------------------------------
 
     def render(self, batch: Batch) -> tuple[bytes, bool]:
-        ex, chunks = self.ex, self.chunks
+        if self.chunks is None:
+            self.chunks = StreamChunks(self.shape, self._chunk_head(), self.include_usage,
+                                       self.wants_token_ids)
+        chunks = self.chunks
         events: list[bytes] = []
         try:
-            ex.timer.see(batch)
             for record in batch:
                 events.append(chunks.delta(record) if isinstance(record, Delta)
-                              else chunks.finish(record, ex.on_finish(record)))
-            if not ex.finished:
+                              else chunks.finish(record, self._on_finish(record)))
+            if not self.ok:
                 return b"".join(events), False
-            if ex.include_usage:
-                events.append(sse_event({**self.head, "choices": [], "usage": ex.usage()}))
+            if self.include_usage:
+                events.append(sse_event({**self._chunk_head(), "choices": [],
+                                         "usage": self._usage()}))
             events.append(DONE)
-            self.ok = True
         except ApiError as exc:
             # Headers are gone already: the error travels as the last event, after what came
             # before it in its batch.
+            self.ok = False
             events.append(self.error(exc))
         return b"".join(events), True
 
     def error(self, exc: ApiError) -> bytes:
         return sse_event(exc.body())
 
-    def done(self) -> None:
-        if self.ok:
-            self.ex.done()
+    def _chunk_head(self) -> dict[str, Any]:
+        return {"id": self.rid, "object": self.shape.chunk_object, **self.head}
+
+    # --- collecting -----------------------------------------------------------------------------
+
+    def collect(self, batch: Batch) -> None:
+        for record in batch:
+            if isinstance(record, Delta):
+                self.texts.setdefault(record.index, []).append(record.text)
+                self.token_ids.setdefault(record.index, []).extend(record.token_ids)
+                self.logprobs.setdefault(record.index, []).extend(record.logprobs or ())
+            else:
+                self.finishes[record.index] = self._on_finish(record)
+
+    def body(self) -> dict[str, Any]:
+        choices = [self.shape.choice(i, "".join(self.texts.get(i, ())), self.finishes.get(i))
+                   for i in sorted(self.finishes)]
+        for choice in choices:
+            if self.wants_token_ids:
+                choice["token_ids"] = self.token_ids.get(choice["index"], [])
+            if self.wants_logprobs:
+                choice["logprobs"] = self.shape.logprobs(self.logprobs.get(choice["index"], []), 0)
+        return {"id": self.rid, "object": self.shape.full_object, **self.head, "choices": choices,
+                "usage": self._usage()}
 
 
 async def respond(request: Request, submit: Submit, shape: Shape, wants: Wants) -> Response:
-    engine: EngineClient = request.app.state.engine
-    session = engine.open_session(submit)
-    # One watcher for the whole request: while queued, while collecting, while streaming.
-    watch = DisconnectWatch(request.receive)
-    streaming = False
-    try:
-        with watch:
-            first = await engine.next_batch(session)
-        ex = Exchange(request, submit, shape, served_model(request), wants.include_usage,
-                      wants.token_ids)
-        if wants.stream:
-            streaming = True  # from here the response closes the watch and the session
-            return TokenStream(engine, session, StreamBody(ex), first or [], watch)
-        with watch:
-            return await collect(ex, first, engine, session)
-    finally:
-        if not streaming:
-            watch.close()
-            engine.close_session(session)
+    answer = CompletionAnswer(submit, shape, served_model(request), wants)
+    timer = RequestTimer(request.app.state.metrics, shape.endpoint, submit.t_submit)
+    return await exchange(request, submit, answer, wants.stream, timer)
 
 
 def served_model(request: Request) -> str:

@@ -8,7 +8,7 @@ what would otherwise wait forever: a request the daemon has not acknowledged wit
 timeout (504, Abort with cause ``timeout``) and a session whose client has taken nothing for the
 stall timeout (same cause). Flow control: once a session holds ``max_buffered`` weighted tokens
 its client has not read, the daemon is told to Pause it, and to Resume once the client has read
-half of them.
+half of them (the session itself notices, through the `Flow` it was opened with).
 """
 
 from __future__ import annotations
@@ -29,31 +29,22 @@ from ipc.records import (
     Delta,
     Error,
     Finish,
-    Pause,
-    RequestKind,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,
-    Resume,
     Stats,
     Submit,
     ToProxy,
 )
-from proxy.batching import Batch, merge_deltas
+from proxy.batching import Batch
 from proxy.errors import ApiError
-from proxy.session import Session
+from proxy.session import Flow, Phase, Session
 
 log = logging.getLogger("tether.proxy")
 
 StatsListener = Callable[[Stats], None]
 
 SWEEP_S = 0.5
-
-
-def num_sequences(submit: Submit) -> int:
-    if submit.kind is RequestKind.COMPLETION:
-        return len(submit.prompts) * submit.n
-    return submit.n
 
 
 def unavailable(reason: str) -> ApiError:
@@ -65,10 +56,8 @@ class EngineClient:
                  stall_timeout: float = 60.0, max_buffered: int = 1024,
                  merge_tokens: int = 1) -> None:
         self.max_waiting = max_waiting
-        self.merge_tokens = merge_tokens
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
-        self.high_water = max_buffered
         self.last_stats: Stats | None = None  # the connected daemon's; None while it is away
         self.stats_listeners: list[StatsListener] = []
         self._sessions: dict[str, Session] = {}
@@ -78,6 +67,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connection = ProxyConnection(runtime_dir, self._on_record, self._on_state,
                                            self._on_delivered)
+        self._flow = Flow(max_buffered, merge_tokens, self._connection.control)
         self._sweeper: asyncio.Task[None] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -179,47 +169,14 @@ class EngineClient:
         if abort and session.needs_abort():
             self._end(session, AbortCause.CLIENT_DISCONNECT, time.monotonic())
 
-    def take(self, session: Session) -> Batch:
-        """The records waiting for the reader (maybe none), up to the session's last Finish or
-        an Error; raises the Error, or the session's failure.
-        The reader calls `handed_on` once it has handed them on, and only then do they stop
-        counting as held (flow control, stall detection). With ``merge_tokens`` > 1, each
-        sequence's Deltas in the batch are merged (proxy/batching.py)."""
-        if session.failure is not None:
-            raise session.failure  # what it still holds will never be read
-        if not session.records:
-            return []
-        batch = session.take()
-        return batch if self.merge_tokens <= 1 else merge_deltas(batch, self.merge_tokens)
-
-    def handed_on(self, session: Session) -> None:
-        session.handed_on()
-        if session.paused and session.units <= self.high_water // 2:
-            self._flow(session, paused=False)
-
-    async def next_batch(self, session: Session) -> Batch | None:
-        """Hands on the last batch, then waits for the next; None once the session is complete.
-        A consumer that fell behind gets everything that arrived meanwhile at once."""
-        self.handed_on(session)
-        while not session.complete:
-            batch = self.take(session)
-            if batch:
-                return batch
-            # Waited for here, not in a coroutine of its own: thousands of requests can wait.
-            assert self._loop is not None, "start() first"
-            session.waiter = self._loop.create_future()
-            await session.waiter
-            session.waiter = None
-        return None
-
     async def generate(self, submit: Submit,
                        abort_on_exit: bool = True) -> AsyncGenerator[Batch, None]:
-        """This rid's Delta and Finish records in batches (`next_batch`) until every sequence has
-        finished. Leaving early (close, cancellation, an exception in the consumer) writes the
-        Abort in the ``finally`` (`close_session`) unless ``abort_on_exit`` is false."""
+        """This rid's Delta and Finish records in batches (`Session.next_batch`) until every
+        sequence has finished. Leaving early (close, cancellation, an exception in the consumer)
+        writes the Abort in the ``finally`` (`close_session`) unless ``abort_on_exit`` is false."""
         session = self.open_session(submit, detached=not abort_on_exit)
         try:
-            while (batch := await self.next_batch(session)) is not None:
+            while (batch := await session.next_batch()) is not None:
                 yield batch
         finally:
             self.close_session(session, abort_on_exit)
@@ -260,8 +217,7 @@ class EngineClient:
         if self._num_unstarted >= self.max_waiting:
             raise ApiError(429, f"too many requests waiting (limit {self.max_waiting})",
                            code="too_many_waiting", headers={"Retry-After": "1"})
-        session = Session(submit, num_sequences(submit), detached,
-                          time.monotonic() + self.request_timeout)
+        session = Session(submit, self._flow, detached, time.monotonic() + self.request_timeout)
         self._sessions[submit.rid] = session
         self._num_unstarted += 1
         return session
@@ -269,7 +225,7 @@ class EngineClient:
     def _close(self, session: Session) -> None:
         if self._sessions.get(session.rid) is session:
             del self._sessions[session.rid]
-            if not session.started:
+            if session.phase < Phase.STARTED:
                 self._num_unstarted -= 1
 
     # --- callbacks from the connection (on the event loop) --------------------------------------
@@ -279,19 +235,14 @@ class EngineClient:
             session = self._sessions.get(record.rid)
             if session is None:
                 return  # late records of a session that already ended (aborted, failed)
-            if not session.started:
-                session.started = session.acked = True
-                session.frame = None  # the daemon has it: nothing to withdraw
+            if session.started():
                 self._num_unstarted -= 1
             if session.push(record):
                 self._ready.append(session)
-            if session.units > self.high_water and not session.paused:
-                self._flow(session, paused=True)
         elif isinstance(record, Admitted):
             session = self._sessions.get(record.rid)
             if session is not None:
-                session.acked = True
-                session.frame = None
+                session.admitted()
         elif isinstance(record, Stats):
             self.last_stats = record
             for listener in self.stats_listeners:
@@ -335,12 +286,6 @@ class EngineClient:
 
     # --- what would otherwise wait forever ------------------------------------------------------
 
-    def _flow(self, session: Session, paused: bool) -> None:
-        session.paused = paused
-        record = Pause(session.rid) if paused else Resume(session.rid)
-        if self._connection.control(record):
-            session.pause_sent = paused  # else the sweep tries again
-
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_S)
@@ -353,7 +298,7 @@ class EngineClient:
         for session in list(self._sessions.values()):
             if session.failure is not None:
                 continue
-            if not session.acked and now >= session.deadline:
+            if session.phase is Phase.QUEUED and now >= session.deadline:
                 self._end(session, AbortCause.TIMEOUT)
                 session.fail(ApiError(
                     504, f"the engine did not take the request within "
@@ -361,7 +306,7 @@ class EngineClient:
             elif session.is_stuck(now, self.stall_timeout):
                 self._stall(session)
             elif session.pause_sent != session.paused:
-                self._flow(session, session.paused)
+                self._flow.send(session, session.paused)
 
     def _stall(self, session: Session) -> None:
         """The client took nothing for the stall timeout: stop the engine, drop what is held."""

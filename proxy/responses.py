@@ -14,18 +14,19 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ipc.records import AbortCause, ResponseOpKind, ResponseReply, ResponseStatus, Submit
+from ipc.records import AbortCause, ResponseOpKind, ResponseReply, ResponseStatus
 from proxy.batching import Batch
-from proxy.cancellation import DisconnectWatch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable
 from proxy.errors import ApiError
+from proxy.exchange import exchange
 from proxy.metrics import RequestTimer
 from proxy.response_object import deleted_object, input_item_objects, stored_response_object
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
@@ -38,7 +39,6 @@ from proxy.responses_request import (
 )
 from proxy.schemas import check_response_id, client_request_id, new_id
 from proxy.sse import SSEResponse, sse_event
-from proxy.token_stream import TokenStream
 
 
 def background_registry(app: Starlette) -> BackgroundRegistry:
@@ -85,7 +85,7 @@ async def create_response(request: Request) -> Response:
     events = ResponseEvents(params)
     timer = RequestTimer(request.app.state.metrics, "responses", t_submit)
     if not req.background:
-        return await _foreground(request, engine, events, submit, req.stream, timer)
+        return await exchange(request, submit, ResponseAnswer(events), req.stream, timer)
     run = BackgroundRun(events)
     registry.add(run)
     run.start(engine, submit, timer)
@@ -94,45 +94,19 @@ async def create_response(request: Request) -> Response:
     return JSONResponse(events.snapshot())
 
 
-async def _foreground(request: Request, engine: EngineClient, events: ResponseEvents,
-                      submit: Submit, stream: bool, timer: RequestTimer) -> Response:
-    """Waits for the engine's first record (a rejected request is still an HTTP error), then
-    answers. Leaving early closes the session, which writes the Abort."""
-    session = engine.open_session(submit)
-    watch = DisconnectWatch(request.receive)  # one watcher: while queued, collecting, streaming
-    streaming = False
-    try:
-        with watch:
-            first = await engine.next_batch(session)
-        if stream:
-            streaming = True  # from here the response closes the watch and the session
-            return TokenStream(engine, session, ResponseStreamBody(events, timer), first or [],
-                               watch)
-        with watch:
-            batch = first
-            while batch is not None:
-                timer.see(batch)
-                for record in batch:
-                    apply_record(events, record)
-                batch = await engine.next_batch(session)
-            timer.done()
-            return JSONResponse(events.snapshot())
-    finally:
-        if not streaming:
-            watch.close()
-            engine.close_session(session)
+class ResponseAnswer:
+    """A foreground response's answer: the Response object once it ended, or its stream (the
+    opening events with the first batch, then each batch's events together: one write)."""
 
+    __slots__ = ("events", "opened")
 
-class ResponseStreamBody:
-    """A foreground response's stream for `TokenStream`: the opening events with the first
-    batch, then each batch's events together (one write)."""
-
-    __slots__ = ("events", "ok", "opened", "timer")
-
-    def __init__(self, events: ResponseEvents, timer: RequestTimer) -> None:
-        self.events, self.timer = events, timer
+    def __init__(self, events: ResponseEvents) -> None:
+        self.events = events
         self.opened = False
-        self.ok = False  # ended by the engine's Finish
+
+    @property
+    def ok(self) -> bool:
+        return self.events.finished  # ended by the engine's Finish
 
     def _opening(self) -> list[Event]:
         if self.opened:
@@ -142,10 +116,8 @@ class ResponseStreamBody:
 
     def render(self, batch: Batch) -> tuple[bytes, bool]:
         out = self._opening()
-        self.timer.see(batch)
         for record in batch:
             out += apply_record(self.events, record)
-        self.ok = self.events.finished
         return _sse_bytes(out), self.ok
 
     def error(self, exc: ApiError) -> bytes:
@@ -155,9 +127,12 @@ class ResponseStreamBody:
         out += events.finish(Outcome(ResponseStatus.FAILED, error=exc.message))
         return _sse_bytes(out)
 
-    def done(self) -> None:
-        if self.ok:
-            self.timer.done()
+    def collect(self, batch: Batch) -> None:
+        for record in batch:
+            apply_record(self.events, record)
+
+    def body(self) -> dict[str, Any]:
+        return self.events.snapshot()
 
 
 def _sse_bytes(events: list[Event]) -> bytes:

@@ -27,32 +27,37 @@ from proxy.batching import Batch
 from proxy.cancellation import DisconnectWatch
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError, ClientDisconnected
+from proxy.metrics import RequestTimer
 from proxy.session import Session
 from proxy.sse import SSE_HEADERS
 
 
-class StreamBody(Protocol):
+class StreamAnswer(Protocol):
+    """What a stream needs of its endpoint's answer."""
+
+    @property
+    def ok(self) -> bool:
+        """The engine ended the request as it should (not aborted, not failed)."""
+
     def render(self, batch: Batch) -> tuple[bytes, bool]:
-        """A batch's events, and whether they end the stream."""
+        """A batch's stream events, and whether they end the stream."""
 
     def error(self, exc: ApiError) -> bytes:
         """The event that ends a stream whose request failed."""
-
-    def done(self) -> None:
-        """The stream's last byte went out."""
 
 
 class TokenStream(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, engine: EngineClient, session: Session, body: StreamBody, first: Batch,
-                 watch: DisconnectWatch) -> None:
+    def __init__(self, engine: EngineClient, session: Session, answer: StreamAnswer,
+                 timer: RequestTimer, first: Batch, watch: DisconnectWatch) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers(SSE_HEADERS)
         self._engine = engine
         self._session = session
-        self._body = body
+        self._answer = answer
+        self._timer = timer
         self._first = first
         self._watch = watch
         self._send: Send | None = None
@@ -71,7 +76,7 @@ class TokenStream(Response):
                             "headers": self.raw_headers})
                 first, self._first = self._first, []
                 if first:
-                    self._write(*self._body.render(first))
+                    self._render(first)
                 self._session.sink = self._pump
                 self._pump()
                 await self._serve()
@@ -108,14 +113,18 @@ class TokenStream(Response):
             return
         try:
             try:
-                batch = self._engine.take(self._session)
+                batch = self._session.take()
             except ApiError as exc:
-                self._write(self._body.error(exc), True)
+                self._write(self._answer.error(exc), True)
                 return
             if batch or self._session.complete:
-                self._write(*self._body.render(batch))
+                self._render(batch)
         except Exception as exc:
             self._fail(exc)
+
+    def _render(self, batch: Batch) -> None:
+        self._timer.see(batch)
+        self._write(*self._answer.render(batch))
 
     def _write(self, data: bytes, final: bool) -> None:
         assert self._send is not None
@@ -134,10 +143,11 @@ class TokenStream(Response):
         self._wake_task()
 
     def _sent(self) -> None:
-        self._engine.handed_on(self._session)
+        self._session.handed_on()
         if self._final:
             self._ended = True
-            self._body.done()
+            if self._answer.ok:
+                self._timer.done()
             self._wake_task()
 
     def _fail(self, exc: BaseException) -> None:

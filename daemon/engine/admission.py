@@ -19,12 +19,6 @@ from daemon.rejected import Rejected
 from ipc.records import AbortCause, Message, RequestKind, Submit
 
 
-def num_sequences(submit: Submit) -> int:
-    if submit.kind is RequestKind.COMPLETION:
-        return len(submit.prompts) * submit.n
-    return submit.n
-
-
 def render_prompts(submit: Submit, tokenizer: Tokenizer,
                    history: Callable[[Submit], list[Message]] | None) -> list[list[int]]:
     """Token ids of each distinct prompt (one for chat and responses); `history` gives a

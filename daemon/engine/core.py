@@ -20,7 +20,6 @@ from daemon.engine.admission import (
     Tombstones,
     build_sequences,
     check_limits,
-    num_sequences,
     render_prompts,
 )
 from daemon.engine.block_manager import BlockManager
@@ -157,7 +156,7 @@ class Engine:
             fields["abort_latency_s"] = round(latency, 6)
         request_log.info("request %s abort", rec.rid, extra={"fields": fields})
         return [Finish(rec.rid, i, FinishReason.ABORT, Usage(0, 0), cause=cause)
-                for i in range(num_sequences(rec))]
+                for i in range(rec.num_sequences)]
 
     def _ticks_since(self, t: float) -> int:
         return sum(1 for r in self.tick_log if r.start > t)

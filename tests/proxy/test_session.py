@@ -9,19 +9,23 @@ from ipc.records import (
     Error,
     Finish,
     FinishReason,
+    Pause,
     RequestKind,
+    Resume,
     SamplingParams,
     Submit,
     Usage,
 )
 from proxy.errors import ApiError
-from proxy.session import Session
+from proxy.session import Flow, Phase, Session
 
 
-def session(sequences: int = 1, logprobs: int | None = None) -> Session:
+def session(sequences: int = 1, logprobs: int | None = None, high_water: int = 1024,
+            sent: list[Pause | Resume] | None = None) -> Session:
     submit = Submit(rid="r", epoch=1, kind=RequestKind.COMPLETION,
                     sampling=SamplingParams(logprobs=logprobs), prompts=["p"], n=sequences)
-    return Session(submit, sequences, detached=False, deadline=0.0)
+    control = (lambda record: sent.append(record) is None) if sent is not None else lambda _: True
+    return Session(submit, Flow(high_water, 1, control), detached=False, deadline=0.0)
 
 
 def delta(index: int, *ids: int) -> Delta:
@@ -48,7 +52,7 @@ def test_take_stops_at_the_last_finish_and_drops_what_follows() -> None:
     for record in (delta(0, 1), finish(0), delta(1, 2), finish(1), delta(1, 3)):
         s.push(record)
     assert s.take() == [delta(0, 1), finish(0), delta(1, 2), finish(1)]
-    assert s.complete and s.records == [] and not s.rejected
+    assert s.complete and s.records == [] and s.phase is Phase.DONE and not s.needs_abort()
 
 
 def test_an_error_after_records_is_raised_by_the_next_take() -> None:
@@ -59,11 +63,36 @@ def test_an_error_after_records_is_raised_by_the_next_take() -> None:
     assert s.take() == [delta(0, 1)]
     with pytest.raises(ApiError) as info:
         s.take()
-    assert (info.value.status, info.value.param) == (400, "prompt") and s.rejected
+    assert (info.value.status, info.value.param) == (400, "prompt") and s.phase is Phase.DONE
 
 
 def test_a_session_the_daemon_ended_needs_no_abort() -> None:
     s = session()
     s.push(finish(0, FinishReason.ABORT))
     s.take()
-    assert s.complete and s.rejected and not s.needs_abort()
+    assert s.complete and s.phase is Phase.DONE and not s.needs_abort()
+
+
+def test_a_session_the_daemon_aborted_is_done_before_its_last_finish() -> None:
+    s = session(sequences=2)
+    s.push(finish(0, FinishReason.ABORT))
+    assert s.take() == [finish(0, FinishReason.ABORT)]
+    assert not s.complete and s.phase is Phase.DONE and not s.needs_abort()
+
+
+def test_past_the_high_water_mark_it_pauses_and_resumes_at_half() -> None:
+    sent: list[Pause | Resume] = []
+    s = session(high_water=4, sent=sent)
+    for token in range(5):
+        s.push(delta(0, token))
+    assert sent == [Pause("r")] and s.paused and s.pause_sent
+    s.take()
+    s.handed_on()
+    assert sent == [Pause("r"), Resume("r")] and not s.paused and not s.pause_sent
+
+
+def test_a_pause_the_pipe_refused_stays_wanted_for_the_sweep() -> None:
+    s = session(high_water=1)
+    s.flow.control = lambda _record: False
+    s.push(delta(0, 1, 2))
+    assert s.paused and not s.pause_sent  # the sweep sends it again

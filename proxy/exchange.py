@@ -1,0 +1,57 @@
+"""One request's exchange with the engine, the same for completions, chat and foreground
+Responses: queue the Submit -> wait for the daemon's first record while watching the client (so a
+rejection still gets its HTTP status, and a queued request whose client leaves is aborted) ->
+stream it or collect it, still watching -> finish. An endpoint only says how its answer looks
+(an `Answer`); leaving early, however it happens, closes the session, which writes the Abort.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ipc.records import Submit
+from proxy.batching import Batch
+from proxy.cancellation import DisconnectWatch
+from proxy.engine_client import EngineClient
+from proxy.metrics import RequestTimer
+from proxy.token_stream import StreamAnswer, TokenStream
+
+
+class Answer(StreamAnswer, Protocol):
+    """How one endpoint renders what the engine produced for a request, streamed or not."""
+
+    def collect(self, batch: Batch) -> None:
+        """Take a batch into the answer of a request that does not stream."""
+
+    def body(self) -> dict[str, Any]:
+        """The whole answer of a request that does not stream."""
+
+
+async def exchange(request: Request, submit: Submit, answer: Answer, stream: bool,
+                   timer: RequestTimer) -> Response:
+    engine: EngineClient = request.app.state.engine
+    session = engine.open_session(submit)
+    # One watcher for the whole request: while queued, while collecting, while streaming.
+    watch = DisconnectWatch(request.receive)
+    streaming = False
+    try:
+        with watch:
+            first = await session.next_batch()
+        if stream:
+            streaming = True  # from here the response closes the watch and the session
+            return TokenStream(engine, session, answer, timer, first or [], watch)
+        with watch:
+            batch = first
+            while batch is not None:
+                timer.see(batch)
+                answer.collect(batch)
+                batch = await session.next_batch()
+        timer.done()
+        return JSONResponse(answer.body())
+    finally:
+        if not streaming:
+            watch.close()
+            engine.close_session(session)
