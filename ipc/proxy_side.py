@@ -5,6 +5,12 @@ tokens read end stays open across connections; the two write ends open only whil
 reads them (ENXIO otherwise) and close with the connection. What was read goes to `on_read`, one
 call per read; EOF on tokens and EPIPE on a write go to `on_broken`. What they mean for the
 connection is decided on top of this (ipc/connection/proxy.py).
+
+One call may come from another thread: `beat`, the heartbeat, so that the daemon hears from us
+however long the loop is busy. It is one write of under PIPE_BUF bytes, atomic beside the
+loop's own control writes; the control fd is published to it only once the connection's first
+newline is written, and taken back under the same lock before it is closed, so a beat never
+lands in half a frame nor on an fd number the system has handed to another file.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +47,8 @@ class ProxyPipes:
         self._tokens_fd: int | None = None
         self._control_fd: int | None = None
         self._requests_fd: int | None = None
+        self._beat_lock = threading.Lock()
+        self._beat_fd: int | None = None  # control, for `beat`, from any thread
         self._decoder = proxy_decoder()
         self._read_buffer = memoryview(bytearray(READ_CHUNK))
         self._bad_before = 0  # bad records counted by decoders of earlier connections
@@ -121,6 +130,8 @@ class ProxyPipes:
         # Each first writes a bare newline: the end of any half frame left by an earlier writer.
         self._control.attach(control)
         self._requests.attach(requests)
+        with self._beat_lock:
+            self._beat_fd = control
         self._warned = None
         return True
 
@@ -136,6 +147,8 @@ class ProxyPipes:
         self._close_tokens()
 
     def _close_writers(self, why: DaemonUnavailable) -> None:
+        with self._beat_lock:
+            self._beat_fd = None
         if self._control is not None and self._requests is not None:
             self._control.detach()
             self._requests.detach(why)
@@ -183,12 +196,23 @@ class ProxyPipes:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def send_control(self, frame: bytes, abort: AbortCause | None = None,
-                     droppable: bool = False) -> bool:
+    def send_control(self, frame: bytes, abort: AbortCause | None = None) -> bool:
         """One control frame, written now or queued in order (ControlWriter.send)."""
         if self._control is None:
             return False
-        return self._control.send(frame, abort, droppable)
+        return self._control.send(frame, abort)
+
+    def beat(self, frame: bytes) -> bool:
+        """From any thread: one control frame (<= PIPE_BUF) written now, or dropped (not
+        connected, or the pipe full or gone: the loop meets EPIPE or EOF on its own)."""
+        with self._beat_lock:
+            if self._beat_fd is None:
+                return False
+            try:
+                os.write(self._beat_fd, frame)
+            except (BlockingIOError, BrokenPipeError):
+                return False
+            return True
 
     def put_request(self, frame: bytes) -> OutFrame:
         """Queue one request frame while connected; it goes out whole, or fails with the

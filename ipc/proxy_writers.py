@@ -152,10 +152,8 @@ class ControlWriter:
     def idle(self) -> bool:
         return self._fd is not None and not self._queue
 
-    def send(self, frame: bytes, abort: AbortCause | None = None,
-             droppable: bool = False) -> bool:
-        """Writes now or queues; False if not connected, or dropped (droppable and the pipe
-        is full, or the queue is full)."""
+    def send(self, frame: bytes, abort: AbortCause | None = None) -> bool:
+        """Writes now or queues; False if not connected, or dropped (the queue is full)."""
         fd = self._fd
         if fd is None:
             return False
@@ -163,8 +161,6 @@ class ControlWriter:
             try:
                 os.write(fd, frame)  # <= PIPE_BUF: all or EAGAIN, never a part
             except BlockingIOError:
-                if droppable:
-                    return False
                 self._loop.add_writer(fd, self._flush)
             except BrokenPipeError:
                 self._on_broken(CONTROL_EPIPE)
@@ -172,8 +168,6 @@ class ControlWriter:
             else:
                 self._count(abort)
                 return True
-        elif droppable:
-            return False
         if len(self._queue) >= MAX_CONTROL_QUEUE:
             log.warning("ipc: control queue full (%d records); dropping one", MAX_CONTROL_QUEUE)
             return False

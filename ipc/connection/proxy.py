@@ -8,6 +8,13 @@ is never written on the next. The daemon is lost on EOF on tokens, EPIPE on a wr
 SILENCE_TIMEOUT_S (3 s) of silence (it sends Stats or Alive at least every 250 ms) or a protocol
 version mismatch (its Welcome says so, or the Error by which it refuses our Hello). After a loss
 everything is reopened and the connection retried every 100 ms.
+
+Our heartbeats come from a thread of their own (as the daemon's keepalive thread speaks for a
+long forward pass), so the daemon hears from us however long the event loop is busy: liveness
+never depends on the loop being free. A loop that truly hangs (a deadlock, a callback that never
+returns) is caught elsewhere: it stops reading tokens, so the daemon drops us once the pipe has
+stayed full for its stall bound, and it stops the watchdog pings (systemd's or the launcher's,
+sent from the loop), so we are killed and restarted.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import asyncio
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,13 +80,14 @@ class ProxyConnection:
         # to many readers wakes each once per read, not once per record.
         self._on_delivered = on_delivered
         self._last_record = 0.0
-        self._next_heartbeat = 0.0
         self._next_hello = 0.0
         self._retry_at = 0.0
         self._nonce = 0  # this connection's, echoed by its Welcome
         self._task: asyncio.Task[None] | None = None
         self._nudge: asyncio.Future[None] | None = None  # wakes the supervisor early
         self._mismatch_logged: str | None = None
+        self._closing = threading.Event()
+        self._heart = threading.Thread(target=self._beat, name="tether-heartbeat", daemon=True)
 
     @property
     def connected(self) -> bool:
@@ -104,8 +113,17 @@ class ProxyConnection:
         self.pipes.start(asyncio.get_running_loop())
         self._connect()
         self._task = asyncio.create_task(self._supervise(), name="tether-ipc-supervisor")
+        self._heart.start()
+
+    def _beat(self) -> None:
+        """The heartbeat thread: one Heartbeat every interval while the write ends are open."""
+        while not self._closing.wait(HEARTBEAT_S):
+            self.pipes.beat(encode_control(Heartbeat(self.epoch, time.monotonic())))
 
     async def close(self) -> None:
+        self._closing.set()
+        if self._heart.is_alive():
+            self._heart.join()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -142,7 +160,7 @@ class ProxyConnection:
                 delay = TICK_S
 
     def _check(self, now: float) -> float:
-        """Reconnect, greet, heartbeat and watch for silence; returns when to look again."""
+        """Reconnect, greet and watch for silence; returns when to look again."""
         pipes = self.pipes
         if not pipes.tokens_open:
             pipes.open_tokens()
@@ -153,11 +171,6 @@ class ProxyConnection:
             return TICK_S
         if not self.up and now >= self._next_hello:
             self._say_hello(now)
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + HEARTBEAT_S
-            pipes.send_control(encode_control(Heartbeat(self.epoch, now)), droppable=True)
-            if not pipes.connected:
-                return TICK_S  # the heartbeat found the daemon gone
         if self.up and now - self._last_record > SILENCE_S:
             # Look in the pipe first: stopped between this wake-up and the loop's next poll,
             # we would take the records waiting there for silence.
@@ -166,10 +179,9 @@ class ProxyConnection:
                 self._lose(Loss(LossReason.SILENCE, f"no record from the daemon for {SILENCE_S:g} s"))
         if not self.up:
             return TICK_S
-        # Records only move the silence deadline later, so waking at the earlier of the two
-        # deadlines misses nothing (the slack covers a loop clock of millisecond resolution).
-        due = min(self._next_heartbeat, self._last_record + SILENCE_S)
-        return max(due - now, 0.0) + CLOCK_SLACK_S
+        # Records only move the silence deadline later, so waking at it misses nothing (the
+        # slack covers a loop clock of millisecond resolution).
+        return max(self._last_record + SILENCE_S - now, 0.0) + CLOCK_SLACK_S
 
     # -- the handshake ---------------------------------------------------------------------
 
@@ -179,9 +191,7 @@ class ProxyConnection:
             return
         self._nonce = random.getrandbits(62) + 1
         log.info("ipc: pipes open, waiting for the daemon's Welcome")
-        now = time.monotonic()
-        self._say_hello(now)
-        self._next_heartbeat = now + HEARTBEAT_S
+        self._say_hello(time.monotonic())
 
     def _say_hello(self, now: float) -> None:
         # Repeated until welcomed: a daemon that was not ready to answer may have dropped it.

@@ -8,17 +8,29 @@ while its peer was stopped: each frame carries its writer's own clock.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import signal
 import socket
 import statistics
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from ipc.pipes import CONTROL, TOKENS
-from ipc.records import Heartbeat, Stats
+from ipc.pipes import CONTROL, TOKENS, Loss, ProxyConnection
+from ipc.records import (
+    Delta,
+    Finish,
+    FinishReason,
+    Heartbeat,
+    RequestKind,
+    SamplingParams,
+    Stats,
+    Submit,
+    ToProxy,
+)
 from tests.support.metrics import m
 from tests.support.pair import (
     LONG,
@@ -30,7 +42,7 @@ from tests.support.pair import (
     wait_aborts,
 )
 from tests.support.raw_http import read_events, read_to_end
-from tests.support.wait import wait_for
+from tests.support.wait import free_port, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,3 +153,44 @@ def test_a_hung_proxy_is_lost_after_the_bound(pair: Server) -> None:
     pair.wait_health(200)
     after = wait_aborts(pair, "proxy_lost", m(before, "tether_aborts_total", cause="proxy_lost") + 1)
     assert_baseline(after)
+
+
+async def _block_the_loop_beside_a_stream(run: Path, blocked_s: float) -> list[ToProxy]:
+    """A proxy connection on this loop: one stream under way, then the loop blocked for
+    `blocked_s` (a callback that never yields); the stream's records to its end."""
+    states: asyncio.Queue[Loss | None] = asyncio.Queue()
+    records: list[ToProxy] = []
+    connection = ProxyConnection(run, records.append, states.put_nowait)
+    await connection.start()
+    try:
+        assert await asyncio.wait_for(states.get(), 60) is None  # welcomed
+        await connection.submit(Submit(
+            rid="blocked", kind=RequestKind.COMPLETION, prompts=["go on"],
+            sampling=SamplingParams(max_tokens=600, ignore_eos=True, temperature=0)))
+        deadline = time.monotonic() + 30
+        while not any(isinstance(r, Delta) for r in records):
+            assert time.monotonic() < deadline, "the stream never started"
+            await asyncio.sleep(0.01)
+        time.sleep(blocked_s)  # noqa: ASYNC251 -- the point: the whole event loop stands still
+        while not any(isinstance(r, Finish) for r in records):
+            assert states.empty(), f"the connection was lost: {states.get_nowait()}"
+            assert time.monotonic() < deadline, "the stream never finished"
+            await asyncio.sleep(0.01)
+        assert states.empty(), f"the connection was lost: {states.get_nowait()}"
+    finally:
+        await connection.close()
+    return records
+
+
+def test_a_proxy_whose_loop_is_blocked_past_the_bound_is_not_lost(tmp_path: Path) -> None:
+    """The proxy heartbeats from a thread of its own, as the daemon's keepalive thread speaks for
+    a long forward pass: an event loop busy for longer than the silence bound is not silence."""
+    daemon = Server(tmp_path, free_port(), ["--model", "sim:10"])
+    daemon.start_daemon()
+    try:
+        records = asyncio.run(_block_the_loop_beside_a_stream(tmp_path / "run", SILENCE_S + 1))
+        [finish] = [r for r in records if isinstance(r, Finish)]
+        assert finish.reason is FinishReason.LENGTH and finish.usage.completion_tokens == 600
+        assert "proxy lost" not in daemon.log("daemon")
+    finally:
+        daemon.stop()
