@@ -10,16 +10,24 @@ its epoch; what it reads comes here as work and events. A new connection ends th
 older ones, a Goodbye or a lost proxy those of the current one, and Submits of any epoch but the
 current one (still in the pipe from an earlier connection, or read after the proxy was lost or
 said Goodbye) end at once as aborted with cause ``proxy_lost``.
+
+The proxy is never dropped for reading slowly, only for not reading (ipc/daemon_side.py); what
+waits for it is bounded here instead. While the tokens backlog is over its bound the loop runs
+no forward pass, and ResponseOps, whose replies can be large (a stored response, a page of
+input items), wait in order and are answered one by one while the backlog is under the bound:
+however many arrive at once, the backlog holds at most one reply beyond it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
 
 from daemon.engine.core import Engine
 from daemon.responses.store import ResponseStore
+from ipc.framing import FrameTooLarge
 from ipc.pipes import (
     Connected,
     ControlItem,
@@ -54,6 +62,8 @@ IDLE_WAIT_S = 0.05
 WATCHDOG_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
 FLUSH_TIMEOUT_S = 1.0
+# ResponseOps waiting for the tokens pipe; past this a new one is refused at once (503).
+MAX_WAITING_OPS = 1024
 
 
 class DaemonServer:
@@ -75,6 +85,7 @@ class DaemonServer:
         # Set (from any thread) when the daemon cannot go on, e.g. a tensor-parallel rank died.
         self.failure: str | None = None
         self._out: list[ToProxy] = []
+        self._ops: collections.deque[ResponseOp] = collections.deque()
         self._last_stats = 0.0
         self._last_sessions: tuple[int, int, int] | None = None
         self._last_watchdog = 0.0
@@ -109,6 +120,7 @@ class DaemonServer:
         now = self.clock()
         self._drain_control(now)
         self._drain_requests()
+        self._answer_ops()
         if self._out and self.engine.has_work:
             # Admissions and evictions go out before a forward pass that may take seconds.
             out, self._out = self._out, []
@@ -137,8 +149,8 @@ class DaemonServer:
                 self._submit(item)
 
     def _step(self) -> bool:
-        if not self.engine.has_work:
-            return False
+        if not self.engine.has_work or self.pipes.backlogged:
+            return False  # backlogged: the proxy reads more slowly than we write; wait for it
         try:
             self._out += self.engine.step()
         except Exception as e:  # a failed forward pass must not take the daemon down
@@ -181,14 +193,17 @@ class DaemonServer:
         elif isinstance(item, Pause | Resume):
             self.engine.set_paused(item.rid, isinstance(item, Pause))
         elif isinstance(item, ResponseOp):
-            self._response_op(item)
+            self._queue_op(item)
         elif isinstance(item, Connected):
-            # The sessions of older connections belong to clients their proxy already failed.
+            # The sessions of older connections belong to clients their proxy already failed;
+            # so do the ops still waiting for an answer.
+            self._ops.clear()
             self._out += self.engine.abort_epoch_older_than(item.epoch, AbortCause.PROXY_LOST)
         elif isinstance(item, Goodbye):
             self._out += self.engine.abort_epoch_older_than(item.epoch + 1, AbortCause.PROXY_LOST)
         elif isinstance(item, Lost):
             log.warning("proxy lost (%s); aborting its requests", item.loss.detail)
+            self._ops.clear()
             self._out += self.engine.abort_all(AbortCause.PROXY_LOST)
         elif isinstance(item, Welcome | Error):
             self._out.append(item)  # the connection's answers go out in order with ours
@@ -204,14 +219,38 @@ class DaemonServer:
             self._out.append(Error(rec.rid, f"internal error: {type(e).__name__}: {e}",
                                    status=500, code="internal_error"))
 
-    def _response_op(self, op: ResponseOp) -> None:
+    # --- ResponseOps: answered as fast as the proxy reads the replies -------------------------
+
+    def _queue_op(self, op: ResponseOp) -> None:
+        if len(self._ops) >= MAX_WAITING_OPS:
+            self._out.append(ResponseReply(
+                op.op_id, 503, message=f"{MAX_WAITING_OPS} response operations are waiting "
+                "for the proxy to read earlier replies; retry"))
+        else:
+            self._ops.append(op)
+
+    def _answer_ops(self) -> None:
+        while self._ops and not self.pipes.backlogged:
+            op = self._ops.popleft()
+            reply = self._response_op(op)
+            out, self._out = self._out, []
+            self.pipes.send(out)  # in order: what came before, and a cancel's aborts
+            try:
+                self.pipes.send([reply])
+            except FrameTooLarge as exc:  # only that request's error
+                log.warning("the reply to %s %s does not fit a frame: %s", op.op,
+                            op.response_id, exc)
+                self.pipes.send([ResponseReply(op.op_id, 500, message=f"the reply is too large "
+                                               f"for the daemon's pipe: {exc}")])
+
+    def _response_op(self, op: ResponseOp) -> ResponseReply:
         running = self.engine.is_running(op.response_id)
         responses = self.engine.responses
         reply = (responses.handle_op(op, running) if responses is not None else
                  ResponseReply(op.op_id, 500, message="the Responses API needs the response store"))
         if op.op is ResponseOpKind.CANCEL and reply.status == 200 and running:
             self._out += self.engine.abort(op.response_id, AbortCause.CANCEL)
-        self._out.append(reply)
+        return reply
 
     # --- shutdown -------------------------------------------------------------------------------
 

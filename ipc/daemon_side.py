@@ -9,6 +9,9 @@ A keepalive thread writes an Alive record whenever nothing has gone out for a he
 interval: while a forward pass runs for seconds the proxy still hears from us. It shares the
 tokens writer under a lock and only ever appends whole frames, so the pipe keeps one writer's
 byte order.
+
+The proxy is judged by its reading progress only (nothing taken for MAX_STALL_S), never by how
+much waits for it: the tick loop bounds that, adding nothing that can wait while `backlogged`.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ from ipc.records import (
 
 log = logging.getLogger("tether.ipc")
 
-MAX_BACKLOG_BYTES = 8 * 1024 * 1024
+# Over this the proxy reads more slowly than we write: the tick loop waits for it (the pipe
+# itself holds 1 MiB more).
+BACKLOG_BOUND_BYTES = 1024 * 1024
 # A backlog the proxy has not taken a byte of for this long means it stopped reading. Judged by
 # progress, not by how long the buffer has been non-empty: under a steady flood it never empties.
 MAX_STALL_S = 2.0
@@ -196,9 +201,6 @@ class _TokensWriter:
             self.last_write = self.stuck_since = now
         if not buf:
             return None
-        if len(buf) > MAX_BACKLOG_BYTES:
-            return Loss(LossReason.BACKLOG,
-                        f"tokens backlog over {MAX_BACKLOG_BYTES >> 20} MiB (proxy not reading)")
         if now - self.stuck_since > MAX_STALL_S:
             return Loss(LossReason.STALLED_READER,
                         f"the proxy took nothing from the tokens pipe for {MAX_STALL_S:g} s")
@@ -300,10 +302,12 @@ class DaemonPipes:
     def wait_readable(self, timeout: float) -> None:
         """Sleep until control or requests has data (or a hang-up), or ``timeout`` passes.
 
-        Meanwhile keeps flushing the tokens backlog as the proxy drains it.
+        Meanwhile keeps flushing the tokens backlog as the proxy drains it, and returns once a
+        backlog over the bound is back under it.
         """
         deadline = self.clock() + timeout
         already_lost = self._lost is not None
+        backlogged = self.backlogged
         while True:
             now = self.clock()
             if self._open_tokens(now):
@@ -311,6 +315,8 @@ class DaemonPipes:
             remaining = deadline - now
             if remaining <= 0 or (self._lost is not None and not already_lost):
                 return  # a loss found while flushing is news for the caller's take_lost()
+            if backlogged and not self.backlogged:
+                return  # the tick loop may go on
             poller = select.poll()
             poller.register(self._control.fd, select.POLLIN)
             poller.register(self._requests.fd, select.POLLIN)
@@ -378,6 +384,11 @@ class DaemonPipes:
     @property
     def tokens_backlog(self) -> int:
         return len(self._tokens.buf)
+
+    @property
+    def backlogged(self) -> bool:
+        """The proxy reads more slowly than we write: add nothing that can wait."""
+        return len(self._tokens.buf) > BACKLOG_BOUND_BYTES
 
     def close(self) -> None:
         self._closing.set()

@@ -14,7 +14,6 @@ class LossReason(enum.StrEnum):
     EPIPE = "epipe"  # a write found nobody reading
     SILENCE = "silence"  # nothing heard within the silence bound: hung alive
     STALLED_READER = "stalled_reader"  # the proxy took nothing from a full tokens pipe
-    BACKLOG = "backlog"  # the tokens backlog outgrew its bound
     VERSION_MISMATCH = "version_mismatch"  # the peer speaks another protocol version
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import select
 import signal
@@ -19,7 +20,8 @@ from daemon.engine.core import Engine
 from daemon.model.tokenizer import ByteTokenizer
 from daemon.responses.store import ResponseStore
 from daemon.server import DaemonServer
-from ipc.framing import FrameDecoder, encode, encode_control
+from ipc import daemon_side
+from ipc.framing import MAX_FRAME_BYTES, FrameDecoder, encode, encode_control
 from ipc.pipes import DaemonPipes, ensure_fifos
 from ipc.records import (
     PROTOCOL_VERSION,
@@ -45,11 +47,13 @@ from ipc.records import (
     Stats,
     Submit,
     ToProxy,
+    Usage,
     Welcome,
 )
 from tests.support.fake_runner import FakeRunner
 
 TOK = ByteTokenizer()
+F_SETPIPE_SZ = 1031
 
 
 class RawProxy:
@@ -348,3 +352,48 @@ def test_a_cancel_through_another_replica_is_applied_at_the_next_tick(daemon, tm
     assert server.engine.num_ticks - learned_at_tick <= 1  # at most the tick in flight
     watcher.db.close()
     other.close()
+
+
+def test_a_slow_proxy_holds_forward_passes_and_replies_not_the_connection(daemon, monkeypatch):
+    """Backlogged (the proxy reads more slowly than we write), the loop runs no forward pass and
+    answers no ResponseOp; once the proxy reads, both go on, the replies in order."""
+    server, proxy, _ = daemon
+    monkeypatch.setattr(daemon_side, "BACKLOG_BOUND_BYTES", 0)  # backlogged once anything waits
+    hello(proxy)
+    fcntl.fcntl(proxy.tokens, F_SETPIPE_SZ, 4096)  # a pipe that a few ticks fill
+    proxy.send(completion("a", max_tokens=490, ignore_eos=True))
+    deadline = time.monotonic() + 1.0
+    while not server.pipes.backlogged:
+        assert time.monotonic() < deadline, "the pipe never filled"
+        time.sleep(0.01)
+    ticks = server.engine.num_ticks
+    proxy.send(ResponseOp("op1", ResponseOpKind.GET, "resp_missing", 1))
+    proxy.send(ResponseOp("op2", ResponseOpKind.GET, "resp_missing", 1))
+    time.sleep(0.3)  # well within the stall bound: reading slowly is not being lost
+    assert server.engine.num_ticks == ticks
+    replies = [proxy.wait_for(lambda r, op=op: isinstance(r, ResponseReply) and r.op_id == op)
+               for op in ("op1", "op2")]
+    assert proxy.received.index(replies[0]) < proxy.received.index(replies[1])
+    fin = proxy.wait_for(finish_of("a"), timeout=30)
+    assert isinstance(fin, Finish) and fin.usage.completion_tokens == 490
+
+
+def test_a_reply_too_large_for_a_frame_is_an_error_for_its_op_only(daemon, tmp_path: Path):
+    _server, proxy, _ = daemon
+    hello(proxy)
+    # A row no request of this release could store (its instructions outgrow a frame).
+    other = ResponseStore(tmp_path / "store.db", 100, 3600.0, replica_id="other")
+    fields = ResponseFields(instructions="i" * (MAX_FRAME_BYTES + 1),
+                            input=[Message("user", "go")])
+    other.begin(Submit("resp_huge", RequestKind.RESPONSE, SamplingParams(), response=fields))
+    other.complete("resp_huge", "done", Usage(1, 1))
+    other.close()
+    proxy.send(ResponseOp("op1", ResponseOpKind.GET, "resp_huge", 1))
+    proxy.send(ResponseOp("op2", ResponseOpKind.GET, "resp_missing", 1))
+    huge = proxy.wait_for(lambda r: isinstance(r, ResponseReply) and r.op_id == "op1")
+    assert isinstance(huge, ResponseReply) and huge.status == 500
+    assert huge.message is not None and "too large" in huge.message
+    missing = proxy.wait_for(lambda r: isinstance(r, ResponseReply) and r.op_id == "op2")
+    assert isinstance(missing, ResponseReply) and missing.status == 404
+    proxy.send(completion("after", max_tokens=3))
+    assert isinstance(proxy.wait_for(finish_of("after")), Finish)

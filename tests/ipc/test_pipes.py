@@ -1,5 +1,5 @@
 """ipc.pipes on real FIFOs: both directions between real processes, several concurrent control
-writers, corrupt input, backlog bound and systemd-inherited fds. (Creation and permissions:
+writers, corrupt input, how a backlog is judged and systemd-inherited fds. (Creation and permissions:
 test_fifo.py.)"""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import multiprocessing.synchronize
 import os
 import random
 import select
+import threading
 import time
 from pathlib import Path
 
@@ -192,20 +193,22 @@ def test_corrupt_bytes_are_counted_and_neighbours_survive(tmp_path: Path) -> Non
     pipes.close()
 
 
-def test_tokens_backlog_is_bounded(tmp_path: Path) -> None:
+def test_tokens_backlog_is_judged_by_progress_never_by_size(tmp_path: Path) -> None:
     clock = StepClock()
     pipes = DaemonPipes(tmp_path, clock=clock)
     reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)  # never reads
     delta = Delta("r", 0, "y" * 4000, [1])
     pipes.send([delta])
-    assert pipes.proxy_connected
-    sent = 0
-    while (lost := pipes.take_lost()) is None:
+    assert pipes.proxy_connected and not pipes.backlogged
+    for _ in range(30):  # 12 MB, however large: the tick loop keeps it bounded (backlogged)
         pipes.send([delta] * 100)
-        sent += 100
-        assert sent < 5000, "8 MiB backlog bound never tripped"
-    assert lost.reason is LossReason.BACKLOG
-    assert not pipes.proxy_connected and pipes.tokens_backlog == 0
+    assert pipes.take_lost() is None and pipes.proxy_connected
+    assert pipes.backlogged and pipes.tokens_backlog > daemon_side.BACKLOG_BOUND_BYTES
+    clock.advance(daemon_side.MAX_STALL_S + 0.01)
+    pipes.send([])
+    lost = pipes.take_lost()
+    assert lost is not None and lost.reason is LossReason.STALLED_READER
+    assert not pipes.proxy_connected and pipes.tokens_backlog == 0 and not pipes.backlogged
     pipes.send([delta])
     assert pipes.num_dropped >= 1  # no proxy until it says Hello again
 
@@ -215,7 +218,7 @@ def test_tokens_backlog_is_bounded(tmp_path: Path) -> None:
     os.close(reader)
     reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)
     clock.advance(daemon_side.TOKENS_RETRY_S)
-    pipes.send([delta] * 300)  # > pipe size, < 8 MiB: trips the time bound instead
+    pipes.send([delta] * 300)  # more than the pipe holds
     assert pipes.proxy_connected and pipes.tokens_backlog > 0
     clock.advance(daemon_side.MAX_STALL_S - 0.01)
     pipes.send([])
@@ -374,5 +377,36 @@ def test_a_full_tokens_pipe_that_drains_slowly_is_not_a_lost_proxy(tmp_path: Pat
         assert pipes.take_lost() is None
         time.sleep(0.01)
     assert pipes.tokens_backlog > 0 and pipes.proxy_connected
+    os.close(reader)
+    pipes.close()
+
+
+def test_waiting_returns_once_a_backlog_over_the_bound_is_back_under_it(tmp_path: Path) -> None:
+    """The tick loop waits while the proxy reads a backlog down, and goes on as soon as it is
+    under the bound, not at the end of its idle wait."""
+    pipes = DaemonPipes(tmp_path)
+    reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)
+    delta = Delta("r", 0, "y" * 4000, [1])
+    pipes.send([delta] * 600)  # 2.4 MB: the pipe's 1 MiB and more than the bound behind it
+    assert pipes.backlogged
+
+    done = threading.Event()
+
+    def drain() -> None:
+        time.sleep(0.2)
+        while not done.is_set():
+            try:
+                os.read(reader, 1 << 20)
+            except BlockingIOError:
+                time.sleep(0.001)
+
+    reading = threading.Thread(target=drain)
+    reading.start()
+    t0 = time.monotonic()
+    pipes.wait_readable(10.0)
+    waited = time.monotonic() - t0
+    done.set()
+    reading.join()
+    assert not pipes.backlogged and 0.15 < waited < 3.0, waited
     os.close(reader)
     pipes.close()
