@@ -15,15 +15,16 @@ previous connection ends there (one bad record) instead of swallowing the first 
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 # 3: logprob tokens travel as bytes; 4: connection epochs assigned by the daemon (Hello
 # nonce, Welcome), Admitted, Alive, Pause/Resume, Submit.client_id, Stats.paused;
 # 5: Welcome.tensor_parallel_size; 6: ResponseFields.input as messages (the proxy parses the
-# Responses input), ResponseReply typed (StoredResponse, input_items, deleted) instead of a body
-PROTOCOL_VERSION = 6
+# Responses input), ResponseReply typed (StoredResponse, input_items, deleted) instead of a body;
+# 7: input items paged by the daemon (ResponseOp.page; ResponseReply.item_ids, has_more, param)
+PROTOCOL_VERSION = 7
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -138,9 +139,10 @@ class ResponseFields(msgspec.Struct, frozen=True):
     instructions: str | None = None
     # The request's input as chat messages (the proxy parses it; instructions not included).
     input: list[Message] = []
-    # The input items as the client sent them, as JSON text: stored and listed verbatim, never
-    # parsed by the daemon. (Text, not msgspec.Raw: a Raw decoded in place would pin the
-    # reader's buffer, which drops each frame once decoded.)
+    # The input items as the proxy validated them, as JSON text of a list of objects: stored
+    # as they are and listed a page at a time; the daemon reads no more of an item than its
+    # `id` (daemon/responses/items.py). (Text, not msgspec.Raw: a Raw decoded in place would
+    # pin the reader's buffer, which drops each frame once decoded.)
     input_items: str = "[]"
     # Echoed into the stored response object.
     created_at: int = 0
@@ -223,13 +225,24 @@ class Resume(msgspec.Struct, tag=Kind.RESUME.value, tag_field="k"):
     epoch: int = 0
 
 
+class ItemsPage(msgspec.Struct, frozen=True):
+    """Which of a stored response's input items an INPUT_ITEMS op asks for: OpenAI's list
+    parameters, checked by the proxy (``after`` is an item id, so it is short)."""
+
+    limit: PosInt = 20
+    order: Literal["asc", "desc"] = "desc"
+    after: str | None = None
+
+
 class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
-    """GET / DELETE / cancel of a stored response; answered by a ResponseReply with ``op_id``."""
+    """GET / DELETE / cancel of a stored response, or a page of its input items; answered by a
+    ResponseReply with ``op_id``."""
 
     op_id: str
     op: ResponseOpKind
     response_id: str
     epoch: int = 0
+    page: ItemsPage | None = None  # INPUT_ITEMS only
 
 
 # --- daemon -> proxy: tokens pipe ---------------------------------------------------------------
@@ -351,16 +364,19 @@ class StoredResponse(msgspec.Struct, frozen=True):
 
 
 class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):
-    """The answer to a ResponseOp: with status 200, the response (GET, CANCEL), its input items
-    (INPUT_ITEMS: ResponseFields.input_items as stored) or ``deleted`` (DELETE); else
-    ``message``."""
+    """The answer to a ResponseOp: with status 200, the response (GET, CANCEL), one page of its
+    input items (INPUT_ITEMS: the page's items as stored, JSON text of a list, with the id each
+    is listed under) or ``deleted`` (DELETE); else ``message`` (and the ``param`` at fault)."""
 
     op_id: str
     status: int  # HTTP status the proxy should answer with
     response: StoredResponse | None = None
     input_items: str | None = None
+    item_ids: list[str] = []
+    has_more: bool = False  # more items follow the page
     deleted: bool = False
     message: str | None = None
+    param: str | None = None
 
 
 ToDaemon = Submit | Hello | Heartbeat | Goodbye | Abort | Pause | Resume | ResponseOp

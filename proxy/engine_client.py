@@ -29,6 +29,7 @@ from ipc.records import (
     Delta,
     Error,
     Finish,
+    ItemsPage,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,
@@ -192,15 +193,15 @@ class EngineClient:
         if session.frame is None or not self._connection.withdraw(session.frame):
             self.abort(session.rid, cause, t_disconnect)
 
-    async def response_op(self, op: ResponseOpKind, response_id: str,
-                          timeout: float = 5.0) -> ResponseReply:  # noqa: ASYNC109
+    async def response_op(self, op: ResponseOpKind, response_id: str, timeout: float = 5.0,  # noqa: ASYNC109
+                          page: ItemsPage | None = None) -> ResponseReply:
         if not self.up:
             raise unavailable(self.down_reason)
         op_id = uuid.uuid4().hex
         future: asyncio.Future[ResponseReply] = asyncio.get_running_loop().create_future()
         self._ops[op_id] = future
         try:
-            if not self._connection.control(ResponseOp(op_id, op, response_id)):
+            if not self._connection.control(ResponseOp(op_id, op, response_id, page=page)):
                 raise unavailable(self.down_reason)
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:

@@ -21,14 +21,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ipc.records import AbortCause, ResponseOpKind, ResponseReply, ResponseStatus
+from ipc.records import AbortCause, ItemsPage, ResponseOpKind, ResponseReply, ResponseStatus
 from proxy.batching import Batch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable
 from proxy.errors import ApiError
 from proxy.exchange import exchange
+from proxy.input_items import MAX_ITEM_ID, input_item_objects
 from proxy.metrics import RequestTimer
-from proxy.response_object import deleted_object, input_item_objects, stored_response_object
+from proxy.response_object import deleted_object, stored_response_object
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
 from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record
 from proxy.responses_request import (
@@ -158,7 +159,7 @@ def _reply(reply: ResponseReply, rid: str) -> Response:
         return JSONResponse(None if stored is None else stored_response_object(stored))
     code = "not_found" if reply.status == 404 else None
     raise ApiError(reply.status, reply.message or f"response operation failed ({reply.status})",
-                   code=code)
+                   param=reply.param, code=code)
 
 
 async def get_response(request: Request) -> Response:
@@ -218,31 +219,27 @@ async def cancel_response(request: Request) -> Response:
 
 
 async def list_input_items(request: Request) -> Response:
-    """A stored response's input items, paged like OpenAI's lists (newest first by default)."""
+    """A stored response's input items, paged like OpenAI's lists (newest first by default): the
+    daemon sends the page asked for, never every item."""
     rid = check_response_id(request.path_params["response_id"])
     query = request.query_params
     limit = _int_param(query.get("limit"), "limit", default=20, low=1, high=100)
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, f"'order' must be 'asc' or 'desc', got {order!r}", param="order")
-    reply = await _engine(request).response_op(ResponseOpKind.INPUT_ITEMS, rid)
+    after = query.get("after")
+    if after is not None and len(after) > MAX_ITEM_ID:
+        raise ApiError(400, f"'after' names no input item of response {rid!r}: item ids are "
+                       f"at most {MAX_ITEM_ID} characters", param="after")
+    page = ItemsPage(limit, "asc" if order == "asc" else "desc", after)
+    reply = await _engine(request).response_op(ResponseOpKind.INPUT_ITEMS, rid, page=page)
     if reply.status != 200 or reply.input_items is None:
         return _reply(reply, rid)
-    items = input_item_objects(rid, reply.input_items)
-    if order == "desc":
-        items = items[::-1]
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise ApiError(400, f"'after' names no input item of response {rid!r}: {after!r}",
-                           param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return JSONResponse({"object": "list", "data": page,
-                         "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None,
-                         "has_more": len(items) > limit})
+    items = input_item_objects(reply.input_items, reply.item_ids)
+    return JSONResponse({"object": "list", "data": items,
+                         "first_id": items[0]["id"] if items else None,
+                         "last_id": items[-1]["id"] if items else None,
+                         "has_more": reply.has_more})
 
 
 def _int_param(raw: str | None, name: str, default: int, low: int, high: int) -> int:

@@ -1,23 +1,30 @@
 """POST /v1/responses bodies: validation, and the Submit they become.
 
-The proxy turns the input into chat messages here (a malformed item is a 400 naming it); the
-daemon puts instructions and the previous response's history before them, and stores the items
-as they came for listing.
+The body is decoded into typed, bounded fields in one call into msgspec (proxy/input_items.py:
+a malformed or oversized item, or a field the server does not know, is a 400 naming it); the
+proxy turns the input into chat messages, the daemon puts instructions and the previous
+response's history before them and stores the items, as validated, for listing.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated
 
 import msgspec
 
 from ipc.records import Message, NonNegInt, RequestKind, ResponseFields, SamplingParams, Submit
 from proxy.errors import ApiError
-from proxy.response_object import InputError, input_items_to_messages
+from proxy.input_items import (
+    NonEmptyItems,
+    explain_unsupported,
+    stored_items,
+    to_messages,
+)
 from proxy.responses_events import ResponseParams
 from proxy.schemas import (
     DEFAULT_MAX_TOKENS,
+    REQUEST_ID_PATTERN,
     PositiveInt,
     Temperature,
     TopP,
@@ -25,31 +32,18 @@ from proxy.schemas import (
     decode_body,
 )
 
-# A message item needs four levels (item, content list, part, text); the rest of the input is
-# stored and echoed as it came, and JSON nested hundreds deep would exhaust the encoders' stack.
-MAX_ITEM_DEPTH = 16
-
-
-def _nested_deeper_than(value: Any, limit: int) -> bool:
-    """Whether lists and objects nest more than `limit` levels; iterative, so never recursion."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(
-            item, list) else ()
-        for child in children:
-            if isinstance(child, dict | list):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
-
+# OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
+Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
+                          Annotated[str, msgspec.Meta(max_length=512)]],
+                     msgspec.Meta(max_length=16)]
+# Any id this server hands out: a longer one cannot name a stored response.
+ResponseId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN)]
 
 class CreateResponse(msgspec.Struct):
-    input: str | list[dict[str, Any]]
+    input: str | NonEmptyItems
     model: str | None = None
     instructions: str | None = None
-    previous_response_id: str | None = None
+    previous_response_id: ResponseId | None = None
     store: bool = True
     stream: bool = False
     background: bool = False
@@ -61,27 +55,21 @@ class CreateResponse(msgspec.Struct):
     min_tokens: NonNegInt = 0
     # Accepted for compatibility, not acted on.
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
 
 
 def decode_request(body: bytes, served: tuple[str, ...]) -> tuple[CreateResponse, list[Message]]:
     """The validated body and its input as chat messages; ApiError(400) naming the offending
     field otherwise."""
-    req = decode_body(body, CreateResponse)
-    check_model(req.model, served)
     try:
-        messages = input_items_to_messages(req.input, None)
-    except InputError as exc:
-        raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
-    if isinstance(req.input, list):
-        for i, item in enumerate(req.input):
-            if _nested_deeper_than(item, MAX_ITEM_DEPTH):
-                raise ApiError(400, f"'input[{i}]' is nested more than {MAX_ITEM_DEPTH} levels "
-                               "deep", param=f"input[{i}]", code="invalid_value")
+        req = decode_body(body, CreateResponse)
+    except ApiError as exc:
+        raise explain_unsupported(exc) from None
+    check_model(req.model, served)
     if req.background and not req.store:
         raise ApiError(400, "'background' requires 'store' to be true: a background response "
                        "is fetched from the store", param="background", code="invalid_value")
-    return req, messages
+    return req, to_messages(req.input)
 
 
 def response_params(req: CreateResponse, rid: str, model: str,
@@ -117,12 +105,10 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
 def build_submit(req: CreateResponse, messages: list[Message], params: ResponseParams,
                  sampling: SamplingParams, t_submit: float,
                  client_id: str | None = None) -> Submit:
-    items = ([{"type": "message", "role": "user", "content": req.input}]
-             if isinstance(req.input, str) else req.input)
     fields = ResponseFields(store=req.store, background=req.background,
                             previous_response_id=req.previous_response_id,
                             instructions=req.instructions, input=messages,
-                            input_items=msgspec.json.encode(items).decode(),
+                            input_items=stored_items(req.input),
                             created_at=params.created_at, model=params.model)
     return Submit(rid=params.id, kind=RequestKind.RESPONSE, sampling=sampling,
                   n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id)

@@ -105,8 +105,9 @@ class ChatRequest(_Sampling, kw_only=True):
 
 
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
-_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_AT = re.compile(r"^(?P<what>.*?)(?: - at (?:`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>.*)`$", re.DOTALL)
 
 
 def decode_body(body: bytes, struct_type: type[T]) -> T:
@@ -135,6 +136,13 @@ def validation_error(text: str) -> ApiError:
         param = f"{param}.{missing.group('field')}" if param else missing.group("field")
         return ApiError(400, f"missing required field '{param}'", param=param,
                         code="missing_required_parameter")
+    unknown = _UNKNOWN.match(what)
+    if unknown:  # only where a type forbids unknown fields, as OpenAI does everywhere
+        name = unknown.group("field")
+        name = name if len(name) <= 64 else name[:64] + "..."
+        param = f"{param}.{name}" if param else name
+        return ApiError(400, f"Unknown parameter: '{param}'.", param=param,
+                        code="unknown_parameter")
     if not param:
         return ApiError(400, f"invalid request body: {what}", code="invalid_value")
     return ApiError(400, f"invalid value for '{param}': {what}", param=param,

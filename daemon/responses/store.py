@@ -34,10 +34,12 @@ from typing import Any
 import msgspec
 
 from daemon.responses.db import Database, StoreError, connect
+from daemon.responses.items import page_of
 from daemon.responses.schema import SCHEMA_VERSION
 from daemon.responses.watcher import PLACEHOLDERS_SQL, Watcher
 from ipc.records import (
     PLACEHOLDER_STATUSES,
+    ItemsPage,
     Message,
     ResponseFields,
     ResponseOp,
@@ -104,6 +106,17 @@ def _stored(row: Any) -> StoredResponse:
         top_p=row["top_p"],
         max_output_tokens=row["max_output_tokens"],
     )
+
+
+def _items_reply(op: ResponseOp, input_items: str) -> ResponseReply:
+    """One page of the stored items: a reply's size follows the page, not the whole input."""
+    page = page_of(op.response_id, input_items, op.page or ItemsPage())
+    if page is None:
+        after = op.page.after if op.page is not None else None
+        return ResponseReply(op.op_id, 400, param="after", message=f"'after' names no input "
+                             f"item of response {op.response_id!r}: {after!r}")
+    return ResponseReply(op.op_id, 200, input_items=page.items, item_ids=page.ids,
+                         has_more=page.has_more)
 
 
 class ResponseStore:
@@ -256,7 +269,7 @@ class ResponseStore:
         if op.op is ResponseOpKind.GET:
             return ResponseReply(op.op_id, 200, response=_stored(row))
         if op.op is ResponseOpKind.INPUT_ITEMS:
-            return ResponseReply(op.op_id, 200, input_items=row["input_items"])
+            return _items_reply(op, row["input_items"])
         if op.op is ResponseOpKind.DELETE:
             return self._delete(op, row, running)
         return self._cancel_op(op, row)

@@ -42,14 +42,21 @@ async def test_deeply_nested_json_is_400(client: httpx.AsyncClient, path: str,
     _no_crash(caplog)
 
 
-async def test_responses_input_nested_past_the_limit_is_400(
+async def test_responses_input_nested_past_its_type_is_400(
         client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture) -> None:
-    # Deep enough to decode, too deep to be a message: refused before it reaches the daemon.
+    # Deep enough to decode, too deep to be a message: an item is as deep as its type, so the
+    # field that holds the rest is refused (by name) before it reaches the daemon; where a
+    # part may hold JSON of its own (logprobs, skipped), the decoder's depth bound refuses it.
     item = b'{"role": "user", "content": "hi", "extra": ' + b"[" * 200 + b"]" * 200 + b"}"
+    deep = (b'{"role": "assistant", "content": [{"type": "output_text", "text": "x", '
+            b'"logprobs": ' + b"[" * 3000 + b"]" * 3000 + b"}]}")
     with caplog.at_level(logging.WARNING):
         error = _openai_error(await client.post(
             "/v1/responses", content=b'{"input": [' + item + b"]}"), 400)
-    assert error["param"] == "input[0]" and "nested" in (error["message"] or "")
+        assert error["param"] == "input[0].extra" and error["code"] == "unknown_parameter"
+        error = _openai_error(await client.post(
+            "/v1/responses", content=b'{"input": [' + deep + b"]}"), 400)
+        assert "nested" in (error["message"] or "")
     _no_crash(caplog)
 
 

@@ -13,6 +13,7 @@ from openai.types.responses import Response
 from daemon.responses.store import CRASHED_MESSAGE, SCHEMA_VERSION, ResponseStore, StoreError
 from daemon.responses.watcher import OWNER_LOST_MESSAGE
 from ipc.records import (
+    ItemsPage,
     Message,
     RequestKind,
     ResponseFields,
@@ -23,7 +24,8 @@ from ipc.records import (
     Submit,
     Usage,
 )
-from proxy.response_object import input_item_objects, stored_response_object
+from proxy.input_items import input_item_objects
+from proxy.response_object import stored_response_object
 from tests.support.wait import wait_for
 
 
@@ -411,7 +413,7 @@ def test_any_replica_reads_continues_and_deletes_any_response(open_store: Open) 
     b.complete("resp_2", "TWO", Usage(1, 1))
     items = a.handle_op(op(ResponseOpKind.INPUT_ITEMS, "resp_2"), running=False)
     assert items.status == 200 and items.input_items is not None
-    assert len(input_item_objects("resp_2", items.input_items)) == 1
+    assert len(input_item_objects(items.input_items, items.item_ids)) == 1
     assert a.handle_op(op(ResponseOpKind.DELETE, "resp_2"), running=False).status == 200
     assert get(b, "resp_2")[0] == 404
 
@@ -476,3 +478,21 @@ def test_any_text_is_stored_nul_included(store: ResponseStore) -> None:
     store.begin(submit("resp_2"))
     store.fail("resp_2", text)
     assert get(store, "resp_2")[1]["error"]["message"] == text  # type: ignore[index]
+
+
+def test_input_items_are_answered_a_page_at_a_time(open_store: Open) -> None:
+    store = open_store("local")
+    record = submit("resp_abc")
+    assert record.response is not None
+    items = [{"type": "message", "role": "user", "content": f"m{i}"} for i in range(30)]
+    record.response = msgspec.structs.replace(
+        record.response, input_items=msgspec.json.encode(items).decode())
+    store.begin(record)
+    first = store.handle_op(ResponseOp("op", ResponseOpKind.INPUT_ITEMS, "resp_abc", 1,
+                                       ItemsPage(limit=5)), running=False)
+    assert first.status == 200 and first.has_more and first.input_items is not None
+    assert first.item_ids == [f"msg_abc_{i}" for i in range(29, 24, -1)]
+    assert len(msgspec.json.decode(first.input_items)) == 5
+    unknown = store.handle_op(ResponseOp("op", ResponseOpKind.INPUT_ITEMS, "resp_abc", 1,
+                                         ItemsPage(after="msg_nope")), running=False)
+    assert unknown.status == 400 and unknown.param == "after" and unknown.input_items is None

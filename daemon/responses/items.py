@@ -1,0 +1,59 @@
+"""One page of a stored response's input items, for GET /v1/responses/{id}/input_items.
+
+The proxy stores the items as JSON text (ResponseFields.input_items): a list of objects, each
+maybe with its own ``id``. The daemon answers with the page the client asked for, never with
+every item, so a reply's size follows the page. Of an item it reads only the ``id``; the rest
+travels as stored. An item stored without an id (the proxy never makes one up) is listed under
+``msg_<the response id without resp_>_<its position>``, and ``after`` names it so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ipc.records import ItemsPage
+
+
+class _Id(msgspec.Struct):
+    # Any: rows stored by earlier releases hold whatever their client sent.
+    id: Any = None
+
+
+_raw_items = msgspec.json.Decoder(list[msgspec.Raw])
+_item_ids = msgspec.json.Decoder(list[_Id])
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    items: str  # JSON text of the page's items, in the page's order
+    ids: list[str]  # the id each is listed under
+    has_more: bool
+
+
+def _listed_ids(response_id: str, stored: bytes) -> list[str]:
+    stem = response_id.removeprefix("resp_")
+    return [item.id if isinstance(item.id, str) and item.id else f"msg_{stem}_{i}"
+            for i, item in enumerate(_item_ids.decode(stored))]
+
+
+def page_of(response_id: str, input_items: str, page: ItemsPage) -> Page | None:
+    """The page of `input_items` (as stored) that `page` asks for; None when ``page.after``
+    names no item of this response."""
+    stored = input_items.encode()
+    raws = _raw_items.decode(stored)
+    ids = _listed_ids(response_id, stored)
+    order = list(range(len(raws)))
+    if page.order == "desc":
+        order.reverse()
+    if page.after is not None:
+        try:
+            start = [ids[i] for i in order].index(page.after) + 1
+        except ValueError:
+            return None
+        order = order[start:]
+    chosen = order[:page.limit]
+    text = b"[" + b",".join([bytes(raws[i]) for i in chosen]) + b"]"
+    return Page(text.decode(), [ids[i] for i in chosen], len(order) > page.limit)

@@ -1,0 +1,145 @@
+"""Responses input items: decoded into typed, bounded fields by msgspec (a bad one is a 400
+naming the field), turned into chat messages, stored without what is neither rendered nor
+bounded, and listed back."""
+
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+from ipc.records import Message
+from proxy.errors import ApiError
+from proxy.input_items import MAX_ITEM_ID, input_item_objects, stored_items
+from proxy.responses_request import decode_request
+
+SERVED = ("tiny",)
+
+
+def _decode(body: dict[str, Any] | bytes) -> list[Message]:
+    raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    return decode_request(raw, SERVED)[1]
+
+
+def _refused(body: dict[str, Any] | bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        _decode(body)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_string_input_becomes_one_user_message() -> None:
+    # Instructions are not among them: the daemon puts them first, before the history.
+    assert _decode({"input": "hi", "instructions": "be brief"}) == [Message("user", "hi")]
+    assert msgspec.json.decode(stored_items("hi")) == [
+        {"type": "message", "role": "user", "content": "hi"}]
+
+
+def test_message_items_with_string_and_part_content() -> None:
+    items: list[dict[str, Any]] = [
+        {"role": "developer", "content": "rules"},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "c", "annotations": [], "logprobs": None}]},
+    ]
+    assert _decode({"input": items}) == [
+        Message("system", "rules"),
+        Message("user", "ab"),
+        Message("assistant", "c"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("items", "param"),
+    [
+        ([], "input"),
+        ({"role": "user"}, "input"),
+        ([{"role": "user"}], "input[0].content"),
+        ([{"role": "tool", "content": "x"}], "input[0].role"),
+        ([{"role": ["user"], "content": "x"}], "input[0].role"),
+        ([{"role": "user", "content": "x"}, "hello"], "input[1]"),
+        ([{"type": "function_call", "name": "f"}], "input[0].type"),
+        ([{"role": "user", "content": 7}], "input[0].content"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}],
+         "input[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "input_text"}]}], "input[0].content[0].text"),
+        ([{"role": "user", "content": [{"text": "x"}]}], "input[0].content[0].type"),
+        ([{"role": "user", "content": "x", "status": "done"}], "input[0].status"),
+    ],
+)
+def test_invalid_input_names_the_item_and_field(items: Any, param: str) -> None:
+    error = _refused({"input": items})
+    assert error.param == param
+    assert f"'{param}'" in error.message
+
+
+def test_unsupported_types_say_what_is_served() -> None:
+    item = _refused({"input": [{"type": "function_call", "name": "f"}]})
+    assert "unsupported item type 'function_call'" in item.message
+    part = _refused({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})
+    assert "unsupported content part 'input_image'" in part.message
+    assert "'input_text' and 'output_text'" in part.message
+
+
+@pytest.mark.parametrize(("item", "param"), [
+    ({"role": "user", "content": "x", "junk": [[], []]}, "input[0].junk"),
+    ({"role": "user", "content": [{"type": "input_text", "text": "x", "junk": 1}]},
+     "input[0].content[0].junk"),
+])
+def test_a_field_the_server_does_not_know_is_an_unknown_parameter(
+        item: dict[str, Any], param: str) -> None:
+    error = _refused({"input": [item]})
+    assert (error.param, error.code) == (param, "unknown_parameter")
+    assert error.message == f"Unknown parameter: '{param}'."
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": [{"role": "user", "content": "x", "id": "i" * (MAX_ITEM_ID + 1)}]},
+     "input[0].id"),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
+    ({"input": "x", "previous_response_id": "r" * 129}, "previous_response_id"),
+    ({"input": "x", "previous_response_id": "resp_ x"}, "previous_response_id"),
+])
+def test_fields_are_bounded_as_openai_bounds_them(body: dict[str, Any], param: str) -> None:
+    error = _refused(body)
+    assert error.param is not None and error.param.startswith(param), error.message
+
+
+def test_the_largest_allowed_id_is_kept_and_what_is_not_rendered_is_not() -> None:
+    item = {"type": "message", "role": "assistant", "id": "i" * MAX_ITEM_ID, "content": [
+        {"type": "output_text", "text": "c", "annotations": [{"type": "url_citation"}],
+         "logprobs": [[[[]]]]}]}
+    req, _ = decode_request(msgspec.json.encode({"input": [item]}), SERVED)
+    assert msgspec.json.decode(stored_items(req.input)) == [
+        {"type": "message", "role": "assistant", "id": "i" * MAX_ITEM_ID,
+         "content": [{"type": "output_text", "text": "c"}]}]
+
+
+def test_a_pathological_body_is_refused_without_being_walked() -> None:
+    """1.3 million empty lists in one item (3.9 MB): the decoder stops at the unknown field."""
+    junk = b",".join([b"[]"] * 1_300_000)
+    body = b'{"input": [{"role": "user", "content": "hi", "junk": [' + junk + b"]}]}"
+    t0 = time.perf_counter()
+    error = _refused(body)
+    assert time.perf_counter() - t0 < 0.05
+    assert error.param == "input[0].junk"
+
+
+def test_deep_json_where_a_part_may_hold_it_is_refused_too() -> None:
+    logprobs = b"[" * 5000 + b"]" * 5000
+    body = (b'{"input": [{"role": "assistant", "content": [{"type": "output_text", "text": "x",'
+            b' "logprobs": ' + logprobs + b"}]}]}")
+    assert "nested" in _refused(body).message
+
+
+def test_stored_items_are_listed_as_messages_with_typed_parts() -> None:
+    items = '[{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", ' \
+        '"id": "msg_mine", "content": [{"type": "output_text", "text": "yo"}]}]'
+    listed = input_item_objects(items, ["msg_abc_0", "msg_mine"])
+    assert [(i["id"], i["role"], i["status"]) for i in listed] == [
+        ("msg_abc_0", "user", "completed"), ("msg_mine", "assistant", "completed")]
+    assert listed[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    assert listed[1]["content"] == [{"type": "output_text", "text": "yo"}]
