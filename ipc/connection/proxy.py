@@ -143,8 +143,8 @@ class ProxyConnection:
         loop = asyncio.get_running_loop()
         delay = TICK_S
         while True:
-            # A timer, or _lose, wakes us: while up nothing is due for up to a heartbeat
-            # interval, so the loop is not woken 20 times a second for nothing.
+            # A timer, or _lose, wakes us: while up nothing is due before the silence
+            # deadline, so the loop is not woken 20 times a second for nothing.
             nudge = self._nudge = loop.create_future()
             timer = loop.call_later(delay, _wake, nudge)
             try:
