@@ -95,11 +95,16 @@ def connect(target: Path | str | None) -> Database:
 
 
 def _prepare_file(path: Path) -> None:
+    """Creates the file owner-only from the first byte (the store holds users' conversations;
+    SQLite gives the -wal and -shm files the mode of the database file). Never opens one that
+    exists: closing any descriptor of a file drops every POSIX lock this process holds on it,
+    SQLite's included, and another process would then take our open WAL for unused and delete
+    it under us."""
+    if path.exists():
+        return
     if not path.parent.exists():
         path.parent.mkdir(mode=0o700, parents=True)
-    # Owner-only from the first byte: the store holds users' conversations. SQLite gives the
-    # -wal and -shm files the mode of the database file.
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 class SQLiteDatabase:
