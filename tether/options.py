@@ -34,6 +34,7 @@ def daemon_options(s: Settings) -> DaemonOptions:
     store = StoreOptions(
         location=s.state_url or s.state_dir / "responses.sqlite3",
         max_responses=s.response_store_max, max_age_s=s.response_store_max_age_s,
+        max_bytes=s.response_store_max_bytes,
         # --replica-id, or host:port: unique per pair, and the same across its restarts.
         replica_id=s.replica_id or f"{socket.gethostname()}:{s.port}",
         lease_s=s.replica_lease_s)
