@@ -52,4 +52,5 @@ def proxy_options(s: Settings) -> ProxyOptions:
         max_body_bytes=s.max_body_bytes, model=s.model, runtime_dir=s.runtime_dir,
         max_waiting=s.max_waiting, request_timeout_s=s.request_timeout_s,
         stall_timeout_s=s.stall_timeout_s, max_buffered_tokens=s.max_buffered_tokens,
-        stream_merge_tokens=s.stream_merge_tokens)
+        stream_merge_tokens=s.stream_merge_tokens,
+        background_history_bytes=s.background_history_bytes)
