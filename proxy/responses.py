@@ -174,8 +174,9 @@ async def get_response(request: Request) -> Response:
                                 default=-1, low=-1, high=2**31)
     if _bool_param(request.query_params.get("stream"), "stream"):
         if run is None:
-            # 404 for what does not exist (or no longer does), else why it cannot stream.
-            _reply(await _engine(request).response_op(ResponseOpKind.GET, rid), rid)
+            reply = await _engine(request).response_op(ResponseOpKind.GET, rid)
+            if reply.status != 200:
+                return _reply(reply, rid)  # 404 for what does not exist, or no longer does
             raise ApiError(400, f"response {rid!r} cannot be streamed: only a background "
                            "response still held by this server can", param="stream")
         return SSEResponse(_sse(run.subscribe(starting_after)))
