@@ -42,7 +42,7 @@ def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: No
     runner, tokenizer, name, max_model_len = built
     o = options.store
     try:
-        store = ResponseStore(o.location, o.max_responses, o.max_age_s,
+        store = ResponseStore(o.location, o.max_responses, o.max_age_s, max_bytes=o.max_bytes,
                               replica_id=o.replica_id, lease_s=o.lease_s)
     except (StoreError, ValueError) as e:
         log.error("%s", e)

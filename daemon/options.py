@@ -42,6 +42,7 @@ class StoreOptions:
     location: str | Path
     max_responses: int
     max_age_s: float
+    max_bytes: int
     replica_id: str
     lease_s: float
 

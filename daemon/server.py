@@ -248,7 +248,10 @@ class DaemonServer:
         responses = self.engine.responses
         reply = (responses.handle_op(op, running) if responses is not None else
                  ResponseReply(op.op_id, 500, message="the Responses API needs the response store"))
-        if op.op is ResponseOpKind.CANCEL and reply.status == 200 and running:
+        # A 200 to either obliges us to stop the session: a live background response is
+        # cancelled before it is deleted (a live foreground one is refused, never deleted).
+        ends = op.op is ResponseOpKind.CANCEL or op.op is ResponseOpKind.DELETE
+        if ends and reply.status == 200 and running:
             self._out += self.engine.abort(op.response_id, AbortCause.CANCEL)
         return reply
 

@@ -59,7 +59,8 @@ class EngineClient:
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
-        self.last_stats: Stats | None = None  # the connected daemon's; None while it is away
+        # The last Stats any daemon sent, kept while it is away: its counters keep their values.
+        self.last_stats: Stats | None = None
         self.stats_listeners: list[StatsListener] = []
         self._sessions: dict[str, Session] = {}
         self._num_unstarted = 0
@@ -275,7 +276,6 @@ class EngineClient:
             return
         # The next connection gets a new epoch: a daemon that only stalled then evicts the
         # sessions we just failed here, and refuses their Submits still in the pipe.
-        self.last_stats = None  # its gauges describe a daemon we no longer hear from
         error = unavailable(loss.detail)
         for session in list(self._sessions.values()):
             session.fail(error)

@@ -2,7 +2,9 @@
 
 The daemon's counters are cumulative since it started, so they are exposed as counters straight
 from the last Stats record by a collector (a daemon restart reads as a counter reset, which
-Prometheus handles) rather than replayed through inc().
+Prometheus handles) rather than replayed through inc(). While no daemon is connected they keep
+the last values it sent (a drop to 0 would read as a reset, and its return as a second one);
+its gauges, which would describe a daemon nobody hears from, are left out.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class EngineCollector(Collector):
         yield from self._proxy_figures()
 
     def _gauges(self, stats: Stats | None) -> Iterator[Metric]:
-        if stats is None:
+        if stats is None or not self.engine.up:
             return  # no daemon connected: nothing current to show (tether_daemon_up says 0)
         for name, doc, attr in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=getattr(stats, attr))

@@ -24,3 +24,5 @@ class ProxyOptions:
     stall_timeout_s: float
     max_buffered_tokens: int
     stream_merge_tokens: int
+    # Background responses: the bytes of events kept for their readers, all runs together.
+    background_history_bytes: int

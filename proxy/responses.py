@@ -4,8 +4,11 @@ A foreground response is tied to its HTTP request: when the client leaves, the e
 is aborted (and the daemon drops the placeholder). A background response runs in a proxy task
 that no client owns (see `proxy.responses_background`); only a cancel or a DELETE stops it.
 The daemon owns the store; GET / DELETE / cancel go to it as ResponseOp records, except that a
-background response this proxy still holds answers from its live state when the daemon has no
-row for it yet (it has not admitted the Submit).
+background response this proxy still follows answers from its live state, and from it too when
+the daemon has no row for it yet (it has not admitted the Submit). One whose run lost sight of
+the engine answers from the store. A DELETE ends a background response wherever it is: an Abort
+goes ahead of it on the control pipe, so that a Submit still queued here or in the pipe is
+refused when it arrives, and one the daemon holds is cancelled before its row goes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from proxy.errors import ApiError
 from proxy.exchange import exchange
 from proxy.input_items import MAX_ITEM_ID, input_item_objects
 from proxy.metrics import RequestTimer
+from proxy.options import ProxyOptions
 from proxy.response_object import deleted_object, stored_response_object
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
 from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record
@@ -45,7 +49,9 @@ from proxy.sse import SSEResponse, sse_event
 def background_registry(app: Starlette) -> BackgroundRegistry:
     registry: BackgroundRegistry | None = getattr(app.state, "background_responses", None)
     if registry is None:
-        registry = app.state.background_responses = BackgroundRegistry()
+        options: ProxyOptions = app.state.options
+        registry = app.state.background_responses = BackgroundRegistry(
+            max_history_bytes=options.background_history_bytes)
     return registry
 
 
@@ -169,16 +175,19 @@ async def get_response(request: Request) -> Response:
                                 default=-1, low=-1, high=2**31)
     if _bool_param(request.query_params.get("stream"), "stream"):
         if run is None:
+            reply = await _engine(request).response_op(ResponseOpKind.GET, rid)
+            if reply.status != 200:
+                return _reply(reply, rid)  # 404 for what does not exist, or no longer does
             raise ApiError(400, f"response {rid!r} cannot be streamed: only a background "
                            "response still held by this server can", param="stream")
         return SSEResponse(_sse(run.subscribe(starting_after)))
-    if run is not None and not run.finished:
+    if run is not None and not run.finished and not run.interrupted:
         # Live state, with the text so far; the daemon's placeholder has no output yet.
         return JSONResponse(run.events.snapshot())
     try:
         reply = await _engine(request).response_op(ResponseOpKind.GET, rid)
     except ApiError:
-        if run is None:
+        if run is None or run.interrupted:
             raise
         return JSONResponse(run.events.snapshot())  # the daemon is down; this proxy knows
     if reply.status == 404 and run is not None:
@@ -189,13 +198,13 @@ async def get_response(request: Request) -> Response:
 async def delete_response(request: Request) -> Response:
     rid = check_response_id(request.path_params["response_id"])
     registry = background_registry(request.app)
-    reply = await _engine(request).response_op(ResponseOpKind.DELETE, rid)
+    engine = _engine(request)
     run = registry.get(rid)
+    if run is not None and not run.finished:
+        engine.abort(rid, AbortCause.CANCEL)  # ahead of the DELETE: see the module's docstring
+    reply = await engine.response_op(ResponseOpKind.DELETE, rid)
     if run is not None and reply.status in (200, 404):
-        if not run.finished:
-            # The daemon holds no live row for it (not admitted yet): nobody wants it any more.
-            _engine(request).abort(rid, AbortCause.CANCEL)
-            run.end(Outcome(ResponseStatus.CANCELLED))
+        run.end(Outcome(ResponseStatus.CANCELLED))
         registry.remove(rid)
         return JSONResponse(deleted_object(rid))
     return _reply(reply, rid)

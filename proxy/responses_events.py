@@ -9,7 +9,8 @@ OpenAI event sequence, numbering every event with ``sequence_number``:
     response.completed | response.incomplete | response.cancelled | response.failed
 
 It also answers "what does the response look like now" (`snapshot`) for non-stream replies
-and for a GET of a background response the daemon has not stored yet.
+and for a GET of a background response the daemon has not stored yet, and ends a stream that
+lost sight of the engine with what the store recorded (`settle`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ import dataclasses
 import time
 from typing import Any
 
-from ipc.records import AbortCause, Delta, Finish, FinishReason, ResponseStatus, Usage
-from proxy.response_object import build_response, message_id
+from ipc.records import (
+    AbortCause,
+    Delta,
+    Finish,
+    FinishReason,
+    ResponseStatus,
+    StoredResponse,
+    Usage,
+)
+from proxy.response_object import build_response, message_id, stored_response_object
 
 Event = dict[str, Any]
 
@@ -151,6 +160,28 @@ class ResponseEvents:
         if outcome.status is ResponseStatus.COMPLETED:
             self.completed_at = time.time()
         events.append(self._event(TERMINAL_EVENTS[outcome.status], response=self.snapshot()))
+        return events
+
+    def settle(self, stored: StoredResponse) -> list[Event]:
+        """The ending the store recorded, for a stream that lost sight of the engine on the way:
+        the text it has not sent yet, the closing events, and the stored response itself in the
+        terminal event, so that the stream and a GET agree. Idempotent, like `finish`."""
+        if self.finished:
+            return []
+        events: list[Event] = []
+        if stored.status in (ResponseStatus.COMPLETED, ResponseStatus.INCOMPLETE):
+            text = stored.output_text or ""
+            if text.startswith(self.text):
+                events += self.delta(text[len(self.text):])
+            else:  # not what was streamed: the closing events carry the stored text whole
+                events += self.in_progress()
+                self.text_parts = [text]
+            events += self._close_item(stored.status)
+        self.outcome = Outcome(stored.status, stored.usage, stored.error)
+        self.status = stored.status
+        self.completed_at = stored.completed_at
+        events.append(self._event(TERMINAL_EVENTS[stored.status],
+                                  response=stored_response_object(stored)))
         return events
 
     def error(self, message: str, code: str | None, param: str | None) -> list[Event]:

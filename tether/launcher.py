@@ -2,8 +2,9 @@
 
 The launcher plays systemd for a terminal session, so `make serve` behaves like the unit pair:
 it binds its own NOTIFY_SOCKET and waits for READY=1 from each child, enforces WATCHDOG=1,
-restarts a child that fails (Restart=on-failure, with backoff), and on Ctrl-C or SIGTERM sends
-SIGTERM to both, waits past the drain timeout and SIGKILLs what is left (KillMode=mixed).
+restarts a child that exits without being asked to, whatever its status (with backoff), and on
+Ctrl-C or SIGTERM sends SIGTERM to both, waits past the drain timeout and SIGKILLs what is left
+(KillMode=mixed).
 """
 
 from __future__ import annotations
@@ -150,8 +151,6 @@ class Launcher:
                 return 1
             self._enforce_deadlines()
             self._start_due()
-            if all(c.state is State.STOPPED for c in self.children):
-                return 0
         return 0
 
     def _stop_children(self) -> None:
@@ -194,25 +193,22 @@ class Launcher:
         log.info("started %s (pid %d)", child.name, child.proc.pid)
 
     def _reap(self) -> bool:
-        """Collect exited children and schedule restarts; True if one failed."""
-        failed = False
+        """Collect exited children and schedule restarts; True if one exited."""
+        exited = False
         now = time.monotonic()
         for child in self.children:
             if child.proc is None or (code := child.proc.poll()) is None:
                 continue
+            exited = True
             _signal_group(child.proc, signal.SIGKILL)
             was_ready = child.state is State.READY
             child.proc = None
             if not self.announced:
                 log.error("%s %s before it was ready; stopping", child.name, describe_exit(code))
                 child.state = State.STOPPED
-                failed = True
                 continue
-            if code == 0:
-                log.warning("%s exited cleanly; not restarting it", child.name)
-                child.state = State.STOPPED
-                continue
-            failed = True
+            # Whatever its status: only the launcher stops the pair (a child sent SIGTERM on
+            # its own drains and exits 0, and the proxy would answer 503 for good).
             if was_ready and now - child.ready_at >= STABLE_S:
                 child.num_failures = 0
             delay = min(RESTART_FIRST_S * 2**child.num_failures, RESTART_MAX_S)
@@ -220,7 +216,7 @@ class Launcher:
             child.restart_at = now + delay
             child.state = State.BACKING_OFF
             log.warning("%s %s; restarting in %.1f s", child.name, describe_exit(code), delay)
-        return failed
+        return exited
 
     def _start_due(self) -> None:
         now = time.monotonic()

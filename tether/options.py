@@ -34,6 +34,7 @@ def daemon_options(s: Settings) -> DaemonOptions:
     store = StoreOptions(
         location=s.state_url or s.state_dir / "responses.sqlite3",
         max_responses=s.response_store_max, max_age_s=s.response_store_max_age_s,
+        max_bytes=s.response_store_max_bytes,
         # --replica-id, or host:port: unique per pair, and the same across its restarts.
         replica_id=s.replica_id or f"{socket.gethostname()}:{s.port}",
         lease_s=s.replica_lease_s)
@@ -51,4 +52,5 @@ def proxy_options(s: Settings) -> ProxyOptions:
         max_body_bytes=s.max_body_bytes, model=s.model, runtime_dir=s.runtime_dir,
         max_waiting=s.max_waiting, request_timeout_s=s.request_timeout_s,
         stall_timeout_s=s.stall_timeout_s, max_buffered_tokens=s.max_buffered_tokens,
-        stream_merge_tokens=s.stream_merge_tokens)
+        stream_merge_tokens=s.stream_merge_tokens,
+        background_history_bytes=s.background_history_bytes)

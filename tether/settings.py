@@ -55,6 +55,8 @@ class Settings:
     keep_alive_timeout_s: int = 75
     response_store_max: int = 10000
     response_store_max_age_s: float = 7 * 24 * 3600.0
+    response_store_max_bytes: int = 1 << 30
+    background_history_bytes: int = 64 << 20
     drain_timeout_s: float = 10.0
     request_timeout_s: float = 60.0
     stall_timeout_s: float = 60.0
@@ -106,6 +108,11 @@ _HELP: dict[str, str] = {
     "Keep-Alive header); keep it above your clients' and load balancer's own idle timeouts",
     "response_store_max": "most stored responses kept (oldest pruned)",
     "response_store_max_age_s": "stored responses older than this are pruned",
+    "response_store_max_bytes": "most bytes of text (inputs, conversations, outputs) the stored "
+    "responses hold; the oldest finished ones are pruned first",
+    "background_history_bytes": "most bytes of streaming events the proxy keeps for the readers "
+    "of its background responses, all together; finished ones are let go first, then a "
+    "running one's oldest events",
     "drain_timeout_s": "on SIGTERM, time given to in-flight work before it is aborted",
     "request_timeout_s": "a request the daemon has not taken within this many seconds fails "
     "with 504 (the time it waits for its turn does not count)",
@@ -192,7 +199,8 @@ def _bool(raw: str) -> bool:
 
 def _check(s: Settings) -> None:
     positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
-                "max_body_bytes", "response_store_max", "keep_alive_timeout_s",
+                "max_body_bytes", "response_store_max", "response_store_max_bytes",
+                "background_history_bytes", "keep_alive_timeout_s",
                 "max_buffered_tokens", "tensor_parallel_size", "stream_merge_tokens")
     for name in positive:
         if getattr(s, name) < 1:

@@ -66,12 +66,17 @@ def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
     longest = max(len(p) for p in prompts)
     if longest + max_tokens > max_model_len:
         room = max_model_len - longest
-        advice = (f"reduce {param} to at most {room}" if room > 0
-                  else "shorten the prompt")
+        if room > 0:
+            raise Rejected(
+                f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+                f"has {longest} tokens and {param} is {max_tokens} ({longest + max_tokens} in "
+                f"total); reduce {param} to at most {room}", param=param,
+                code="context_length_exceeded")
+        part, what, advice = _too_long(submit, max_model_len)
         raise Rejected(
-            f"this model's maximum context length is {max_model_len} tokens, but the prompt "
-            f"has {longest} tokens and {param} is {max_tokens} ({longest + max_tokens} in "
-            f"total); {advice}", param=param, code="context_length_exceeded")
+            f"this model's maximum context length is {max_model_len} tokens, but {what} has "
+            f"{longest} tokens, with no room left for the output; {advice}", param=part,
+            code="context_length_exceeded")
     # One sequence and its forked siblings' copied blocks must fit, or it could never run.
     need = (block_manager.num_blocks_for(longest + max_tokens)
             + block_manager.fork_cost(longest) * (submit.n - 1))
@@ -80,6 +85,25 @@ def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
         raise Rejected(f"the prompt ({longest} tokens) plus {param} ({max_tokens}) with n="
                        f"{submit.n} exceeds the KV cache capacity of {cap} tokens",
                        param=param)
+
+
+def _too_long(submit: Submit, max_model_len: int) -> tuple[str, str, str]:
+    """The part of a request whose prompt alone fills the context: its param, how the message
+    names it, and what to do."""
+    if submit.kind is RequestKind.COMPLETION:
+        return "prompt", "the prompt", "shorten the prompt"
+    if submit.kind is RequestKind.CHAT:
+        return "messages", "the prompt", "shorten the messages"
+    fields = submit.response
+    if fields is not None and fields.previous_response_id is not None:
+        # No token is shorter than a byte, so an input of fewer bytes than the context fits
+        # by itself: the conversation it continues is what fills the context.
+        own = sum(len(m.content.encode()) for m in fields.input)
+        own += len(fields.instructions.encode()) if fields.instructions else 0
+        if own < max_model_len:
+            return ("previous_response_id", "the conversation (previous_response_id's history "
+                    "and input)", "start a new conversation without previous_response_id")
+    return "input", "the prompt", "shorten the input"
 
 
 def build_sequences(submit: Submit, prompts: list[list[int]],

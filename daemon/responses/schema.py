@@ -68,6 +68,19 @@ def _replica_tables(real: str) -> tuple[str, ...]:
     )
 
 
+# Version 3: each row's `size`, the bytes of the text it stores (input items, conversation,
+# instructions, output, error, usage...), so that retention can bound the store by bytes.
+# Existing rows are measured once here; the store keeps the column up to date from then on.
+_TEXT_COLUMNS = ("input_items", "messages", "instructions", "output_text", "error", "usage",
+                 "incomplete_reason")
+
+
+def _sized(octets: str) -> tuple[str, ...]:
+    total = " + ".join(f"coalesce({octets.format(c)}, 0)" for c in _TEXT_COLUMNS)
+    return ("ALTER TABLE responses ADD COLUMN size BIGINT NOT NULL DEFAULT 0",
+            f"UPDATE responses SET size = {total}")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "stored responses",
               sqlite=(_responses_table("REAL", "INTEGER"), _STORED_AT_INDEX),
@@ -75,6 +88,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "owners, replica leases and cancel requests",
               sqlite=(*_SHARED, *_QUOTE_TEXT, *_replica_tables("REAL")),
               postgresql=(*_SHARED, *_replica_tables("DOUBLE PRECISION"))),
+    Migration(3, "the bytes each row stores",
+              sqlite=_sized("length(CAST({} AS BLOB))"),
+              postgresql=_sized("octet_length({})")),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1].version

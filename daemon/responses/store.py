@@ -11,16 +11,21 @@ reach it through daemon/responses/lifecycle.py (`Responses`), never directly. Th
   the client is gone and nobody will ask for it, so the row goes).
 - only placeholders move: once a row is terminal, a late ``complete`` or ``fail`` is ignored, so a
   cancelled response stays cancelled however the race with its last tick goes.
+- a DELETE removes the row whatever its state, except a live foreground one (its client is still
+  reading it): a live background response is cancelled first, as a cancel would.
+
+Each row records its ``size`` (the bytes of its text), so that the watcher's prune bounds the
+store by bytes as well as by count and age.
 
 Rows keep the whole conversation (history included, instructions excluded, as OpenAI does not
 carry instructions over ``previous_response_id``), so a chain is one lookup however long it is,
 and pruning an old link does not break the responses that continued it.
 
 Replicas sharing one store: a row names its ``owner`` (the replica running it). Any replica can
-read, delete, continue or cancel any row; a cancel of a response that runs elsewhere is marked in
-the row and left as a request for its owner, whose watcher (daemon/responses/watcher.py) hands it to the
-tick through ``take_cancels``. A replica whose lease runs out has its unfinished rows ended by the
-next replica's watcher.
+read, delete, continue or cancel any row; a cancel (or delete) of a response that runs elsewhere
+is marked in the row and left as a request for its owner, whose watcher
+(daemon/responses/watcher.py) hands it to the tick through ``take_cancels``. A replica whose
+lease runs out has its unfinished rows ended by the next replica's watcher.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ __all__ = ["CRASHED_MESSAGE", "SCHEMA_VERSION", "ResponseStore", "StoreError",
 
 CRASHED_MESSAGE = "The server restarted before this response finished."
 DEFAULT_LEASE_S = 10.0
+DEFAULT_MAX_BYTES = 1 << 30
 
 _PLACEHOLDERS_SQL = PLACEHOLDERS_SQL
 
@@ -70,6 +76,11 @@ def previous_not_found(previous_response_id: str) -> str:
 
 def _json(value: Any) -> str:
     return msgspec.json.encode(value).decode()
+
+
+def _size(*texts: object) -> int:
+    """The bytes a row's text columns hold (the `size` column: retention by bytes)."""
+    return sum(len(t.encode()) for t in texts if isinstance(t, str))
 
 
 def text_column(value: str | None) -> str | None:
@@ -133,11 +144,13 @@ class ResponseStore:
         max_age_s: float,
         clock: Callable[[], float] = time.time,
         *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
         replica_id: str = "local",
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self.max_count = max_count
         self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
         self.replica_id = replica_id
         self.lease_s = lease_s
         self._clock = clock
@@ -177,15 +190,17 @@ class ResponseStore:
             raise ValueError(previous_not_found(fields.previous_response_id or ""))
         now = self._clock()
         status = ResponseStatus.QUEUED if fields.background else ResponseStatus.IN_PROGRESS
+        instructions, messages = text_column(fields.instructions), _json(turn)
         inserted = self._db.execute(
             "INSERT INTO responses (id, status, created_at, stored_at, model, instructions,"
             " previous_response_id, background, input_items, messages, temperature, top_p,"
-            " max_output_tokens, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " max_output_tokens, owner, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (id) DO NOTHING",
             (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
-             text_column(fields.instructions), fields.previous_response_id, int(fields.background),
-             fields.input_items, _json(turn), submit.sampling.temperature,
-             submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id),
+             instructions, fields.previous_response_id, int(fields.background),
+             fields.input_items, messages, submit.sampling.temperature,
+             submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id,
+             _size(fields.input_items, messages, instructions)),
         ).rowcount
         if inserted != 1:
             raise ValueError(f"response id {submit.rid!r} is already stored")
@@ -250,8 +265,8 @@ class ResponseStore:
         self._placeholders.discard(rid)
         sets = "".join(f", {name} = ?" for name in columns)
         self._db.execute(
-            f"UPDATE responses SET status = ?{sets} WHERE id = ? AND status IN {_PLACEHOLDERS_SQL}",
-            (status.value, *columns.values(), rid),
+            f"UPDATE responses SET status = ?, size = size + ?{sets} WHERE id = ? AND status IN "
+            f"{_PLACEHOLDERS_SQL}", (status.value, _size(*columns.values()), *columns.values(), rid),
         )
 
     # --- the proxy's side: GET / DELETE / cancel ----------------------------------------------
@@ -259,8 +274,8 @@ class ResponseStore:
     def handle_op(self, op: ResponseOp, running: bool) -> ResponseReply:
         """Answer one ResponseOp. ``running``: the engine holds a live session for this id.
 
-        A CANCEL answered with status 200 obliges the caller to abort the session with cause
-        CANCEL (idempotent: harmless when the session has already ended).
+        A CANCEL or DELETE answered with status 200 obliges the caller to abort the session with
+        cause CANCEL (idempotent: harmless when the session has already ended).
         """
         row = self._row(op.response_id)
         if row is None:
@@ -290,13 +305,18 @@ class ResponseStore:
         return lease is not None and lease["lease_until"] >= self._clock()
 
     def _delete(self, op: ResponseOp, row: Any, running: bool) -> ResponseReply:
-        # Deleting a live response would leave an engine generating for nobody.
+        """A live background response is cancelled, then deleted (as OpenAI does): the caller
+        aborts its session here, as for a cancel; another replica's owner is asked to. A live
+        foreground one is refused: its own client is still reading it."""
         if self._is_live(row, running):
-            return ResponseReply(
-                op.op_id, 400,
-                message=f"Cannot delete response '{op.response_id}' while it is "
-                f"{row['status']}; cancel it (background) or wait for it to finish.",
-            )
+            if not row["background"]:
+                return ResponseReply(
+                    op.op_id, 400,
+                    message=f"Cannot delete response '{op.response_id}' while it is "
+                    f"{row['status']}; wait for it to finish.",
+                )
+            self._cancel_row(op.response_id, row["owner"])
+        self._placeholders.discard(op.response_id)
         self._db.execute("DELETE FROM responses WHERE id = ?", (op.response_id,))
         return ResponseReply(op.op_id, 200, deleted=True)
 
@@ -309,10 +329,7 @@ class ResponseStore:
             )
         status = row["status"]
         if status in PLACEHOLDER_STATUSES:
-            self.cancel(op.response_id)
-            owner = row["owner"]
-            if owner is not None and owner != self.replica_id:
-                self._request_cancel(op.response_id, owner)
+            self._cancel_row(op.response_id, row["owner"])
             cancelled = self._row(op.response_id)
             assert cancelled is not None
             row = cancelled
@@ -320,6 +337,12 @@ class ResponseStore:
             return ResponseReply(op.op_id, 400,
                                  message=f"Cannot cancel a response that is {status}.")
         return ResponseReply(op.op_id, 200, response=_stored(row))
+
+    def _cancel_row(self, rid: str, owner: str | None) -> None:
+        """Mark it cancelled; a response another replica runs is left as a request for it."""
+        self.cancel(rid)
+        if owner is not None and owner != self.replica_id:
+            self._request_cancel(rid, owner)
 
     # --- replicas: the cancel channel and the lease ---------------------------------------------
 
@@ -342,7 +365,8 @@ class ResponseStore:
     def watcher(self, db: Database | None = None) -> Watcher:
         """This replica's housekeeping on ``db`` (default: this store's own connection)."""
         return Watcher(db or self._db, self.replica_id, self.lease_s, self._cancels,
-                       max_count=self.max_count, max_age_s=self.max_age_s, clock=self._clock)
+                       max_count=self.max_count, max_age_s=self.max_age_s,
+                       max_bytes=self.max_bytes, clock=self._clock)
 
     def start_watching(self) -> None:
         """Take the lease and run the housekeeping in its own thread, on its own connection."""
@@ -371,7 +395,8 @@ class ResponseStore:
         return len(orphans)
 
     def prune(self) -> int:
-        """Drop finished responses beyond ``max_age_s`` or ``max_count`` (oldest first).
+        """Drop finished responses beyond ``max_age_s``, ``max_count`` or ``max_bytes`` (oldest
+        first).
 
         The watcher runs it every few seconds, off the tick."""
         return self.watcher().prune()

@@ -1,5 +1,5 @@
 """What a replica does for a shared store off its tick thread: hold its lease, end the responses
-of replicas whose lease ran out, learn of cancels aimed at it, prune.
+of replicas whose lease ran out, learn of cancels aimed at it, prune (by age, count and bytes).
 
 The tick never waits on this: the watcher runs in its own thread with its own connection and hands
 cancelled response ids over through a queue, which the tick drains at its start. On PostgreSQL it
@@ -34,13 +34,14 @@ class Watcher:
 
     def __init__(self, db: Database, replica_id: str, lease_s: float,
                  cancels: queue.SimpleQueue[str], *, max_count: int, max_age_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+                 max_bytes: int, clock: Callable[[], float] = time.time) -> None:
         self.db = db
         self.replica_id = replica_id
         self.lease_s = lease_s
         self.cancels = cancels
         self.max_count = max_count
         self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
         self.clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,7 +92,8 @@ class Watcher:
         return ended
 
     def prune(self) -> int:
-        """Drop finished responses beyond ``max_age_s`` or ``max_count`` (oldest first)."""
+        """Drop finished responses beyond ``max_age_s``, ``max_count`` or ``max_bytes``, oldest
+        first. The bytes of unfinished ones count towards ``max_bytes``, but they stay."""
         finished = f"status NOT IN {PLACEHOLDERS_SQL}"
         no_limit = "-1" if self.db.dialect == "sqlite" else "ALL"
         with self.db.transaction() as tx:
@@ -101,7 +103,13 @@ class Watcher:
                 f"DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE {finished} "
                 f"ORDER BY stored_at DESC, id DESC LIMIT {no_limit} OFFSET ?)",
                 (self.max_count,)).rowcount
-        return by_age + by_count
+            by_bytes = tx.execute(
+                "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, sum(size) OVER "
+                "(ORDER BY stored_at DESC, id DESC ROWS UNBOUNDED PRECEDING) AS newer FROM "
+                f"responses WHERE {finished}) AS kept WHERE newer > ? - (SELECT "
+                f"coalesce(sum(size), 0) FROM responses WHERE status IN {PLACEHOLDERS_SQL}))",
+                (self.max_bytes,)).rowcount
+        return by_age + by_count + by_bytes
 
     def housekeep(self) -> None:
         self.renew()

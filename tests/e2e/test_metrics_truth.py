@@ -22,6 +22,10 @@ DAEMON_GAUGES = ("tether_requests_running", "tether_requests_waiting",
                  "tether_kv_cache_blocks_used", "tether_kv_cache_blocks_total",
                  "tether_conversation_placeholders")
 
+DAEMON_COUNTERS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("tether_generation_tokens_total", {}), ("tether_prompt_tokens_total", {}),
+    ("tether_engine_ticks_total", {}), ("tether_requests_finished_total", {"reason": "length"}))
+
 
 def _streams(server: Server, count: int) -> list:
     socks = [post_raw(server, "/v1/completions", {"prompt": f"s{i}", "stream": True, **LONG})
@@ -42,6 +46,27 @@ def test_a_dead_daemon_shows_no_gauges(tmp_path: Path) -> None:
         assert not [g for g in DAEMON_GAUGES if g in seen], seen
         for sock in socks:
             sock.close()
+    finally:
+        server.stop()
+
+
+def test_a_dead_daemons_counters_keep_their_last_values(tmp_path: Path) -> None:
+    """Prometheus reads a counter that drops to 0 as a reset: while no daemon is connected its
+    counters stay where they were (README, Metrics)."""
+    server = start_server(tmp_path)
+    try:
+        with server.client() as c:
+            r = c.post("/v1/completions", json={"prompt": "count me", "max_tokens": 5,
+                                                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        wait_for(lambda: m(server.metrics(), "tether_generation_tokens_total") == 5, 5,
+                 "the daemon's Stats")
+        before = server.metrics()
+        server.kill("daemon")
+        wait_for(lambda: m(server.metrics(), "tether_daemon_up") == 0, 5, "the proxy sees it")
+        away = server.metrics()
+        for name, labels in DAEMON_COUNTERS:
+            assert m(away, name, **labels) == m(before, name, **labels) > 0, (name, labels)
     finally:
         server.stop()
 

@@ -419,19 +419,34 @@ def test_a_background_stream_survives_its_client(live: LiveProxy, oai: openai.Op
 
 
 @pytest.mark.anyio
-async def test_a_lost_daemon_fails_background_responses(client: httpx.AsyncClient,
-                                                        peer: StorePeer) -> None:
+async def test_a_lost_daemon_interrupts_background_streams_without_an_ending(
+        app: Starlette, client: httpx.AsyncClient, peer: StorePeer,
+        options: ProxyOptions) -> None:
+    """The daemon may well go on with a background response the proxy lost sight of: its readers
+    are told the stream was interrupted, never that it failed, and the ending comes from the
+    store once a daemon answers (here one that never heard of it: it failed)."""
     peer.hold = True
     created = (await client.post("/v1/responses", json={
         "input": "hi", "background": True})).json()
     await wait_until(lambda: len(peer.submits) == 1)
+    run = app.state.background_responses.get(created["id"])
     peer.stop()
-    r = await client.get(f"/v1/responses/{created['id']}", params={"stream": "true"})
-    events = sse_events(r.content)
-    assert events[-1]["type"] == "response.failed"
-    assert events[-1]["response"]["error"]["message"]
-    got = (await client.get(f"/v1/responses/{created['id']}")).json()
-    assert got["status"] == "failed"
+    await wait_until(lambda: run.interrupted)
+    assert run.history[-1]["type"] == "error" and run.history[-1]["code"] == "stream_interrupted"
+    assert not run.finished
+    away = await client.get(f"/v1/responses/{created['id']}")
+    assert away.status_code == 503  # the store is what knows, and it is away
+    fresh = StorePeer(options.runtime_dir).start()
+    try:
+        await wait_until(lambda: run.finished, timeout=10)
+        r = await client.get(f"/v1/responses/{created['id']}", params={"stream": "true"})
+        types = [e["type"] for e in sse_events(r.content)]
+        assert types[-2:] == ["error", "response.failed"], types
+        assert types.count("error") == 1
+        got = (await client.get(f"/v1/responses/{created['id']}")).json()
+        assert got["status"] == "failed" and got["error"]["message"]
+    finally:
+        fresh.stop()
 
 
 @pytest.mark.anyio

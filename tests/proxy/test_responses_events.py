@@ -6,12 +6,14 @@ import asyncio
 import gc
 import weakref
 
+import orjson
 import pytest
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from ipc.records import AbortCause, FinishReason, ResponseStatus, Usage
+from ipc.records import AbortCause, FinishReason, ResponseStatus, StoredResponse, Usage
 from proxy.errors import ApiError
+from proxy.response_object import stored_response_object
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
 from proxy.responses_events import Outcome, ResponseEvents, ResponseParams, finish_outcome
 
@@ -129,3 +131,107 @@ def test_a_late_reader_gets_every_event_then_the_end() -> None:
     assert asyncio.run(read()) == [
         "response.in_progress", "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.failed"]
+
+
+def test_settle_ends_with_what_the_store_recorded() -> None:
+    """A stream that lost sight of the engine: the rest of the stored text, the closing events,
+    and the stored response itself in the terminal event."""
+    events = ResponseEvents(params_for("resp_s"))
+    sent = events.created() + events.delta("Hel")
+    stored = StoredResponse(id="resp_s", status=ResponseStatus.INCOMPLETE, created_at=1,
+                            model="m", background=True, completed_at=5.0, output_text="Hello",
+                            usage=Usage(3, 2), incomplete_reason="max_output_tokens")
+    sent += events.settle(stored)
+    assert [e["type"] for e in sent][-5:] == [
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert sent[-5]["delta"] == "lo" and sent[-4]["text"] == "Hello"
+    assert sent[-1]["response"] == stored_response_object(stored)
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
+    for event in sent:
+        STREAM_EVENTS.validate_python(event)
+    assert events.settle(stored) == [] and events.finish(Outcome(ResponseStatus.FAILED)) == []
+
+
+def _run_of(rid: str, deltas: int) -> BackgroundRun:
+    run = BackgroundRun(ResponseEvents(params_for(rid)))
+    for i in range(deltas):
+        run.publish(run.events.delta(f"word{i} "))
+    return run
+
+
+def test_the_registry_lets_finished_runs_go_first_past_its_byte_bound() -> None:
+    one = _run_of("resp_one", 10)
+    registry = BackgroundRegistry(max_history_bytes=int(one.history.nbytes * 2.5))
+    registry.add(one)
+    one.end(Outcome(ResponseStatus.COMPLETED))
+    two = _run_of("resp_two", 0)
+    registry.add(two)
+    for i in range(10):
+        two.publish(two.events.delta(f"word{i} "))
+    assert registry.get("resp_one") is not None  # still room for both
+    three = _run_of("resp_three", 0)
+    registry.add(three)
+    for i in range(10):
+        three.publish(three.events.delta(f"word{i} "))
+    assert registry.get("resp_one") is None  # finished: the first to go
+    assert registry.get("resp_two") is not None and two.history.first == 0
+    assert registry.history_bytes == two.history.nbytes + three.history.nbytes
+    assert registry.history_bytes <= registry.max_history_bytes
+
+
+def test_a_run_past_the_byte_bound_lets_its_oldest_events_go() -> None:
+    async def scenario() -> None:
+        run = BackgroundRun(ResponseEvents(params_for("resp_big")))
+        registry = BackgroundRegistry(max_history_bytes=2000)
+        registry.add(run)
+        lagging = run.subscribe()
+        assert (await anext(lagging))[0]["type"] == "response.created"
+        for i in range(100):
+            run.publish(run.events.delta(f"word{i} "))
+        run.end(Outcome(ResponseStatus.COMPLETED))
+        first = run.history.first
+        assert first > 0 and registry.history_bytes == run.history.nbytes
+        assert run.history.nbytes - len(orjson.dumps(run.history[-1])) <= 2000
+        # A reader behind what is held is told where to resume, and its stream ends.
+        notice = await anext(lagging)
+        assert notice[0]["type"] == "error" and notice[0]["code"] == "events_let_go"
+        assert notice[0]["sequence_number"] == first - 1
+        assert f"starting_after={first - 1}" in notice[0]["message"]
+        assert [batch async for batch in lagging] == []
+        with pytest.raises(ApiError) as gone:
+            run.subscribe()
+        assert gone.value.param == "starting_after" and f"starting_after={first - 1}" in \
+            gone.value.message
+        held = [e async for batch in run.subscribe(first - 1) for e in batch]
+        assert held[0]["sequence_number"] == first and held[-1]["type"] == "response.completed"
+
+    asyncio.run(scenario())
+
+
+def test_starting_after_must_name_an_event_sent() -> None:
+    run = BackgroundRun(ResponseEvents(params_for("resp_end")))
+    run.end(Outcome(ResponseStatus.CANCELLED))
+    last = len(run.history) - 1
+    with pytest.raises(ApiError) as past:
+        run.subscribe(last + 1)
+    assert past.value.status == 400 and past.value.param == "starting_after"
+    assert f"is {last}" in past.value.message
+
+    async def after_the_last() -> list[list[dict[str, object]]]:
+        return [batch async for batch in run.subscribe(last)]
+
+    assert asyncio.run(after_the_last()) == []
+
+
+def test_a_live_run_asked_past_its_end_ends_with_its_last_event() -> None:
+    async def scenario() -> list[str]:
+        run = BackgroundRun(ResponseEvents(params_for("resp_live")))
+        ahead = run.subscribe(len(run.history) + 10)
+        reading = asyncio.create_task(anext(ahead))
+        await asyncio.sleep(0.01)
+        assert not reading.done()  # waits for events not sent yet
+        run.end(Outcome(ResponseStatus.CANCELLED))
+        return [e["type"] for e in await reading]
+
+    assert asyncio.run(scenario()) == ["response.cancelled"]

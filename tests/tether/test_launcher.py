@@ -68,6 +68,19 @@ def test_serve_restarts_a_killed_daemon_and_stops_cleanly(serve: Serve) -> None:
     _assert_fifos_unused(serve.run_dir)
 
 
+def test_serve_restarts_a_daemon_that_stops_on_its_own(serve: Serve) -> None:
+    """SIGTERM to the daemon alone: it drains and exits 0, but nobody asked the launcher to
+    stop, so the daemon comes back and the proxy answers again."""
+    serve.wait_ready()
+    wait_for(lambda: serve.health() == 200, 30.0, "/health 200")
+    first = serve.children()["daemon"]
+    first.send_signal(signal.SIGTERM)
+    wait_for(lambda: serve.children().get("daemon", first).pid != first.pid, DRAIN_S + 30,
+             lambda: f"a new daemon process\n{serve.log()[-3000:]}")
+    wait_for(lambda: serve.health() == 200, READY_TIMEOUT_S, "/health 200 after the restart")
+    assert "daemon exited with status 0; restarting" in serve.log(), serve.log()[-3000:]
+
+
 def test_children_do_not_outlive_a_killed_launcher(serve: Serve) -> None:
     serve.wait_ready()
     children = list(serve.children().values())

@@ -209,6 +209,20 @@ def test_delete(store: ResponseStore) -> None:
     assert store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False).status == 404
 
 
+def test_delete_cancels_a_live_background_response_first(open_store: Open) -> None:
+    owner, other = open_store("owner"), open_store("other")
+    owner.watcher().renew()
+    owner.begin(submit("resp_mine", background=True))
+    reply = owner.handle_op(op(ResponseOpKind.DELETE, "resp_mine"), running=True)
+    assert reply.status == 200 and reply.deleted
+    assert get(owner, "resp_mine")[0] == 404 and owner.num_placeholders() == 0
+    # Deleted through another replica: its owner is asked to stop it, as for a cancel.
+    owner.begin(submit("resp_there", background=True))
+    assert other.handle_op(op(ResponseOpKind.DELETE, "resp_there"), running=False).status == 200
+    assert get(owner, "resp_there")[0] == 404
+    assert owner.watcher().poll_cancels() == 1 and owner.take_cancels() == ["resp_there"]
+
+
 def test_chained_history_of_three_turns(store: ResponseStore) -> None:
     store.begin(submit("resp_1", "one", instructions="first rules"))
     store.complete("resp_1", "ONE", Usage(1, 1))
@@ -332,6 +346,41 @@ def test_prune_by_age(store: ResponseStore, clock: Clock) -> None:
     assert get(store, "resp_old_live")[0] == 200
 
 
+def _sizes(store: ResponseStore) -> dict[str, int]:
+    return {r["id"]: r["size"] for r in store.db.execute("SELECT id, size FROM responses").rows}
+
+
+def test_a_rows_size_is_the_bytes_of_what_it_stores(store: ResponseStore) -> None:
+    store.begin(submit("resp_1", "héllo", instructions="be brief"))
+    begun = _sizes(store)["resp_1"]
+    store.complete("resp_1", "wörld", Usage(2, 1), incomplete_reason="max_output_tokens")
+    octets = "length(CAST({} AS BLOB))" if store.db.dialect == "sqlite" else "octet_length({})"
+    total = " + ".join(f"coalesce({octets.format(c)}, 0)" for c in (
+        "input_items", "messages", "instructions", "output_text", "error", "usage",
+        "incomplete_reason"))
+    measured = store.db.execute(f"SELECT {total} AS n FROM responses WHERE id = 'resp_1'").one()
+    assert _sizes(store)["resp_1"] == measured["n"] > begun > len("héllo")
+
+
+def test_prune_by_bytes_drops_the_oldest_finished(open_store: Open, clock: Clock) -> None:
+    probe = open_store(replica_id="probe")
+    probe.begin(submit("resp_probe", "x" * 100))
+    probe.complete("resp_probe", "y" * 100, Usage(1, 1))
+    row = _sizes(probe)["resp_probe"]
+    probe.db.execute("DELETE FROM responses")
+    # Room for the placeholder and two finished rows of the same size.
+    store = open_store(max_bytes=3 * row + row // 2)
+    store.begin(submit("resp_live", "x" * 100))
+    for i in range(4):
+        store.begin(submit(f"resp_{i}", "x" * 100))
+        store.complete(f"resp_{i}", "y" * 100, Usage(1, 1))
+        clock.now += 1
+    assert store.prune() == 2
+    assert [get(store, f"resp_{i}")[0] for i in range(4)] == [404, 404, 200, 200]
+    assert get(store, "resp_live")[0] == 200  # the unfinished count, and stay
+    assert store.prune() == 0
+
+
 def test_housekeeping_prunes(open_store: Open) -> None:
     store = open_store(max_count=10)
     for i in range(30):
@@ -370,6 +419,8 @@ def test_upgrades_a_version_1_file(tmp_path: Path) -> None:
     store = ResponseStore(path, 100, 3600.0, replica_id="host:8000")
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert store.history("resp_old") == [Message("user", "hi"), Message("assistant", "HI")]
+    # Rows from before sizes are measured on the way (free text quoted by version 2).
+    assert _sizes(store)["resp_old"] == len('[]' '[{"role":"user","content":"hi"}]' '"HI"')
     assert store.cleanup_crashed() == 1  # a row from before owners belongs to whoever opens it
     assert get(store, "resp_bg")[1]["status"] == "failed"  # type: ignore[index]
     store.close()
