@@ -13,6 +13,13 @@ class ProxyOptions:
     port: int
     keep_alive_timeout_s: int
     drain_timeout_s: float
+    # What one connection may hold of it (proxy/http_protocol.py): the server's share of
+    # connections, a request head's bytes and time, a body's time and rate.
+    max_connections: int
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    body_min_rate: int
     # The app: who may call it, what it accepts, the name it answers to before the daemon says.
     api_keys: tuple[str, ...]
     max_body_bytes: int

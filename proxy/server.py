@@ -23,6 +23,7 @@ from starlette.applications import Starlette
 from ipc.records import AbortCause
 from proxy.app import create_app
 from proxy.engine_client import EngineClient
+from proxy.http_protocol import protocol_class
 from proxy.options import ProxyOptions
 from proxy.responses import release_background
 
@@ -110,7 +111,9 @@ class ProxyServer(uvicorn.Server):
 def build_server(options: ProxyOptions, notify: Notify | None = None) -> ProxyServer:
     app = create_app(options)
     config = uvicorn.Config(
-        app, host=options.host, port=options.port, loop="auto", http="auto",
+        app, host=options.host, port=options.port, loop="auto",
+        # httptools, with the limits on connections, request heads and bodies it lacks.
+        http=protocol_class(options),
         lifespan="on", log_config=None, access_log=False,
         # Nothing reads the client's address (no access log): rewriting it from X-Forwarded-*
         # headers would be a middleware layer on every request for nothing.

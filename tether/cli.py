@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import resource
 import sys
 from collections.abc import Callable, Sequence
 
 from tether import logs, options, sdnotify, settings
 from tether.settings import Settings
+
+log = logging.getLogger("tether.cli")
 
 COMMANDS: dict[str, str] = {
     "serve": "run the daemon and the proxy together, restarting either if it crashes",
@@ -107,6 +111,21 @@ def _parse(parser: argparse.ArgumentParser,
     return args, resolved
 
 
+def raise_open_files_limit() -> None:
+    """The soft open-files limit up to the hard one. systemd starts a service at 1024 (hard:
+    524288), fewer than the proxy's connections need; the units set LimitNOFILE= as well, and
+    the proxy caps its connections under whatever limit it ends up with."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard or hard == resource.RLIM_INFINITY:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+        return
+    log.info("open-files limit raised from %d to %d (the hard limit)", soft, hard)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -114,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help (0) or a bad flag (2)
         return exc.code if isinstance(exc.code, int) else 2
     logs.setup(resolved, args.command)
+    raise_open_files_limit()
     code = _RUNNERS[args.command](resolved, args)
     return 0 if code is None else code
 

@@ -48,7 +48,9 @@ def proxy_options(s: Settings) -> ProxyOptions:
 
     return ProxyOptions(
         host=s.host, port=s.port, keep_alive_timeout_s=s.keep_alive_timeout_s,
-        drain_timeout_s=s.drain_timeout_s, api_keys=tuple(s.api_key),
+        drain_timeout_s=s.drain_timeout_s, max_connections=s.max_connections,
+        max_header_bytes=s.max_header_bytes, header_timeout_s=s.header_timeout_s,
+        body_timeout_s=s.body_timeout_s, body_min_rate=s.body_min_rate, api_keys=tuple(s.api_key),
         max_body_bytes=s.max_body_bytes, model=s.model, runtime_dir=s.runtime_dir,
         max_waiting=s.max_waiting, request_timeout_s=s.request_timeout_s,
         stall_timeout_s=s.stall_timeout_s, max_buffered_tokens=s.max_buffered_tokens,

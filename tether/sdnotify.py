@@ -14,6 +14,7 @@ import os
 import secrets
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,6 +59,47 @@ class _Drops:
 dropped = _Drops()
 
 
+class _Channel:
+    """The one socket a process notifies through, opened on first use and kept: a process out
+    of descriptors (EMFILE) must still reach its watchdog. Opened again when a send fails (the
+    supervisor's socket was bound anew) or NOTIFY_SOCKET names another socket."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # notify() may be called from any thread
+        self._sock: socket.socket | None = None
+        self._name = ""
+
+    def send(self, name: str, data: bytes) -> None:
+        with self._lock:
+            if self._sock is not None and self._name == name:
+                try:
+                    self._sock.send(data)
+                    return
+                except BlockingIOError:
+                    raise  # the supervisor's queue is full: the socket is fine
+                except OSError:
+                    pass
+            self._open(name)
+            assert self._sock is not None
+            self._sock.send(data)
+
+    def _open(self, name: str) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        sock = socket.socket(socket.AF_UNIX,
+                             socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            sock.connect(socket_address(name))
+        except OSError:
+            sock.close()
+            raise
+        self._sock, self._name = sock, name
+
+
+_channel = _Channel()
+
+
 def notify(message: str) -> bool:
     """Send one notification; False when there is no supervisor to tell, it cannot be reached,
     or its queue is full. Never blocks: the daemon's tick loop and the proxy's event loop call it,
@@ -67,10 +109,7 @@ def notify(message: str) -> bool:
         # Unset, or a vsock address (systemd in a VM): nothing this module speaks.
         return False
     try:
-        with socket.socket(socket.AF_UNIX,
-                           socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
-            sock.connect(socket_address(name))
-            sock.send(message.encode())
+        _channel.send(name, message.encode())
     except BlockingIOError:
         dropped.add(name, message)
         return False

@@ -53,6 +53,11 @@ class Settings:
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
     keep_alive_timeout_s: int = 75
+    max_connections: int = 16384
+    max_header_bytes: int = 64 * 1024
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    body_min_rate: int = 16 * 1024
     response_store_max: int = 10000
     response_store_max_age_s: float = 7 * 24 * 3600.0
     response_store_max_bytes: int = 1 << 30
@@ -106,6 +111,15 @@ _HELP: dict[str, str] = {
     "max_body_bytes": "largest accepted HTTP request body (413 above)",
     "keep_alive_timeout_s": "idle keep-alive connections are closed after this (announced in a "
     "Keep-Alive header); keep it above your clients' and load balancer's own idle timeouts",
+    "max_connections": "most open HTTP connections (idle keep-alive ones included); a newcomer "
+    "past it gets 503 with Connection: close, the open ones go on. Held under the open-files "
+    "limit, which the processes raise to its hard limit at start",
+    "max_header_bytes": "largest request head (request line and headers); 431 above",
+    "header_timeout_s": "a new connection, and each request from its first byte, must send its "
+    "whole head within this many seconds, or the connection is closed",
+    "body_timeout_s": "a request body must arrive within this many seconds of its head, plus "
+    "one second per --body-min-rate bytes received, or the connection is closed",
+    "body_min_rate": "bytes per second a request body must keep up (see --body-timeout-s)",
     "response_store_max": "most stored responses kept (oldest pruned)",
     "response_store_max_age_s": "stored responses older than this are pruned",
     "response_store_max_bytes": "most bytes of text (inputs, conversations, outputs) the stored "
@@ -201,7 +215,8 @@ def _check(s: Settings) -> None:
     positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
                 "max_body_bytes", "response_store_max", "response_store_max_bytes",
                 "background_history_bytes", "keep_alive_timeout_s",
-                "max_buffered_tokens", "tensor_parallel_size", "stream_merge_tokens")
+                "max_buffered_tokens", "tensor_parallel_size", "stream_merge_tokens",
+                "max_connections", "max_header_bytes", "body_min_rate")
     for name in positive:
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
@@ -219,7 +234,7 @@ def _check(s: Settings) -> None:
     if s.gpu_memory_utilization and s.kv_cache_mib:
         raise ValueError("--gpu-memory-utilization and --kv-cache-mib both size the KV cache: "
                          "give one of them")
-    for name in ("request_timeout_s", "stall_timeout_s"):
+    for name in ("request_timeout_s", "stall_timeout_s", "header_timeout_s", "body_timeout_s"):
         if not getattr(s, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(s, name)}")
     if s.threads < 0:

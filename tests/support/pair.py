@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,9 @@ class Server:
     port: int
     extra: list[str] = field(default_factory=list)
     api_key: str | None = None
+    # Run in each child before it starts (resource limits); added to each child's environment.
+    preexec: Callable[[], None] | None = None
+    environ: dict[str, str] = field(default_factory=dict)
     daemon: subprocess.Popen[bytes] | None = None
     proxy: subprocess.Popen[bytes] | None = None
 
@@ -69,8 +73,9 @@ class Server:
         log = open(self.tmp / f"{what}.log", "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("NOTIFY_SOCKET", None)
+        env.update(self.environ)
         return subprocess.Popen(self._cmd(what, protocol_version), stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
+                                stderr=subprocess.STDOUT, env=env, preexec_fn=self.preexec)
 
     def start_daemon(self, protocol_version: int | None = None) -> None:
         self.daemon = self._spawn("daemon", protocol_version)
@@ -209,9 +214,10 @@ def wait_aborts(server: Server, cause: str, count: float, timeout: float = 30.0)
     return seen
 
 
-def start_server(tmp: Path, extra: list[str] | None = None,
-                 api_key: str | None = None) -> Server:
-    server = Server(tmp, free_port(), extra or [], api_key)
+def start_server(tmp: Path, extra: list[str] | None = None, api_key: str | None = None,
+                 preexec: Callable[[], None] | None = None,
+                 environ: dict[str, str] | None = None) -> Server:
+    server = Server(tmp, free_port(), extra or [], api_key, preexec, environ or {})
     server.start_daemon()
     server.start_proxy()
     try:

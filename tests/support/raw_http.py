@@ -109,3 +109,24 @@ def collect_events(base_url: str, method: str, path: str, events: list[dict[str,
                         events.append(event)
     except httpx.TransportError as exc:  # the server went away mid-stream: no terminal event
         events.append({"type": "(connection lost)", "error": str(exc)})
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection. A reset ends it too: a server that
+    closes with some of the client's bytes unread resets the connection."""
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def closing_error(answer: bytes, status: int) -> dict[str, Any]:
+    """The OpenAI error object of an answer with `status` that closes the connection."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()), answer[:300]
+    assert b"connection: close" in head.lower()
+    error: dict[str, Any] = orjson.loads(body)["error"]
+    return error

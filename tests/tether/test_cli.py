@@ -150,3 +150,22 @@ def test_daemon_with_a_model_that_does_not_split_exits_1_naming_the_field(tmp_pa
     assert proc.returncode == 1
     assert "num_attention_heads (9) is not divisible by --tensor-parallel-size 2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_one() -> None:
+    """systemd starts a service at a soft limit of 1024 under a higher hard one; each command
+    starts by raising it (tests/e2e/test_connection_limits.py sees the proxy's), and says so."""
+    code = ("import logging, resource, sys\n"
+            "_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+            "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            "from tether import cli\n"
+            "cli.raise_open_files_limit()\n"
+            "print('limits', *resource.getrlimit(resource.RLIMIT_NOFILE))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=child_env())
+    assert proc.returncode == 0, proc.stderr
+    soft, hard = map(int, proc.stdout.split("limits ")[1].split())
+    assert soft == hard
+    if hard > 256:
+        assert f"open-files limit raised from 256 to {hard}" in proc.stdout

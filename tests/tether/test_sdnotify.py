@@ -115,3 +115,48 @@ def test_notify_never_blocks_on_a_full_queue(
         assert [n.fields for n in listener.receive()] == [{"READY": "1"}]
     finally:
         listener.close()
+
+
+def test_notify_keeps_one_socket_and_so_works_out_of_descriptors(tmp_path: Path) -> None:
+    """A process with every descriptor in use (EMFILE) still pings: the socket it notifies
+    through was opened once, at its first notification, and is used for every one after."""
+    listener = NotifyListener(tmp_path / "notify")
+    code = (
+        "import os, resource\n"
+        "from tether.sdnotify import notify\n"
+        "assert notify('READY=1')\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "held = []\n"
+        "try:\n"
+        "    while True:\n"
+        "        held.append(os.open('/dev/null', os.O_RDONLY))\n"
+        "except OSError:\n"
+        "    pass\n"
+        "assert all(notify(f'WATCHDOG=1\\nSTATUS=ping {i}') for i in range(5))\n"
+    )
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=child_env(NOTIFY_SOCKET=listener.name),
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        notes = listener.receive()
+        assert [n.fields.get("STATUS") for n in notes] == [None] + [f"ping {i}" for i in range(5)]
+    finally:
+        listener.close()
+
+
+def test_notify_reconnects_when_the_supervisor_binds_its_socket_anew(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "notify"
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    with _receiver(str(path)) as sock:
+        assert notify("READY=1") is True
+        assert sock.recv(4096) == b"READY=1"
+    path.unlink()
+    with _receiver(str(path)) as sock:  # the supervisor restarted: same name, a new socket
+        assert notify("WATCHDOG=1") is True
+        assert sock.recv(4096) == b"WATCHDOG=1"
+    other = tmp_path / "other"
+    monkeypatch.setenv("NOTIFY_SOCKET", str(other))
+    with _receiver(str(other)) as sock:
+        assert notify("STATUS=moved") is True
+        assert sock.recv(4096) == b"STATUS=moved"

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from proxy.http_protocol import FD_RESERVE
 from tests.support.systemd import (
     INSTALLED_TETHER,
     UNITS,
@@ -96,6 +97,14 @@ def test_units_agree_with_each_other_and_with_the_launcher() -> None:
     assert (unit_environment(DAEMON)["TETHER_RUNTIME_DIR"]
             == "/run/" + daemon["RuntimeDirectory"][0])
     assert unit_environment(PROXY) == unit_environment(DAEMON)
+
+
+def test_units_give_each_process_descriptors_for_every_connection() -> None:
+    """Without LimitNOFILE= a service starts at 1024 descriptors: fewer than the proxy's
+    default connection cap, which it would then lower to fit."""
+    for unit in (DAEMON, PROXY):
+        limit = int(unit_settings(unit)["LimitNOFILE"][0])
+        assert limit >= Settings().max_connections + FD_RESERVE, unit.name
 
 
 def test_example_environment_file_mentions_every_variable() -> None:
