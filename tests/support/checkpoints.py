@@ -65,3 +65,59 @@ def save_llama(path: Path, rope: str = "none", tie: bool = False,
     model.save_pretrained(path, **kwargs)
     write_tokenizer(path)
     return model
+
+
+WINDOW = 16  # sliding-window layers' window: the tests' prompts and generations run past it
+LONGROPE_AFTER = 96  # Phi-3's original_max_position_embeddings
+# A tiny config of each family as transformers' config class takes it: every feature the
+# family differs from Llama by is on (2 layers, hidden 64, 4 heads of 16, 2 KV heads).
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3", {"use_sliding_window": True, "sliding_window": WINDOW,
+                        "max_window_layers": 1, "attention_bias": True}),
+    "gemma3": ("Gemma3", {"sliding_window": WINDOW, "sliding_window_pattern": 2,
+                              "query_pre_attn_scalar": 24, "rope_local_base_freq": 500.0,
+                              "rope_theta": 10000.0, "final_logit_softcapping": 3.0,
+                              "tie_word_embeddings": True}),
+    # Prompts and generations stay under original_max_position_embeddings, which transformers'
+    # generate handles by recomputing the whole sequence once crossed (test_families.py).
+    "phi3": ("Phi3", {"sliding_window": WINDOW, "max_position_embeddings": 512,
+                      "original_max_position_embeddings": LONGROPE_AFTER,
+                      "rope_scaling": {"rope_type": "longrope",
+                                       "short_factor": [1.0 + i / 8 for i in range(8)],
+                                       "long_factor": [2.0 + i for i in range(8)]}}),
+    "smollm3": ("SmolLM3", {"no_rope_layer_interval": 2, "use_sliding_window": True,
+                            "sliding_window": WINDOW, "tie_word_embeddings": False}),
+    "granite": ("Granite", {"embedding_multiplier": 4.0, "residual_multiplier": 0.5,
+                            "attention_multiplier": 0.3, "logits_scaling": 2.5,
+                            "attention_bias": True}),
+    "mistral": ("Mistral", {"sliding_window": WINDOW}),
+    "qwen2-yarn": ("Qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 64},
+                             "max_position_embeddings": 64}),
+}
+
+
+def save_family(path: Path, family: str, tie: bool | None = None) -> torch.nn.Module:
+    """A random checkpoint of `family` (FAMILIES) with the test tokenizer; the model back."""
+    import transformers
+
+    prefix, extra = FAMILIES[family]
+    config_class = getattr(transformers, "Gemma3TextConfig" if prefix == "Gemma3"
+                           else f"{prefix}Config")
+    model_class = getattr(transformers, f"{prefix}ForCausalLM")
+    kwargs: dict[str, Any] = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1,
+        "pad_token_id": 1, "initializer_range": 0.2, **extra}
+    if tie is not None:
+        kwargs["tie_word_embeddings"] = tie
+    torch.manual_seed(0)
+    model = model_class(config_class(**kwargs)).eval()
+    with torch.no_grad():  # non-trivial norms and biases: a misplaced one moves the logits
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                param.normal_(0.0, 0.3).add_(0 if name.endswith("bias") else 0.5)
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return model
