@@ -7,7 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 VOCAB = 300
 ROPE_VARIANTS: dict[str, dict[str, object] | None] = {
@@ -32,6 +41,37 @@ def build_hf_tokenizer() -> Tokenizer:
     tok.train_from_iterator(CORPUS * 10, trainer)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+
+
+def build_gemma_tokenizer() -> Tokenizer:
+    """Gemma's kind of tokenizer (no package ships one): SentencePiece-style BPE over "▁" for
+    spaces, no prefix space, the 256 byte pieces <0x00>..<0xFF> as fallback for what the
+    vocabulary lacks, Gemma's special tokens at its ids 0-3 and its turn markers."""
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizers.Replace(" ", "▁")
+    # Gemma's 262k pieces spell common punctuation whole; byte pieces stay for the rest.
+    corpus = [*CORPUS, "Tokyo 東京 — naïve, em dashes — and 🙂"] * 10
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=VOCAB,
+                                                            show_progress=False))
+    learnt = json.loads(trained.to_str())["model"]
+    pieces = [*GEMMA_SPECIALS, *(f"<0x{b:02X}>" for b in range(256))]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    for piece in sorted(learnt["vocab"], key=learnt["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learnt["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>",
+                               fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                            for s in GEMMA_SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
     return tok
 
 
