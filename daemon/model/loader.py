@@ -7,6 +7,7 @@ download, identical on every machine, varied (if meaningless) output.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -178,9 +179,9 @@ def weight_files(path: Path) -> dict[str, Path]:
         raise ModelLoadError(f"{single}: cannot be read: {e}") from e
 
 
-def _sources(config: ModelConfig, files: dict[str, Path]) -> dict[str, list[str]]:
+def _sources(config: ModelConfig, files: Collection[str] = ()) -> dict[str, list[str]]:
     """Our parameter name -> the HF tensors concatenated (dim 0) into it: one name where the
-    checkpoint already holds them fused (Phi-3's qkv_proj and gate_up_proj)."""
+    checkpoint's tensor names (`files`) hold them fused (Phi-3's qkv_proj and gate_up_proj)."""
     out = {"embed_tokens.weight": ["model.embed_tokens.weight"],
            "norm.weight": ["model.norm.weight"]}
     if not config.tie_word_embeddings:
