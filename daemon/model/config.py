@@ -233,7 +233,7 @@ def _family_maths(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         return {"qk_norm": True, "norm_unit_offset": True, "sandwich_norms": True,
                 "scale_embeddings": True,
                 "attention_scale": float(raw["query_pre_attn_scalar"]) ** -0.5,
-                "final_logit_softcapping": raw.get("final_logit_softcapping")}
+                "final_logit_softcapping": _number(raw.get("final_logit_softcapping"))}
     if arch == "GraniteForCausalLM":
         return {"embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
                 "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
@@ -316,6 +316,10 @@ def _check_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> None:
             if not isinstance(factors, list) or len(factors) != head_dim // 2:
                 raise ConfigError(f"rope_scaling.{key} must list head_dim / 2 = "
                                   f"{head_dim // 2} numbers for rope type 'longrope'")
+
+
+def _number(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _id_list(value: int | list[int] | None) -> list[int]:
