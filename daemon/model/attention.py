@@ -42,8 +42,9 @@ class AttentionMetadata:
     decode_block_tables: Tensor | None  # long [D, max_blocks], padded with any valid id
     decode_context_lens: Tensor | None  # long [D]: cached tokens each decode row attends to
     prefills: list[PrefillSpan]
-    # The reference decode's mask, [D, 1, 1, max_blocks * block_size], made on first use.
-    decode_mask: Tensor | None = None
+    # The reference decode's masks by window (None: full), [D, 1, 1, max_blocks * block_size],
+    # each made on first use.
+    decode_masks: dict[int | None, Tensor] = dataclasses.field(default_factory=dict)
 
 
 def cache_rows(slots: Tensor, num_kv_heads: int, block_size: int) -> Tensor:
@@ -55,7 +56,14 @@ def cache_rows(slots: Tensor, num_kv_heads: int, block_size: int) -> Tensor:
 
 
 class PagedAttention(nn.Module):
-    """q [T, H, d], k/v [T, KVH, d] -> [T, H, d]; writes k/v into the cache first."""
+    """q [T, H, d], k/v [T, KVH, d] -> [T, H, d]; writes k/v into the cache first.
+
+    scale: of the scores, None = 1 / sqrt(d); window: each query sees only the last `window`
+    keys, itself included (None: the whole context)."""
+
+    def __init__(self, scale: float | None = None, window: int | None = None) -> None:
+        super().__init__()
+        self.scale, self.window = scale, window
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata) -> Tensor:
@@ -80,7 +88,7 @@ class PagedAttention(nn.Module):
             out[:num_decode] = self.decode(q[:num_decode], k_cache, v_cache, meta)
         for span in meta.prefills:
             out[span.rows] = prefill_attention(q[span.rows], k[span.rows], v[span.rows],
-                                               k_cache, v_cache, span)
+                                               k_cache, v_cache, span, self.scale, self.window)
         return out
 
     def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -88,22 +96,30 @@ class PagedAttention(nn.Module):
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads, block_size = k_cache.shape[1:3]
-        if meta.decode_mask is None:
+        mask = meta.decode_masks.get(self.window)
+        if mask is None:
             keys = torch.arange(meta.decode_block_tables.shape[1] * block_size, device=q.device)
-            visible = keys[None, :] < meta.decode_context_lens[:, None]
-            meta.decode_mask = visible[:, None, None, :]
+            lens = meta.decode_context_lens[:, None]
+            visible = keys[None, :] < lens
+            if self.window is not None:
+                visible &= keys[None, :] >= lens - self.window
+            mask = meta.decode_masks[self.window] = visible[:, None, None, :]
         # [D, blocks, KVH, block_size, d] -> [D, KVH, L, d]
         keys = k_cache[meta.decode_block_tables].transpose(1, 2).flatten(2, 3).to(q.dtype)
         values = v_cache[meta.decode_block_tables].transpose(1, 2).flatten(2, 3).to(q.dtype)
         # One query per sequence, so the query heads sharing a KV head can stand in as that
         # head's query rows: GQA without repeating K/V.
         grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask,
+                                             scale=self.scale)
         return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                      span: PrefillSpan) -> Tensor:
+                      span: PrefillSpan, scale: float | None = None,
+                      window: int | None = None) -> Tensor:
+    if window is not None and span.context_len > window:
+        return _sliding_prefill(q, k_cache, v_cache, span, scale, window)
     if span.mask is None:
         keys, values = k, v
     else:
@@ -114,5 +130,24 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
     # 4-D inputs: CPU SDPA only takes its fused (flash) kernel for batched 4-D tensors.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
+        attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _sliding_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, span: PrefillSpan,
+                     scale: float | None, window: int) -> Tensor:
+    """The chunk's queries over the cached keys from the first one its first query sees."""
+    n, end, block_size = q.shape[0], span.context_len, k_cache.shape[2]
+    lo = max(0, end - n - window + 1)
+    skip = lo // block_size  # whole blocks no query of the chunk sees
+    seen = slice(lo - skip * block_size, end - skip * block_size)
+    # [blocks, KVH, block_size, d] -> [L, KVH, d]
+    keys = k_cache[span.block_ids[skip:]].transpose(1, 2).flatten(0, 1)[seen]
+    values = v_cache[span.block_ids[skip:]].transpose(1, 2).flatten(0, 1)[seen]
+    query_pos = torch.arange(end - n, end, device=q.device)[:, None]
+    key_pos = torch.arange(lo, end, device=q.device)[None, :]
+    mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.to(q.dtype).transpose(0, 1)[None],
+        values.to(q.dtype).transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -1,4 +1,7 @@
-"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a flattened batch of tokens.
+"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a flattened batch of tokens, with
+the variants of the families config.py reads: per-head q/k norms (Qwen3, Gemma 3), Gemma's
+(1 + w) and sandwich norms, GELU-tanh and scaled embeddings, sliding-window layers with their
+own RoPE, layers without RoPE (SmolLM3), Granite's multipliers. Each is off for Llama.
 
 The model knows nothing about sequences. It sees tokens [T], their positions [T] and an
 `AttentionMetadata` saying where each token's K/V goes in the paged cache and which cached
@@ -13,7 +16,9 @@ forward signatures (daemon/model/kernels/).
 
 from __future__ import annotations
 
-import math
+import functools
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -31,31 +36,7 @@ from daemon.model.parallel.layers import (
     head_parts,
     local_kv_heads,
 )
-
-
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    return _llama3_inv_freq(inv_freq, scaling)
-
-
-def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, float]) -> Tensor:
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
-    # in between blends the two so the spectrum stays smooth.
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(in_band, blended, scaled)
+from daemon.model.rope import Rotary
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -64,23 +45,40 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+    """unit_offset: Gemma's norm, which scales by (1 + weight) in float32 before the cast back
+    (Llama's casts first, then scales by the weight)."""
+
+    def __init__(self, dim: int, eps: float, device: torch.device, dtype: torch.dtype,
+                 unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in float32 whatever the weight dtype, like the reference implementation.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
+
+    def scale(self) -> Tensor:
+        """What the normalised values are multiplied by, float32 (for the kernels)."""
+        weight = self.weight.detach().float()
+        return (1.0 + weight if self.unit_offset else weight).contiguous()
 
 
 class Attention(nn.Module):
-    """This rank's query heads and the KV heads they read (all of them with one rank)."""
+    """This rank's query heads and the KV heads they read (all of them with one rank) in
+    layer `layer`: its window, whether it applies RoPE, and Qwen3's and Gemma 3's per-head
+    query and key norms (whole on every rank)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, layer: int, device: torch.device, dtype: torch.dtype,
                  group: TPGroup) -> None:
         super().__init__()
         q, kv = head_parts(cfg, group)
@@ -90,13 +88,26 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (q, kv, kv), cfg.qkv_bias,
                                              device, dtype)
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, cfg.o_bias, device, dtype, group)
-        self.paged = PagedAttention()
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype,
+                                  cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype,
+                                  cfg.norm_unit_offset)
+        self.rope = cfg.rope_layers[layer]
+        self.paged = PagedAttention(cfg.attention_scale, cfg.window(layer))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata) -> Tensor:
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(x.shape[0], qk_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qkv[:, :qk_heads], cos, sin)
+        qk = qkv[:, :qk_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads :])), dim=1)
+        if self.rope:
+            qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.paged(q, k, qkv[:, qk_heads:], kv_cache, meta)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
@@ -110,25 +121,44 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, (part, part), False,
                                                  device, dtype)
         self.down_proj = RowParallelLinear(part, cfg.hidden_size, False, device, dtype, group)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+    """post_attention_norm is the norm before the MLP. With sandwich norms (Gemma 3) the
+    attention and MLP outputs are normed too before they join the residual stream; Granite
+    scales them by residual_multiplier."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, device: torch.device, dtype: torch.dtype,
                  group: TPGroup) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.attn = Attention(cfg, device, dtype, group)
-        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, cfg.norm_unit_offset)
+
+        self.input_norm = norm()
+        self.attn = Attention(cfg, layer, device, dtype, group)
+        self.post_attention_norm = norm()
         self.mlp = MLP(cfg, device, dtype, group)
+        self.attn_out_norm = norm() if cfg.sandwich_norms else None
+        self.mlp_out_norm = norm() if cfg.sandwich_norms else None
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata) -> Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_norm(x))
+        x = x + self._branch(self.attn(self.input_norm(x), cos, sin, kv_cache, meta),
+                             self.attn_out_norm)
+        return x + self._branch(self.mlp(self.post_attention_norm(x)), self.mlp_out_norm)
+
+    def _branch(self, out: Tensor, norm: RMSNorm | None) -> Tensor:
+        """What a branch adds to the residual stream."""
+        if norm is not None:
+            out = norm(out)
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 class DecoderLM(nn.Module):
@@ -140,8 +170,6 @@ class DecoderLM(nn.Module):
     (daemon/model/parallel/layers.py) and the KV heads its query heads read (`num_kv_heads`).
     """
 
-    inv_freq: Tensor
-
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                  vocab_limit: int | None = None, group: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -150,27 +178,48 @@ class DecoderLM(nn.Module):
         self.vocab_limit = vocab_limit
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device,
                                                    dtype, group)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype, group)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, device, dtype, group)
+                                    for i in range(cfg.num_layers))
         self.num_kv_heads = local_kv_heads(cfg, group)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype,
+                            cfg.norm_unit_offset)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, device, dtype,
                                             group))
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        # One table per distinct RoPE (Gemma 3: its global and its sliding layers').
+        ropes = [cfg.rope_of(i) for i in range(cfg.num_layers)]
+        distinct = [r for i, r in enumerate(ropes) if r not in ropes[:i]]
+        self.rotaries = nn.ModuleList(Rotary(cfg.head_dim, theta, scaling, device)
+                                      for theta, scaling in distinct)
+        self.rotary_of = [distinct.index(r) for r in ropes]
+        self.embed_scale = cfg.embedding_multiplier
+        if cfg.scale_embeddings:  # rounded to the weights' dtype, as transformers does
+            self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype).item()
+
+    @property
+    def inv_freq(self) -> Tensor:
+        """The first layer's RoPE frequencies (their device is the model's)."""
+        return cast(Rotary, self.rotaries[0]).inv_freq
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 kv_caches: list[Tensor]) -> Tensor:
         """Hidden states [T, hidden] before the final norm; see `compute_logits`."""
         x = self.embed_tokens(input_ids)
-        freqs = positions.float()[:, None, None] * self.inv_freq
-        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        tables = [rotary(positions, meta, x.dtype) for rotary in self.rotaries]
+        for layer, kv_cache, i in zip(self.layers, kv_caches, self.rotary_of, strict=True):
+            x = layer(x, *tables[i], kv_cache, meta)
         return x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """float32 logits for the rows given (only the rows that are sampled), gathered on
         rank 0."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(self.norm(hidden), self.vocab_limit)
+        logits = head.logits(self.norm(hidden), self.vocab_limit)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # ids masked to -inf stay there
+            logits = torch.where(logits.isneginf(), logits, torch.tanh(logits / cap) * cap)
+        return logits

@@ -7,6 +7,7 @@ download, identical on every machine, varied (if meaningless) output.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -178,33 +179,49 @@ def weight_files(path: Path) -> dict[str, Path]:
         raise ModelLoadError(f"{single}: cannot be read: {e}") from e
 
 
-def _sources(config: ModelConfig) -> dict[str, list[str]]:
-    """Our parameter name -> the HF tensors concatenated (dim 0) into it."""
+def _sources(config: ModelConfig, files: Collection[str] = ()) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensors concatenated (dim 0) into it: one name where the
+    checkpoint's tensor names (`files`) hold them fused (Phi-3's qkv_proj and gate_up_proj)."""
     out = {"embed_tokens.weight": ["model.embed_tokens.weight"],
            "norm.weight": ["model.norm.weight"]}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = ["lm_head.weight"]
+
+    def fused(name: str, parts: list[str], suffix: str) -> list[str]:
+        return [name + suffix] if name + suffix in files else [p + suffix for p in parts]
+
+    # Our norms by role -> HF's. Gemma 3's post_attention_layernorm norms the attention's
+    # output; its pre_feedforward_layernorm is the one before the MLP.
+    norms = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+    if config.sandwich_norms:
+        norms = {"input_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+                 "post_attention_norm": "pre_feedforward_layernorm",
+                 "mlp_out_norm": "post_feedforward_layernorm"}
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         attn = hf + "self_attn."
-        out[ours + "attn.qkv_proj.weight"] = [f"{attn}{p}_proj.weight" for p in "qkv"]
+        qkv = [f"{attn}{p}_proj" for p in "qkv"]
+        out[ours + "attn.qkv_proj.weight"] = fused(attn + "qkv_proj", qkv, ".weight")
         if config.qkv_bias:
-            out[ours + "attn.qkv_proj.bias"] = [f"{attn}{p}_proj.bias" for p in "qkv"]
+            out[ours + "attn.qkv_proj.bias"] = fused(attn + "qkv_proj", qkv, ".bias")
         out[ours + "attn.o_proj.weight"] = [attn + "o_proj.weight"]
         if config.o_bias:
             out[ours + "attn.o_proj.bias"] = [attn + "o_proj.bias"]
-        out[ours + "mlp.gate_up_proj.weight"] = [hf + "mlp.gate_proj.weight",
-                                                 hf + "mlp.up_proj.weight"]
+        if config.qk_norm:
+            out[ours + "attn.q_norm.weight"] = [attn + "q_norm.weight"]
+            out[ours + "attn.k_norm.weight"] = [attn + "k_norm.weight"]
+        gate_up = [hf + "mlp.gate_proj", hf + "mlp.up_proj"]
+        out[ours + "mlp.gate_up_proj.weight"] = fused(hf + "mlp.gate_up_proj", gate_up, ".weight")
         out[ours + "mlp.down_proj.weight"] = [hf + "mlp.down_proj.weight"]
-        out[ours + "input_norm.weight"] = [hf + "input_layernorm.weight"]
-        out[ours + "post_attention_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+        for mine, theirs in norms.items():
+            out[f"{ours}{mine}.weight"] = [f"{hf}{theirs}.weight"]
     return out
 
 
 @torch.no_grad()
 def load_weights_(model: DecoderLM, path: Path) -> None:
     files = weight_files(path)
-    sources = _sources(model.config)
+    sources = _sources(model.config, files)
     needed = {name for names in sources.values() for name in names}
     unused = [n for n in files if n not in needed and not _ignorable(n, model.config)]
     if unused:
@@ -241,7 +258,10 @@ class _Reader:
         return self._handle(name).get_tensor(name)
 
     def shard(self, names: list[str], spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-        """The concatenation of each source tensor's slice (one source per part of `spec`)."""
+        """The concatenation of each source tensor's slice (one source per part of `spec`, or
+        one fused source holding the parts one after the other)."""
+        if len(names) == 1 and len(spec.parts) > 1:
+            return self._fused(names[0], spec, param)
         slices = []
         for name, part in zip(names, spec.parts, strict=True):
             source = self._handle(name).get_slice(name)
@@ -253,6 +273,19 @@ class _Reader:
                                      f"config.json implies {tuple(expected)}")
             index = (slice(None),) * spec.dim + (slice(part.start, part.stop),)
             slices.append(source[index])
+        return spec.assemble(slices)
+
+    def _fused(self, name: str, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+        source = self._handle(name).get_slice(name)
+        shape, expected = tuple(source.get_shape()), spec.full_shape(param.shape)
+        if shape != expected:
+            raise ModelLoadError(f"{self.files[name]}: {name!r} has shape {shape}, "
+                                 f"config.json implies {expected}")
+        slices, offset = [], 0
+        for part in spec.parts:
+            index = (slice(None),) * spec.dim + (slice(offset + part.start, offset + part.stop),)
+            slices.append(source[index])
+            offset += part.size
         return spec.assemble(slices)
 
     def _handle(self, name: str) -> Any:

@@ -7,7 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 VOCAB = 300
 ROPE_VARIANTS: dict[str, dict[str, object] | None] = {
@@ -32,6 +41,37 @@ def build_hf_tokenizer() -> Tokenizer:
     tok.train_from_iterator(CORPUS * 10, trainer)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+
+
+def build_gemma_tokenizer() -> Tokenizer:
+    """Gemma's kind of tokenizer (no package ships one): SentencePiece-style BPE over "▁" for
+    spaces, no prefix space, the 256 byte pieces <0x00>..<0xFF> as fallback for what the
+    vocabulary lacks, Gemma's special tokens at its ids 0-3 and its turn markers."""
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizers.Replace(" ", "▁")
+    # Gemma's 262k pieces spell common punctuation whole; byte pieces stay for the rest.
+    corpus = [*CORPUS, "Tokyo 東京 — naïve, em dashes — and 🙂"] * 10
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=VOCAB,
+                                                            show_progress=False))
+    learnt = json.loads(trained.to_str())["model"]
+    pieces = [*GEMMA_SPECIALS, *(f"<0x{b:02X}>" for b in range(256))]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    for piece in sorted(learnt["vocab"], key=learnt["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learnt["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>",
+                               fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                            for s in GEMMA_SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
     return tok
 
 
@@ -63,5 +103,61 @@ def save_llama(path: Path, rope: str = "none", tie: bool = False,
     model = LlamaForCausalLM(config).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
+    write_tokenizer(path)
+    return model
+
+
+WINDOW = 16  # sliding-window layers' window: the tests' prompts and generations run past it
+LONGROPE_AFTER = 96  # Phi-3's original_max_position_embeddings
+# A tiny config of each family as transformers' config class takes it: every feature the
+# family differs from Llama by is on (2 layers, hidden 64, 4 heads of 16, 2 KV heads).
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3", {"use_sliding_window": True, "sliding_window": WINDOW,
+                        "max_window_layers": 1, "attention_bias": True}),
+    "gemma3": ("Gemma3", {"sliding_window": WINDOW, "sliding_window_pattern": 2,
+                              "query_pre_attn_scalar": 24, "rope_local_base_freq": 500.0,
+                              "rope_theta": 10000.0, "final_logit_softcapping": 3.0,
+                              "tie_word_embeddings": True}),
+    # Prompts and generations stay under original_max_position_embeddings, which transformers'
+    # generate handles by recomputing the whole sequence once crossed (test_families.py).
+    "phi3": ("Phi3", {"sliding_window": WINDOW, "max_position_embeddings": 512,
+                      "original_max_position_embeddings": LONGROPE_AFTER,
+                      "rope_scaling": {"rope_type": "longrope",
+                                       "short_factor": [1.0 + i / 8 for i in range(8)],
+                                       "long_factor": [2.0 + i for i in range(8)]}}),
+    "smollm3": ("SmolLM3", {"no_rope_layer_interval": 2, "use_sliding_window": True,
+                            "sliding_window": WINDOW, "tie_word_embeddings": False}),
+    "granite": ("Granite", {"embedding_multiplier": 4.0, "residual_multiplier": 0.5,
+                            "attention_multiplier": 0.3, "logits_scaling": 2.5,
+                            "attention_bias": True}),
+    "mistral": ("Mistral", {"sliding_window": WINDOW}),
+    "qwen2-yarn": ("Qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 64},
+                             "max_position_embeddings": 64}),
+}
+
+
+def save_family(path: Path, family: str, tie: bool | None = None) -> torch.nn.Module:
+    """A random checkpoint of `family` (FAMILIES) with the test tokenizer; the model back."""
+    import transformers
+
+    prefix, extra = FAMILIES[family]
+    config_class = getattr(transformers, "Gemma3TextConfig" if prefix == "Gemma3"
+                           else f"{prefix}Config")
+    model_class = getattr(transformers, f"{prefix}ForCausalLM")
+    kwargs: dict[str, Any] = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1,
+        "pad_token_id": 1, "initializer_range": 0.2, **extra}
+    if tie is not None:
+        kwargs["tie_word_embeddings"] = tie
+    torch.manual_seed(0)
+    model = model_class(config_class(**kwargs)).eval()
+    with torch.no_grad():  # non-trivial norms and biases: a misplaced one moves the logits
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                param.normal_(0.0, 0.3).add_(0 if name.endswith("bias") else 0.5)
+    model.save_pretrained(path)
     write_tokenizer(path)
     return model

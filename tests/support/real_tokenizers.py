@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -25,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from daemon.model.config import MODEL_TYPES
+
 SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 _MODELS = "vendor/llama.cpp/models/"
@@ -33,10 +36,14 @@ _FORMAT = 3  # bumped when _convert changes what it writes
 
 @dataclass(frozen=True)
 class Family:
-    gguf: str  # under vendor/llama.cpp/models/
+    gguf: str | None  # under vendor/llama.cpp/models/; None: Gemma's kind, trained here
     template: str | None  # under models/templates/; None: the GGUF's own, if any
     architecture: str  # of the random checkpoint made with this vocabulary
     eos: tuple[str, ...]  # the tokens that end a turn in the family's instruct models
+    added: tuple[str, ...] = ()  # special tokens the family adds to the GGUF's vocabulary
+    # Of the random weights: one whose greedy answers in tests/e2e/test_real_checkpoints.py are
+    # whole UTF-8 (a random model's bytes need not be; those tests join them into text).
+    seed: int = 0
 
 
 FAMILIES = {
@@ -52,6 +59,27 @@ FAMILIES = {
                     ("<|im_end|>", "<|endoftext|>")),
     # GPT-2: byte-level BPE, no chat template at all.
     "gpt2": Family("ggml-vocab-gpt-2.gguf", None, "LlamaForCausalLM", ("<|endoftext|>",)),
+    # Qwen3: Qwen2's vocabulary, its own template (thinking tags).
+    "qwen3": Family("ggml-vocab-qwen2.gguf", "Qwen-Qwen3-0.6B.jinja", "Qwen3ForCausalLM",
+                    ("<|im_end|>", "<|endoftext|>"), seed=2),
+    # Phi-3: SentencePiece with byte fallback, 32k ids and <|user|>/<|end|> turn tokens.
+    "phi3": Family("ggml-vocab-phi-3.gguf", "microsoft-Phi-3.5-mini-instruct.jinja",
+                   "Phi3ForCausalLM", ("<|end|>", "<|endoftext|>"), seed=1),
+    # SmolLM3: Llama 3's vocabulary, whose reserved tokens the checkpoint renames to its ChatML
+    # turn tokens; here those are added as special tokens instead.
+    "smollm3": Family("ggml-vocab-llama-bpe.gguf", "HuggingFaceTB-SmolLM3-3B.jinja",
+                      "SmolLM3ForCausalLM", ("<|im_end|>", "<|end_of_text|>"),
+                      ("<|im_start|>", "<|im_end|>")),
+    # Granite 3: StarCoder's byte-level BPE with Granite's role and end tokens added (49,155
+    # ids, as Granite's).
+    "granite": Family("ggml-vocab-starcoder.gguf", "ibm-granite-granite-3.3-2B-Instruct.jinja",
+                      "GraniteForCausalLM", ("<|end_of_text|>",),
+                      ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>")),
+    # Gemma: no package ships a Gemma 3 tokenizer or template, so its kind of tokenizer is
+    # trained (tests/support/checkpoints.py) and Gemma 2's template, the same turn format
+    # (it refuses a system turn, which Gemma 3's folds into the first user turn), renders.
+    "gemma": Family(None, "google-gemma-2-2b-it.jinja", "Gemma3ForCausalLM",
+                    ("<eos>", "<end_of_turn>")),
 }
 
 
@@ -97,19 +125,35 @@ def _extract(sdist: Path, names: list[str], into: Path) -> None:
 
 
 def _convert(family: Family, sdist: Path, out: Path) -> None:
+    from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as raw_dir:
         raw = Path(raw_dir)
-        names = [family.gguf] + ([f"templates/{family.template}"] if family.template else [])
+        names = ([family.gguf] if family.gguf else []) + (
+            [f"templates/{family.template}"] if family.template else [])
         _extract(sdist, names, raw)
-        tok = AutoTokenizer.from_pretrained(raw, gguf_file=family.gguf)
+        if family.gguf is None:
+            _write_gemma(raw)
+        tok = (AutoTokenizer.from_pretrained(raw, gguf_file=family.gguf) if family.gguf
+               else AutoTokenizer.from_pretrained(raw))
+        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in family.added],
+                       special_tokens=True)
         tok.save_pretrained(out)
         # The pipeline transformers runs once the files are reloaded, as a checkpoint ships it:
         # the GGUF's lacks what a tokenizer class adds (Qwen2's NFC normalizer).
         AutoTokenizer.from_pretrained(out).backend_tokenizer.save(str(out / "tokenizer.json"))
         if family.template:
             (out / "chat_template.jinja").write_text((raw / family.template).read_text())
+
+
+def _write_gemma(into: Path) -> None:
+    from tests.support.checkpoints import build_gemma_tokenizer
+
+    build_gemma_tokenizer().save(str(into / "tokenizer.json"))
+    names = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+             "unk_token": "<unk>"}
+    (into / "tokenizer_config.json").write_text(json.dumps(names))
 
 
 @functools.cache
@@ -154,7 +198,7 @@ def chat_templates() -> dict[str, str]:
     return {p.stem: p.read_text() for p in sorted(out.glob("*.jinja"))}
 
 
-def save_random_checkpoint(name: str, path: Path, seed: int = 0) -> Path:
+def save_random_checkpoint(name: str, path: Path, seed: int | None = None) -> Path:
     """A tiny random model of the family's architecture with the real tokenizer's vocabulary."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -163,14 +207,13 @@ def save_random_checkpoint(name: str, path: Path, seed: int = 0) -> Path:
     tok_dir = tokenizer_dir(name)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     eos = [tok.convert_tokens_to_ids(t) for t in family.eos]
-    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                  "Qwen2ForCausalLM": "qwen2"}[family.architecture]
     config: Any = AutoConfig.for_model(
-        model_type, architectures=[family.architecture], vocab_size=len(tok), hidden_size=32,
-        intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        MODEL_TYPES[family.architecture], architectures=[family.architecture],
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
         max_position_embeddings=1024, tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id, eos_token_id=eos, initializer_range=0.5)
-    torch.manual_seed(seed)
+    torch.manual_seed(family.seed if seed is None else seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     for file in tok_dir.iterdir():
         shutil.copy(file, path / file.name)

@@ -33,7 +33,8 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
 BLOCK = 32  # output rows per packed block (NB in the C source)
 F32, BF16, I8 = 0, 1, 2  # weight and cache element types (TL_* in the C source)
-STORE, SILU_MUL = 0, 2  # a packed weight's output: plain, or silu(gate) * up
+STORE = 0  # a packed weight's output: plain, or act(gate) * up (GATED[act])
+GATED = {"silu": 2, "gelu_pytorch_tanh": 3}
 WEIGHT_TYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.int8: I8}
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -50,7 +51,8 @@ class Layer(ctypes.Structure):
     """tl_layer of cpu_kernels.c, field for field."""
 
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("eps", _F), ("input_norm", _P), ("post_attention_norm", _P),
+                ("eps", _F), ("input_norm", _P), ("post_attention_norm", _P), ("q_norm", _P),
+                ("k_norm", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P),
                 ("qkv", Weights), ("o", Weights), ("gate_up", Weights), ("down", Weights)]
 
 
@@ -58,7 +60,7 @@ _W, _L = ctypes.POINTER(Weights), ctypes.POINTER(Layer)
 _SIGNATURES = {
     "tl_linear": [_P, _I, _I, _W, _P, _I],
     "tl_rmsnorm": [_P, _I, _I, _P, _F, _P],
-    "tl_decode_attention": [_P, _I, _P, _P, _C, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P],
+    "tl_decode_attention": [_P, _I, _P, _P, _C, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P],
     "tl_layer_attn_in": [_L, _P, _I, _P, _P, _P, _P, _P, _C, _P],
     "tl_layer_attn_out_mlp": [_L, _P, _I, _P],
 }

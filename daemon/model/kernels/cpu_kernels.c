@@ -1,5 +1,7 @@
 /* CPU kernels for tether's forward pass: a weight-streaming matrix product, RMSNorm, RoPE and
- * decode attention over the paged KV cache.
+ * decode attention over the paged KV cache, with the variants some model families need (per-head
+ * q/k norms, GELU-tanh, norms of the branch outputs, layers without RoPE, sliding windows);
+ * each is a NULL pointer or a zero for Llama, whose path is unchanged.
  *
  * Why hand-written: at batch 1 a decode tick is one read of every weight, so the matrix product
  * must stream weights at the memory's speed. Measured on the project's machine, MKL's fp32 GEMV
@@ -41,7 +43,7 @@ typedef int32_t ivec __attribute__((vector_size(VL * 4)));
 typedef uint16_t hvec __attribute__((vector_size(VL * 2)));
 
 enum { TL_F32 = 0, TL_BF16 = 1, TL_I8 = 2 };
-enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2 };
+enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2, TL_GELU_TANH_MUL = 3 };
 #define NB 32       /* output rows per packed block */
 #define NV (NB / VL) /* vectors per packed block row */
 #define INLINE static inline __attribute__((always_inline))
@@ -105,6 +107,14 @@ INLINE fvec vexp(fvec x) {
   return p * scale;
 }
 
+/* The gate of a gated MLP: silu(g) = g sigmoid(g), or GELU's tanh approximation, which is
+ * g sigmoid(2u) with u = sqrt(2/pi) (g + 0.044715 g^3) (as 0.5 (1 + tanh u) = sigmoid(2u)). */
+INLINE fvec gate_act(fvec g, int mode) {
+  if (mode == TL_SILU_MUL) return g / (1.0f + vexp(-g));
+  fvec u = 0.7978845608f * (g + 0.044715f * g * g * g);
+  return g / (1.0f + vexp(-2.0f * u));
+}
+
 /* ---- linear: y = x W^T (+ bias), W packed [N/32][K][32] ---------------------------------- */
 
 INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
@@ -154,9 +164,10 @@ INLINE void store_row(float* y, int64_t n0, int64_t n_valid, const fvec v[NV], i
 }
 
 /* A packed weight (daemon/model/kernels/cpu.py: pack): `blocks` blocks of 32 rows of n_in, n_out
- * rows in use. scale (int8) and bias are in packed row order, or NULL. mode TL_STORE or
- * TL_SILU_MUL (each block holds 16 gate rows then their 16 up rows; the output is
- * silu(gate) * up, n_out columns). Mirrored by ctypes in cpu.py: keep the two in step. */
+ * rows in use. scale (int8's, and any output multiplier) and bias are in packed row order, or
+ * NULL. mode TL_STORE, or TL_SILU_MUL / TL_GELU_TANH_MUL (each block holds 16 gate rows then
+ * their 16 up rows; the output is act(gate) * up, n_out columns). Mirrored by ctypes in
+ * cpu.py: keep the two in step. */
 typedef struct {
   const void* w;
   const float* scale;
@@ -188,10 +199,10 @@ static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
         fvec v[NV];
         for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];
         float* yrow = y + (m0 + m) * ldy;
-        if (mode == TL_SILU_MUL) { /* vectors [0, NV/2): gates; [NV/2, NV): their ups */
+        if (mode >= TL_SILU_MUL) { /* vectors [0, NV/2): gates; [NV/2, NV): their ups */
           float tmp[NB / 2];
           for (int j = 0; j < NV / 2; j++) {
-            fvec out = v[j] / (1.0f + vexp(-v[j])) * v[j + NV / 2];
+            fvec out = gate_act(v[j], mode) * v[j + NV / 2];
             memcpy(tmp + j * VL, &out, sizeof out);
           }
           int64_t n0 = b * (NB / 2), n = n_out - n0 < NB / 2 ? n_out - n0 : NB / 2;
@@ -211,18 +222,32 @@ void tl_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, floa
 
 /* ---- RMSNorm and RoPE -------------------------------------------------------------------- */
 
-/* y = w * (x / sqrt(mean(x^2) + eps)), row by row, as the reference implementation orders it. */
+/* y = w * (x / sqrt(mean(x^2) + eps)) over one row of K, as the reference implementation
+ * orders it; y may be x. */
+INLINE void norm_row(const float* x, int64_t K, const float* w, float eps, float* y) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t k = 0; k < K; k++) ss += x[k] * x[k];
+  float r = 1.0f / sqrtf(ss / (float)K + eps);
+#pragma omp simd
+  for (int64_t k = 0; k < K; k++) y[k] = w[k] * (x[k] * r);
+}
+
 static void rmsnorm(const float* x, int64_t M, int64_t K, const float* w, float eps, float* y) {
 #pragma omp parallel for schedule(static) if (M >= 16)
-  for (int64_t m = 0; m < M; m++) {
-    const float* xr = x + m * K;
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t k = 0; k < K; k++) ss += xr[k] * xr[k];
-    float r = 1.0f / sqrtf(ss / (float)K + eps);
-#pragma omp simd
-    for (int64_t k = 0; k < K; k++) y[m * K + k] = w[k] * (xr[k] * r);
-  }
+  for (int64_t m = 0; m < M; m++) norm_row(x + m * K, K, w, eps, y + m * K);
+}
+
+/* In place: each of the `heads` heads of d values in each row of x [T, ldx] (Qwen3's and
+ * Gemma 3's q/k norms). */
+static void head_norms(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t d,
+                       const float* w, float eps) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < heads; h++) {
+      float* head = x + t * ldx + h * d;
+      norm_row(head, d, w, eps, head);
+    }
 }
 
 /* In place, rotate-half layout: the first `heads` heads of each row of x [T, ldx], head_dim d;
@@ -262,10 +287,11 @@ INLINE float hsum(fvec v) {
 
 /* One (sequence, KV head) of decode attention; head_dim = VL * nv. q holds the G query heads
  * sharing the KV head, out their outputs. Keys and values are read once each, block by block
- * from the block table, with an online softmax: no gathered or padded copy. */
+ * from the block table, with an online softmax: no gathered or padded copy. Keys before
+ * `first` (a sliding window's start; 0 without one) are not read. */
 INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache, int type,
-                       const int64_t* table, int64_t len, int64_t G, int64_t nv, int64_t KVH,
-                       int64_t g, int64_t bs, float scale, float* out) {
+                       const int64_t* table, int64_t len, int64_t first, int64_t G, int64_t nv,
+                       int64_t KVH, int64_t g, int64_t bs, float scale, float* out) {
   int64_t d = nv * VL, esize = type == TL_F32 ? 4 : 2;
   fvec qv[G * nv], acc[G * nv];
   float mx[G], sum[G], p[G][(bs + 15) / 16 * 16];
@@ -275,8 +301,9 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
     acc[i] = splat(0.0f);
   }
   for (int64_t h = 0; h < G; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
-  for (int64_t start = 0; start < len; start += bs) {
+  for (int64_t start = first / bs * bs; start < len; start += bs) {
     int64_t nt = len - start < bs ? len - start : bs;
+    int64_t lo = first > start ? first - start : 0; /* the window's first token in this block */
     int64_t base = (table[start / bs] * KVH + g) * bs * d; /* this head's [bs, d] tile */
     /* Tiles lie in scattered pages, where the hardware prefetcher starts cold: fetch the
      * next tile's lines while this one is worked on, a token's worth per token. */
@@ -287,7 +314,9 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
       next_k = (const char*)k_cache + next;
       next_v = (const char*)v_cache + next;
     }
-    for (int64_t t = 0; t < nt; t++) {
+    for (int64_t t = 0; t < lo; t++)
+      for (int64_t h = 0; h < G; h++) p[h][t] = -INFINITY;
+    for (int64_t t = lo; t < nt; t++) {
       if (next_k)
         for (int64_t off = t * d * esize; off < (t + 1) * d * esize; off += 64) {
           __builtin_prefetch(next_k + off, 0, 2);
@@ -312,12 +341,13 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
         sv = vexp(sv - bm);
         memcpy(&p[h][t0], &sv, sizeof sv);
       }
+      for (int64_t t = 0; t < lo; t++) p[h][t] = 0.0f; /* vexp clamps: exp(-inf) is not 0 */
       float block_sum = 0.0f;
       for (int64_t t = 0; t < nt; t++) block_sum += p[h][t];
       sum[h] = sum[h] * corr + block_sum;
       for (int64_t j = 0; j < nv; j++) acc[h * nv + j] *= corr;
     }
-    for (int64_t t = 0; t < nt; t++) {
+    for (int64_t t = lo; t < nt; t++) {
       fvec vv[nv];
       for (int64_t j = 0; j < nv; j++) vv[j] = loadv(v_cache, base + t * d + j * VL, type);
       for (int64_t h = 0; h < G; h++)
@@ -335,35 +365,43 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
 
 /* Decode attention, one query token per sequence. q [D, H, d] (row stride ldq); caches
  * [blocks, KVH, bs, d] of `type`; block_tables [D, max_blocks]; out [D, H, d]; d % VL == 0
- * (the caller checks d % 16, the widest VL). */
+ * (the caller checks d % 16, the widest VL). window > 0: each query sees only the last
+ * `window` keys. */
 void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
                          int type, const int64_t* block_tables, int64_t max_blocks,
                          const int64_t* context_lens, int64_t D, int64_t H, int64_t KVH,
-                         int64_t d, int64_t bs, float scale, float* out) {
+                         int64_t d, int64_t bs, float scale, int64_t window, float* out) {
   int64_t G = H / KVH;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < D * KVH; item++) {
-    int64_t s = item / KVH, g = item % KVH;
+    int64_t s = item / KVH, g = item % KVH, len = context_lens[s];
+    int64_t first = window > 0 && len > window ? len - window : 0;
     const float* qg = q + s * ldq + g * G * d;
     float* og = out + (s * H + g * G) * d;
     const int64_t* table = block_tables + s * max_blocks;
     if (type == TL_F32)
-      decode_one(qg, k_cache, v_cache, TL_F32, table, context_lens[s], G, d / VL, KVH, g, bs,
-                 scale, og);
+      decode_one(qg, k_cache, v_cache, TL_F32, table, len, first, G, d / VL, KVH, g, bs, scale,
+                 og);
     else
-      decode_one(qg, k_cache, v_cache, TL_BF16, table, context_lens[s], G, d / VL, KVH, g, bs,
-                 scale, og);
+      decode_one(qg, k_cache, v_cache, TL_BF16, table, len, first, G, d / VL, KVH, g, bs, scale,
+                 og);
   }
 }
 
 /* ---- a decoder layer around its attention ----------------------------------------------- */
 
-/* One layer's weights; mirrored by ctypes in cpu.py. */
+/* One layer's weights; mirrored by ctypes in cpu.py. The norms are the factors the normalised
+ * values are multiplied by (Gemma's 1 + w included). q_norm and k_norm (per head), attn_out_norm
+ * and mlp_out_norm (of the branch outputs, before the residual add) are NULL when absent. */
 typedef struct {
   int64_t hidden, heads, kv_heads, head_dim;
   float eps;
   const float* input_norm;
   const float* post_attention_norm;
+  const float* q_norm;
+  const float* k_norm;
+  const float* attn_out_norm;
+  const float* mlp_out_norm;
   tl_weights qkv, o, gate_up, down;
 } tl_layer;
 
@@ -373,8 +411,9 @@ INLINE uint16_t to_bf16(float v) { /* round to nearest even */
   return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-/* qkv [M, (H + 2 KVH) d] = rope(norm(x) Wqkv^T); K and V rows then go to the cache rows
- * write_rows[t * KVH + head] (cache viewed as [-1, d], of cache_type). */
+/* qkv [M, (H + 2 KVH) d] = rope(norm(x) Wqkv^T), the q and k heads normed first when the layer
+ * has q/k norms, no rope when cos_ is NULL (a layer without RoPE); K and V rows then go to the
+ * cache rows write_rows[t * KVH + head] (cache viewed as [-1, d], of cache_type). */
 void tl_layer_attn_in(const tl_layer* L, const float* x, int64_t M, const float* cos_,
                       const float* sin_, const int64_t* write_rows, void* k_cache,
                       void* v_cache, int cache_type, float* qkv) {
@@ -383,7 +422,9 @@ void tl_layer_attn_in(const tl_layer* L, const float* x, int64_t M, const float*
   rmsnorm(x, M, L->hidden, L->input_norm, L->eps, h);
   linear(h, L->hidden, M, &L->qkv, qkv, width, 0, NULL, 0);
   free(h);
-  rope(qkv, M, width, H + KVH, d, cos_, sin_);
+  if (L->q_norm) head_norms(qkv, M, width, H, d, L->q_norm, L->eps);
+  if (L->k_norm) head_norms(qkv + H * d, M, width, KVH, d, L->k_norm, L->eps);
+  if (cos_) rope(qkv, M, width, H + KVH, d, cos_, sin_);
   for (int64_t t = 0; t < M; t++)
     for (int64_t j = 0; j < KVH; j++) {
       const float* k = qkv + t * width + (H + j) * d;
@@ -401,15 +442,31 @@ void tl_layer_attn_in(const tl_layer* L, const float* x, int64_t M, const float*
     }
 }
 
-/* x [M, hidden] in place: x += attn Wo^T; x += down(silu(gate) * up) of norm(x). */
+/* x [M, hidden] += in [M, W->n_in] W^T, normed by `norm` first unless it is NULL. */
+static void branch_add(const float* in, int64_t M, const tl_weights* W, const float* norm,
+                       float eps, float* x) {
+  int64_t hidden = W->n_out;
+  if (!norm) {
+    linear(in, W->n_in, M, W, x, hidden, 1, x, hidden);
+    return;
+  }
+  float* out = malloc(sizeof(float) * M * hidden);
+  linear(in, W->n_in, M, W, out, hidden, 0, NULL, 0);
+  rmsnorm(out, M, hidden, norm, eps, out);
+  for (int64_t i = 0; i < M * hidden; i++) x[i] += out[i];
+  free(out);
+}
+
+/* x [M, hidden] in place: x += attn Wo^T; x += down(act(gate) * up) of norm(x); each branch's
+ * output normed first where the layer has those norms. */
 void tl_layer_attn_out_mlp(const tl_layer* L, float* x, int64_t M, const float* attn) {
   int64_t hidden = L->hidden, inter = L->gate_up.n_out;
-  linear(attn, L->heads * L->head_dim, M, &L->o, x, hidden, 1, x, hidden);
+  branch_add(attn, M, &L->o, L->attn_out_norm, L->eps, x);
   float* h = malloc(sizeof(float) * M * hidden);
   float* act = malloc(sizeof(float) * M * inter);
   rmsnorm(x, M, hidden, L->post_attention_norm, L->eps, h);
   linear(h, hidden, M, &L->gate_up, act, inter, 0, NULL, 0);
-  linear(act, inter, M, &L->down, x, hidden, 1, x, hidden);
+  branch_add(act, M, &L->down, L->mlp_out_norm, L->eps, x);
   free(h);
   free(act);
 }

@@ -50,32 +50,35 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
 
 
 class PackedLinear(nn.Module):
-    """A weight packed for tl_linear; forward gives y = x W^T (+ bias), float32."""
+    """A weight packed for tl_linear; forward gives y = (x W^T + bias) * out_scale, float32.
+    With gate_up, act(gate) * up (act: a key of cpu.GATED)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, kernels: Kernels, int8: bool,
-                 gate_up: bool = False) -> None:
+                 gate_up: bool = False, act: str = "silu", out_scale: float = 1.0) -> None:
         super().__init__()
         weight = weight.detach()
-        scale = None
+        row_scale = None
         if int8:
             weight, row_scale = cpu.quantize_int8(weight)
-            scale = cpu.pack_vector(row_scale, gate_up)
         elif weight.dtype not in cpu.WEIGHT_TYPES:
             weight = weight.float()
+        if out_scale != 1.0:  # Granite's residual multiplier rides on the row scales
+            row_scale = (torch.ones(weight.shape[0]) if row_scale is None else row_scale) * out_scale
+            bias = None if bias is None else bias.detach().float() * out_scale
         self.packed = cpu.pack(weight, gate_up)
-        self.scale = scale
+        self.scale = None if row_scale is None else cpu.pack_vector(row_scale, gate_up)
         self.bias = None if bias is None else cpu.pack_vector(bias.detach(), gate_up)
         n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
         self.desc = cpu.Weights(
             self.packed.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.packed.shape[0],
             weight.shape[1], n_out, cpu.WEIGHT_TYPES[weight.dtype],
-            cpu.SILU_MUL if gate_up else cpu.STORE)
+            cpu.GATED[act] if gate_up else cpu.STORE)
         self.kernels = kernels
 
     @classmethod
-    def replacing(cls, linear: Linear, kernels: Kernels, int8: bool,
-                  gate_up: bool = False) -> PackedLinear:
-        return cls(linear.weight, linear.bias, kernels, int8, gate_up)
+    def replacing(cls, linear: Linear, kernels: Kernels, int8: bool, gate_up: bool = False,
+                  act: str = "silu", out_scale: float = 1.0) -> PackedLinear:
+        return cls(linear.weight, linear.bias, kernels, int8, gate_up, act, out_scale)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.float().contiguous()
@@ -95,19 +98,27 @@ class CpuDecoderLayer(nn.Module):
                  int8: bool) -> None:
         super().__init__()
         attn, mlp = layer.attn, layer.mlp
+        # Granite's residual multiplier scales a branch's output; after its norm if it has one.
+        out_norms = [None if n is None else n.scale() * cfg.residual_multiplier
+                     for n in (layer.attn_out_norm, layer.mlp_out_norm)]
+        o_scale, down_scale = (cfg.residual_multiplier if n is None else 1.0 for n in out_norms)
         self.qkv = PackedLinear.replacing(attn.qkv_proj, kernels, int8)
-        self.o = PackedLinear.replacing(attn.o_proj, kernels, int8)
-        self.gate_up = PackedLinear.replacing(mlp.gate_up_proj, kernels, int8, gate_up=True)
-        self.down = PackedLinear.replacing(mlp.down_proj, kernels, int8)
-        self.norms = [n.weight.detach().float().contiguous()
-                      for n in (layer.input_norm, layer.post_attention_norm)]
+        self.o = PackedLinear.replacing(attn.o_proj, kernels, int8, out_scale=o_scale)
+        self.gate_up = PackedLinear.replacing(mlp.gate_up_proj, kernels, int8, gate_up=True,
+                                              act=cfg.hidden_act)
+        self.down = PackedLinear.replacing(mlp.down_proj, kernels, int8, out_scale=down_scale)
+        # Kept referenced: the layer descriptor holds their addresses.
+        self.norms = [layer.input_norm.scale(), layer.post_attention_norm.scale(),
+                      *(None if n is None else n.scale() for n in (attn.q_norm, attn.k_norm)),
+                      *out_norms]
         self.desc = cpu.Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                              layer.input_norm.eps, self.norms[0].data_ptr(),
-                              self.norms[1].data_ptr(), self.qkv.desc, self.o.desc,
-                              self.gate_up.desc, self.down.desc)
+                              layer.input_norm.eps, *map(_ptr, self.norms), self.qkv.desc,
+                              self.o.desc, self.gate_up.desc, self.down.desc)
         # The decode kernel works in 16-float vectors; other head sizes keep the reference.
-        self.paged = (CpuPagedAttention(kernels) if cfg.head_dim % 16 == 0
-                      else PagedAttention())
+        scale, window = attn.paged.scale, attn.paged.window
+        self.paged = (CpuPagedAttention(kernels, scale, window) if cfg.head_dim % 16 == 0
+                      else PagedAttention(scale, window))
+        self.rope = attn.rope
         self.kernels = kernels
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -117,8 +128,9 @@ class CpuDecoderLayer(nn.Module):
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv = x.new_empty(x.shape[0], heads + 2 * kv_heads, head_dim)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        tables = (cos.data_ptr(), sin.data_ptr()) if self.rope else (None, None)
         self.kernels.layer_attn_in(
-            ctypes.byref(self.desc), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+            ctypes.byref(self.desc), x.data_ptr(), x.shape[0], *tables,
             meta.write_rows.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
             cpu.WEIGHT_TYPES[kv_cache.dtype], qkv.data_ptr())
         out = self.paged.attend(qkv[:, :heads], qkv[:, heads : heads + kv_heads],
@@ -131,7 +143,7 @@ class CpuDecoderLayer(nn.Module):
 class KernelRMSNorm(nn.Module):
     def __init__(self, norm: RMSNorm, kernels: Kernels) -> None:
         super().__init__()
-        self.weight = norm.weight.detach().float().contiguous()
+        self.weight = norm.scale()
         self.eps = norm.eps
         self.kernels = kernels
 
@@ -173,8 +185,9 @@ class KernelLMHead(nn.Module):
 class CpuPagedAttention(PagedAttention):
     """Decode rows read the cache blocks in place (tl_decode_attention)."""
 
-    def __init__(self, kernels: Kernels) -> None:
-        super().__init__()
+    def __init__(self, kernels: Kernels, scale: float | None = None,
+                 window: int | None = None) -> None:
+        super().__init__(scale, window)
         self.kernels = kernels
 
     def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -189,7 +202,8 @@ class CpuPagedAttention(PagedAttention):
         self.kernels.decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             cpu.WEIGHT_TYPES[k_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-            num_seqs, num_heads, num_kv_heads, head_dim, block_size, 1.0 / math.sqrt(head_dim),
+            num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+            1.0 / math.sqrt(head_dim) if self.scale is None else self.scale, self.window or 0,
             out.data_ptr())
         return out
 

@@ -34,7 +34,8 @@ def available() -> bool:
 
 def install_(model: DecoderLM) -> None:
     for layer in model.layers:
-        cast(DecoderLayer, layer).attn.paged = TritonPagedAttention()
+        attn = cast(DecoderLayer, layer).attn
+        attn.paged = TritonPagedAttention(attn.paged.scale, attn.paged.window)
 
 
 class TritonPagedAttention(PagedAttention):
@@ -42,7 +43,7 @@ class TritonPagedAttention(PagedAttention):
                meta: AttentionMetadata) -> Tensor:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         assert tables is not None and lens is not None
-        return triton_decode(q, k_cache, v_cache, tables, lens)
+        return triton_decode(q, k_cache, v_cache, tables, lens, self.scale, self.window)
 
 
 PAGES = 4  # cache blocks per loop step: more bytes in flight per program
@@ -61,8 +62,10 @@ def plan(num_seqs: int, num_kv_heads: int, max_blocks: int, block: int,
 
 
 def triton_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
-                  lens: Tensor) -> Tensor:
-    """q [D, H, d] (any row stride, unit stride within a row) -> [D, H, d]."""
+                  lens: Tensor, scale: float | None = None,
+                  window: int | None = None) -> Tensor:
+    """q [D, H, d] (any row stride, unit stride within a row) -> [D, H, d]. scale: of the
+    scores (None: 1 / sqrt(d)); window: each query sees only the last `window` keys."""
     import triton
 
     num_seqs, num_heads, head_dim = q.shape
@@ -79,7 +82,8 @@ def triton_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
                           dtype=torch.float32)
     _kernel()[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, tables, lens, partial, q.stride(0), tables.stride(0),
-        1.0 / math.sqrt(head_dim), num_kv_heads, per_split, splits,
+        1.0 / math.sqrt(head_dim) if scale is None else scale, window or 0, num_kv_heads,
+        per_split, splits,
         GROUP=group, ROWS=rows, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK=block_size,
         PAGES=PAGES, IEEE=q.dtype == torch.float32, num_warps=4)
     out = merge(partial)[:, :, :group, :head_dim]
@@ -114,7 +118,7 @@ def _kernel():  # type: ignore[no-untyped-def]
 
     @triton.jit  # type: ignore[misc]
     def decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_ptr, q_row, table_row,
-                      scale, num_kv_heads, per_split, splits, GROUP: tl.constexpr,
+                      scale, window, num_kv_heads, per_split, splits, GROUP: tl.constexpr,
                       ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                       BLOCK: tl.constexpr, PAGES: tl.constexpr, IEEE: tl.constexpr):
         seq = tl.program_id(0)
@@ -134,9 +138,12 @@ def _kernel():  # type: ignore[no-untyped-def]
         acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
         first = split * per_split * PAGES * BLOCK
         end = tl.minimum(length, first + per_split * PAGES * BLOCK)
-        for start in range(first, end, PAGES * BLOCK):
+        # A sliding window's first key: steps wholly before it are skipped, the rest masked.
+        lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+        begin = tl.maximum(first, lo // (PAGES * BLOCK) * (PAGES * BLOCK))
+        for start in range(begin, end, PAGES * BLOCK):
             pos = start + tokens
-            tok_ok = pos < end
+            tok_ok = (pos < end) & (pos >= lo)
             block = tl.load(tables_ptr + seq * table_row + pos // BLOCK, mask=tok_ok, other=0)
             tile = (block.to(tl.int64) * num_kv_heads + kv_head) * BLOCK + pos % BLOCK
             offs = tile[:, None] * HEAD_DIM + dims[None, :]
@@ -167,7 +174,8 @@ def _kernel():  # type: ignore[no-untyped-def]
 
 
 def reference_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
-                     lens: Tensor, num_sms: int = 132) -> Tensor:
+                     lens: Tensor, num_sms: int = 132, scale: float | None = None,
+                     window: int | None = None) -> Tensor:
     """The kernel's walk in torch, program by program, with its flat offsets, masks, splits
     and merge (float32 throughout)."""
     num_seqs, num_heads, head_dim = q.shape
@@ -179,14 +187,17 @@ def reference_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor
     partial = torch.empty(num_seqs, num_kv_heads, splits, group, head_dim + 2)
     for seq, kv_head, split in itertools.product(range(num_seqs), range(num_kv_heads),
                                                  range(splits)):
-        qh = q[seq, kv_head * group : (kv_head + 1) * group].float() / math.sqrt(head_dim)
+        qh = q[seq, kv_head * group : (kv_head + 1) * group].float()
+        qh = qh * (1.0 / math.sqrt(head_dim) if scale is None else scale)
         mx, total = torch.full((group,), float("-inf")), torch.zeros(group)
         acc = torch.zeros(group, head_dim)
         first = split * per_split * PAGES * block
         end = min(int(lens[seq]), first + per_split * PAGES * block)
-        for start in range(first, end, PAGES * block):
+        lo = max(int(lens[seq]) - window, 0) if window else 0
+        begin = max(first, lo // (PAGES * block) * (PAGES * block))
+        for start in range(begin, end, PAGES * block):
             pos = start + tokens
-            tok_ok = pos < end
+            tok_ok = (pos < end) & (pos >= lo)
             ids = tables[seq, (pos // block).clamp(max=tables.shape[1] - 1)]
             tile = (torch.where(tok_ok, ids, 0) * num_kv_heads + kv_head) * block + pos % block
             offs = tile[:, None] * head_dim + dims[None, :]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from daemon.model.attention import AttentionMetadata, PagedAttention
 from daemon.model.config import ModelConfig
-from daemon.model.decoder import DecoderLM, RMSNorm
+from daemon.model.decoder import ACTIVATIONS, DecoderLM, RMSNorm
 from daemon.model.kernels import cpu
 from daemon.model.kernels.cpu_modules import CpuDecoderLayer, CpuPagedAttention, KernelRMSNorm, PackedLinear
 from daemon.model.loader import init_random_
@@ -43,13 +43,24 @@ def test_linear_matches_torch(kernels: cpu.Kernels, n_out: int, n_in: int, rows:
 
 
 @pytest.mark.parametrize("intermediate", [64, 40, 5])
-def test_gate_up_writes_silu_times_up(kernels: cpu.Kernels, intermediate: int) -> None:
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gate_up_writes_act_times_up(kernels: cpu.Kernels, intermediate: int, act: str) -> None:
     w = weights(2 * intermediate, 48)
-    x = torch.randn(5, 48) * 4  # large gates: both tails of silu
+    x = torch.randn(5, 48) * 4  # large gates: both tails of the activation
     gate, up = F.linear(x, w).chunk(2, dim=-1)
-    out = PackedLinear(w, None, kernels, int8=False, gate_up=True)(x)
+    out = PackedLinear(w, None, kernels, int8=False, gate_up=True, act=act)(x)
     assert out.shape == (5, intermediate)
-    assert torch.allclose(out, F.silu(gate) * up, atol=1e-5)
+    assert torch.allclose(out, ACTIVATIONS[act](gate) * up, atol=1e-5)
+
+
+def test_an_output_scale_multiplies_weights_and_bias(kernels: cpu.Kernels) -> None:
+    w, b, x = weights(40, 64), torch.randn(40), torch.randn(3, 64)
+    want = F.linear(x, w, b) * 0.22
+    assert torch.allclose(PackedLinear(w, b, kernels, int8=False, out_scale=0.22)(x), want,
+                          atol=1e-5)
+    q, scale = cpu.quantize_int8(w)
+    int8 = PackedLinear(w, b, kernels, int8=True, out_scale=0.22)(x)
+    assert torch.allclose(int8, F.linear(x, q.float() * scale[:, None], b) * 0.22, atol=1e-4)
 
 
 def test_bfloat16_weights_compute_in_float32(kernels: cpu.Kernels) -> None:
@@ -82,6 +93,29 @@ def test_rmsnorm_matches_the_torch_module(kernels: cpu.Kernels) -> None:
     assert torch.allclose(KernelRMSNorm(norm, kernels)(x), norm(x), atol=1e-5)
 
 
+def both_layers(kernels: cpu.Kernels, model: DecoderLM
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CPU layer's output, torch layer's, their caches) for the model's one layer over a
+    batch of decodes and prefill chunks."""
+    runner = ModelRunner(model, model.config, num_blocks=32)
+    chunks = [ScheduledChunk([1], 20, [3, 9], True), ScheduledChunk([2], 5, [4], True),
+              ScheduledChunk([3, 4, 5], 14, [7, 8], True),
+              ScheduledChunk(list(range(6, 15)), 0, [30], True)]
+    batch = runner._prepare(chunks)
+    torch.manual_seed(0)
+    dtype = model.dtype
+    x = torch.randn(len(batch.input_ids), model.config.hidden_size).to(dtype)
+    angles = batch.positions.float()[:, None, None] * model.inv_freq
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    cache = torch.randn(runner.kv_caches[0].shape).to(dtype)  # context the decodes attend to
+    caches = [cache.clone(), cache.clone()]
+    with torch.inference_mode():
+        want = model.layers[0](x, cos, sin, caches[0], batch.meta)
+        layer = CpuDecoderLayer(model.layers[0], model.config, kernels, int8=False)
+        got = layer(x.clone(), cos, sin, caches[1], batch.meta)
+    return got, want.float(), caches[1].float(), caches[0].float()
+
+
 @pytest.mark.parametrize(("dtype", "bias", "head_dim"), [(torch.float32, False, 64),
                                                          (torch.float32, True, 32),
                                                          (torch.bfloat16, False, 64),
@@ -93,24 +127,40 @@ def test_decoder_layer_matches_the_torch_layer(kernels: cpu.Kernels, dtype: torc
                          num_heads=6, num_kv_heads=2, head_dim=head_dim, qkv_bias=bias)
     model = DecoderLM(config, torch.device("cpu"), dtype)
     init_random_(model, seed=3)
-    runner = ModelRunner(model, config, num_blocks=32)
-    chunks = [ScheduledChunk([1], 20, [3, 9], True), ScheduledChunk([2], 5, [4], True),
-              ScheduledChunk([3, 4, 5], 14, [7, 8], True),
-              ScheduledChunk(list(range(6, 15)), 0, [30], True)]
-    batch = runner._prepare(chunks)
-    torch.manual_seed(0)
-    x = torch.randn(len(batch.input_ids), 96).to(dtype)
-    angles = batch.positions.float()[:, None, None] * model.inv_freq
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    cache = torch.randn(runner.kv_caches[0].shape).to(dtype)  # context the decodes attend to
-    caches = [cache.clone(), cache.clone()]
-    with torch.inference_mode():
-        want = model.layers[0](x, cos, sin, caches[0], batch.meta)
-        layer = CpuDecoderLayer(model.layers[0], config, kernels, int8=False)
-        got = layer(x.clone(), cos, sin, caches[1], batch.meta)
+    got, want, cache, cache_want = both_layers(kernels, model)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    assert (got - want.float()).abs().max() < tol
-    assert (caches[1].float() - caches[0].float()).abs().max() < tol
+    assert (got - want).abs().max() < tol
+    assert (cache - cache_want).abs().max() < tol
+
+
+# Gemma 3 (q/k norms of (1 + w), sandwich norms, GELU-tanh, its own score scale, a sliding
+# window), Granite (residual multiplier, attention multiplier, biases), SmolLM3 (no RoPE).
+FAMILY_LAYERS = {
+    "gemma3": {"qk_norm": True, "norm_unit_offset": True, "sandwich_norms": True,
+               "hidden_act": "gelu_pytorch_tanh", "attention_scale": 0.2,
+               "layer_types": ["sliding_attention"], "sliding_window": 6},
+    "granite": {"residual_multiplier": 0.3, "attention_scale": 0.1, "qkv_bias": True,
+                "o_bias": True},
+    "smollm3": {"rope_layers": [False], "qk_norm": True},
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_LAYERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_family_layer_matches_the_torch_layer(kernels: cpu.Kernels, family: str,
+                                              dtype: torch.dtype) -> None:
+    config = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=72, num_layers=1,
+                         num_heads=6, num_kv_heads=2, head_dim=32, **FAMILY_LAYERS[family])
+    model = DecoderLM(config, torch.device("cpu"), dtype)
+    init_random_(model, seed=4)
+    with torch.no_grad():  # norms away from 1 (and from 0 for Gemma's 1 + w)
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.normal_(0.3, 0.5)
+    got, want, cache, cache_want = both_layers(kernels, model)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (got - want).abs().max() < tol * want.abs().max().clamp(min=1)
+    assert (cache - cache_want).abs().max() < tol
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (9, 3, 64), (8, 8, 32),
@@ -125,6 +175,19 @@ def test_decode_attention_reads_the_blocks_in_place(kernels: cpu.Kernels, heads:
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables, lens_t, [])
     want = PagedAttention().decode(q, cache[0].float(), cache[1].float(), meta)
     got = CpuPagedAttention(kernels).decode(q, cache[0], cache[1], meta)
+    assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_only_the_window(kernels: cpu.Kernels, window: int,
+                                                dtype: torch.dtype) -> None:
+    lens = [1, 15, 16, 17, 33, 300]  # shorter than the window, at it, across blocks
+    cache, tables, lens_t = random_cache(lens, 2, 64, dtype=dtype)
+    q = torch.randn(len(lens), 6, 64)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables, lens_t, [])
+    want = PagedAttention(0.3, window).decode(q, cache[0].float(), cache[1].float(), meta)
+    got = CpuPagedAttention(kernels, 0.3, window).decode(q, cache[0], cache[1], meta)
     assert (got - want).abs().max() < 1e-5
 
 
@@ -154,16 +217,19 @@ def test_narrower_vector_builds_compute_the_same(arch: str) -> None:
                           F.linear(x, q.float() * scale[:, None]), atol=1e-4)
     gate_up = weights(80, 33)
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    assert torch.allclose(PackedLinear(gate_up, None, lib, int8=False, gate_up=True)(x),
-                          F.silu(gate) * up, atol=1e-5)
+    for act, fn in ACTIVATIONS.items():
+        assert torch.allclose(PackedLinear(gate_up, None, lib, int8=False, gate_up=True,
+                                           act=act)(x), fn(gate) * up, atol=1e-5)
     lens = [1, 17, 300]
     for dtype in (torch.float32, torch.bfloat16):
         cache, tables, lens_t = random_cache(lens, 2, 64, dtype=dtype)
         q_heads = torch.randn(len(lens), 6, 64)
         meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables, lens_t, [])
-        want = PagedAttention().decode(q_heads, cache[0].float(), cache[1].float(), meta)
-        got = CpuPagedAttention(lib).decode(q_heads, cache[0], cache[1], meta)
-        assert (got - want).abs().max() < 1e-5
+        for window in (None, 20):
+            want = PagedAttention(None, window).decode(q_heads, cache[0].float(),
+                                                       cache[1].float(), meta)
+            got = CpuPagedAttention(lib, None, window).decode(q_heads, cache[0], cache[1], meta)
+            assert (got - want).abs().max() < 1e-5
 
 
 def test_build_is_cached_by_source_and_machine(kernels: cpu.Kernels) -> None:

@@ -103,8 +103,8 @@ def test_unsupported_architecture_is_named(llama_checkpoint: Checkpoint, tmp_pat
 
 def test_unsupported_rope_type_is_named(llama_checkpoint: Checkpoint, tmp_path: Path) -> None:
     path = copy_checkpoint(llama_checkpoint, tmp_path)
-    edit_config(path, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
-    with pytest.raises(ModelLoadError, match="rope_scaling type 'yarn'"):
+    edit_config(path, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4})
+    with pytest.raises(ModelLoadError, match="rope_scaling type 'dynamic'"):
         load_model(str(path))
 
 
@@ -129,7 +129,9 @@ def test_config_from_hf_reads_legacy_rope_fields() -> None:
     assert config.rope_theta == 5e5 and config.head_dim == 4
     assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     assert config.eos_token_ids == [3, 4]
-    assert config.max_model_len == 128  # full attention is exact only within the window
+    # The window is real attention (daemon/model/attention.py), not a cap on the context.
+    assert config.sliding_window == 128 and config.window(0) == 128
+    assert config.max_model_len == 2048
     with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf({**raw, "hidden_act": "gelu"})
     with pytest.raises(ConfigError, match=r"rope_scaling\.low_freq_factor is missing"):

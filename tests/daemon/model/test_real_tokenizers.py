@@ -215,6 +215,8 @@ def test_chat_template_renders_as_transformers(pair: Pair, agp: bool) -> None:
     if pair.ours.chat_template is None:
         return
     for messages in CONVERSATIONS:  # the prompt tokens a chat request is served with
+        if theirs_or_error(pair, messages, True) is ChatTemplateError:
+            continue  # Gemma 2's template refuses a system turn (both refuse, checked above)
         text = pair.ours.apply_chat_template(messages)
         assert pair.ours.encode(text, add_special_tokens=False) == pair.ref.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=True, return_dict=False)

@@ -22,9 +22,10 @@ cuda = pytest.mark.skipif(not triton_attention.available(), reason="needs CUDA a
 
 
 def reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
-              lens: torch.Tensor) -> torch.Tensor:
+              lens: torch.Tensor, scale: float | None = None,
+              window: int | None = None) -> torch.Tensor:
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), q.shape[0], tables, lens, [])
-    return PagedAttention().decode(q, cache[0], cache[1], meta)
+    return PagedAttention(scale, window).decode(q, cache[0], cache[1], meta)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (9, 3, 64), (4, 4, 32),
@@ -41,16 +42,29 @@ def test_reference_walk_matches_the_gathering_decode(heads: int, kv_heads: int, 
     assert (ours - reference(q, cache, tables, lens_t)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("window", [1, 16, 70, 100])
+def test_reference_walk_reads_only_the_window(window: int) -> None:
+    """A sliding window starts the walk at the step holding its first key: splits wholly
+    before it do nothing (the merge weighs them 0), the rest mask the keys before it."""
+    lens = [1, 15, 16, 17, 40, 300]
+    cache, tables, lens_t = random_cache(lens, 2, 64)
+    q = torch.randn(len(lens), 4, 64)
+    ours = reference_decode(q, cache[0], cache[1], tables, lens_t, num_sms=64, scale=0.2,
+                            window=window)
+    assert (ours - reference(q, cache, tables, lens_t, 0.2, window)).abs().max() < 1e-5
+
+
 @cuda
+@pytest.mark.parametrize("window", [None, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernel_matches_the_reference(dtype: torch.dtype) -> None:
+def test_triton_kernel_matches_the_reference(dtype: torch.dtype, window: int | None) -> None:
     rng = random.Random(0)
     lens = [rng.randint(1, 300) for _ in range(37)] + [1, 16, 2048]
     cache, tables, lens_t = random_cache(lens, 2, 64, dtype=dtype)
     q = torch.randn(len(lens), 6, 64).to(dtype)
-    want = reference(q.float(), cache.float(), tables, lens_t)
+    want = reference(q.float(), cache.float(), tables, lens_t, 0.2, window)
     got = triton_attention.triton_decode(q.cuda(), cache[0].cuda(), cache[1].cuda(),
-                                         tables.cuda(), lens_t.cuda())
+                                         tables.cuda(), lens_t.cuda(), 0.2, window)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert (got.float().cpu() - want).abs().max() < tol
 

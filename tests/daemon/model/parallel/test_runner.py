@@ -23,8 +23,9 @@ from daemon.model.parallel.codec import decode_run, encode_run
 from daemon.model.parallel.driver import DriverRunner
 from daemon.model.parallel.load import load_runner
 from daemon.model.runner import ModelRunner
-from ipc.records import AbortCause, Delta, RequestKind, SamplingParams, Submit, ToProxy
+from ipc.records import AbortCause
 from tests.support.checkpoints import write_tokenizer
+from tests.support.greedy import PROMPTS, completion, greedy
 from tests.support.options import model_options
 
 pytestmark = pytest.mark.timeout(300)
@@ -105,35 +106,11 @@ def test_a_batch_larger_than_one_broadcast_arrives_whole(
     assert (got - expected).abs().max() <= 1e-4
 
 
-def completion(rid: str, prompt: str, n: int = 1, max_tokens: int = 24) -> Submit:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return Submit(rid, RequestKind.COMPLETION, params, n=n, prompts=[prompt], epoch=1)
-
-
-def greedy(runner: ModelRunner | DriverRunner, loaded: LoadedModel
-           ) -> tuple[dict[tuple[str, int], list[int]], Engine]:
-    engine = Engine(runner, loaded.tokenizer, None, 8, BUDGET, loaded.max_model_len, loaded.name)
-    prompts = ["Zebras vex quirky jocks; 42 sphinx? 17 wyvern! blimp",
-               "Kwartz 93 glyph vox: ibex, yak & 58 mjolnir", "a short one"]
-    for i, prompt in enumerate(prompts):
-        engine.submit(completion(f"r{i}", prompt, n=2 if i == 0 else 1))
-    out: list[ToProxy] = []
-    for _ in range(1000):
-        if not engine.has_work:
-            break
-        out += engine.step()
-    tokens: dict[tuple[str, int], list[int]] = {}
-    for r in out:
-        if isinstance(r, Delta):
-            tokens.setdefault((r.rid, r.index), []).extend(r.token_ids)
-    return tokens, engine
-
-
 def test_greedy_tokens_match_one_process(pair: tuple[DriverRunner, LoadedModel, ModelRunner]
                                          ) -> None:
     driver, loaded, whole = pair
-    expected, one = greedy(whole, loaded)
-    got, two = greedy(driver, loaded)
+    expected, one = greedy(whole, loaded, PROMPTS[:3], 24, BUDGET)
+    got, two = greedy(driver, loaded, PROMPTS[:3], 24, BUDGET)
     assert one.scheduler.num_preemptions > 0  # the scenario does preempt
     assert got == expected
     assert len(got) == 4 and all(len(t) == 24 for t in got.values())
