@@ -3,7 +3,7 @@ reference, per layer call, at several batch sizes and context lengths.
 
     python -m loadtest.bench_attention [--device cpu|cuda] [--streams 1 64] [--contexts 256 1024 2048]
 
-On CPU the kernel is daemon/model/kernels/cpu_kernels.c, on CUDA the Triton kernel. Shapes: tiny
+On CPU the kernel is daemon/model/kernels/cpu_attention.c, on CUDA the Triton kernel. Shapes: tiny
 (builtin:tiny's 4 heads, 2 KV heads, head_dim 64) and 8b (32 heads, 8 KV heads, 128). Blocks are
 scattered over the pool as a long-running server leaves them. Reports ms per call and the K/V
 bytes read per second; writes attention.json under results/bench-attention-<timestamp>/.

@@ -1,7 +1,8 @@
 """Compiled kernels behind the model's module boundaries, chosen per device at load time.
 
-CPU: cpu_kernels.c (weight-streaming linears over packed weights, norms, RoPE, decode attention
-over the paged cache), built with the system compiler on first use. CUDA: a Triton kernel for
+CPU: cpu_kernels.c (weight-streaming linears over packed weights, norms, RoPE) and
+cpu_attention.c (decode attention over the paged cache), built with the system compiler on
+first use. CUDA: a Triton kernel for
 decode attention over the paged cache (triton_attention.py); the linears stay cuBLAS's. With
 ``kernels="torch"`` the model keeps the torch reference modules of daemon/model/decoder.py everywhere.
 """

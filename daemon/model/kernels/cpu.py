@@ -1,4 +1,5 @@
-"""Builds, caches and calls the CPU kernels of cpu_kernels.c; packs weights for them.
+"""Builds, caches and calls the CPU kernels (cpu_kernels.c, cpu_attention.c); packs weights for
+them.
 
 The shared library is compiled on first use with the system C compiler (``$CC``, else ``cc``)
 for this CPU (``-march=native``) and cached under ``$TETHER_CACHE_DIR`` (else systemd's
@@ -29,7 +30,9 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_attention.c")
+HEADER = HERE / "cpu_kernels.h"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
 BLOCK = 32  # output rows per packed block (NB in the C source)
 F32, BF16, I8 = 0, 1, 2  # weight and cache element types (TL_* in the C source)
@@ -122,7 +125,8 @@ def _build(arch: str = "native") -> Path:
         raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version, platform.machine(),
+    texts = [f.read_text() for f in (*SOURCES, HEADER)]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.is_file():
@@ -132,10 +136,11 @@ def _build(arch: str = "native") -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp],
+                              capture_output=True, text=True, timeout=300)
         if done.returncode:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on the CPU kernels: "
+                               f"{done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

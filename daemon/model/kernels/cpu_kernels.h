@@ -1,0 +1,104 @@
+/* What the CPU kernels share (cpu_kernels.c, cpu_attention.c): the machine's vector types,
+ * the element types and modes Python passes (mirrored in cpu.py), and small vector helpers.
+ */
+#ifndef TETHER_CPU_KERNELS_H
+#define TETHER_CPU_KERNELS_H
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Vectors of the machine's own width: GCC lowers a wider generic vector badly (through the
+ * stack, lane by lane, for AVX2). MT rows of activations times NV vectors per block row are
+ * the register tile's accumulators, sized to the register file (32 zmm / 16 ymm). */
+#if defined(__AVX512F__)
+#define VL 16
+#define MT 8
+#elif defined(__AVX2__)
+#define VL 8
+#define MT 2
+#else
+#define VL 4
+#define MT 2
+#endif
+typedef float fvec __attribute__((vector_size(VL * 4)));
+typedef int32_t ivec __attribute__((vector_size(VL * 4)));
+typedef uint16_t hvec __attribute__((vector_size(VL * 2)));
+
+enum { TL_F32 = 0, TL_BF16 = 1, TL_I8 = 2 };
+enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2, TL_GELU_TANH_MUL = 3 };
+#define NB 32       /* output rows per packed block */
+#define NV (NB / VL) /* vectors per packed block row */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE fvec splat(float v) { return (fvec){0} + v; }
+
+/* Lane-wise a > b ? a : b (C has no vector conditional operator). */
+INLINE fvec vmax(fvec a, fvec b) {
+  ivec pick_a = a > b, ai, bi;
+  memcpy(&ai, &a, sizeof ai);
+  memcpy(&bi, &b, sizeof bi);
+  ivec r = (ai & pick_a) | (bi & ~pick_a);
+  fvec out;
+  memcpy(&out, &r, sizeof out);
+  return out;
+}
+
+/* VL elements from base[i], as floats. */
+INLINE fvec loadv(const void* base, int64_t i, int type) {
+  fvec out;
+  if (type == TL_F32) {
+    memcpy(&out, (const float*)base + i, sizeof out);
+  } else if (type == TL_BF16) {
+    hvec h;
+    memcpy(&h, (const uint16_t*)base + i, sizeof h);
+    ivec bits = __builtin_convertvector(h, ivec) << 16;
+    memcpy(&out, &bits, sizeof out);
+  } else {
+    /* GCC scalarises a generic int8 -> float vector conversion; say it in intrinsics. */
+    const int8_t* p = (const int8_t*)base + i;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    memcpy(&out, &v, sizeof out);
+#elif defined(__AVX2__)
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    memcpy(&out, &v, sizeof out);
+#else
+    for (int j = 0; j < VL; j++) out[j] = (float)p[j];
+#endif
+  }
+  return out;
+}
+
+/* exp, arguments clamped to [-87, 88]; Cephes' polynomial after reduction by ln 2 (about 1 ulp). */
+INLINE fvec vexp(fvec x) {
+  const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  x = vmax(x, splat(-87.0f));
+  x = -vmax(-x, splat(-88.0f));
+  fvec n = (x * 1.44269504089f + magic) - magic;
+  fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  fvec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  fvec scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+/* The gate of a gated MLP: silu(g) = g sigmoid(g), or GELU's tanh approximation, which is
+ * g sigmoid(2u) with u = sqrt(2/pi) (g + 0.044715 g^3) (as 0.5 (1 + tanh u) = sigmoid(2u)). */
+INLINE fvec gate_act(fvec g, int mode) {
+  if (mode == TL_SILU_MUL) return g / (1.0f + vexp(-g));
+  fvec u = 0.7978845608f * (g + 0.044715f * g * g * g);
+  return g / (1.0f + vexp(-2.0f * u));
+}
+
+#endif
