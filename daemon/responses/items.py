@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from ipc.records import ItemsPage
+from ipc.records import ItemsPage, ResponseOp, ResponseReply
 
 
 class _Id(msgspec.Struct):
@@ -57,3 +57,14 @@ def page_of(response_id: str, input_items: str, page: ItemsPage) -> Page | None:
     chosen = order[:page.limit]
     text = b"[" + b",".join([bytes(raws[i]) for i in chosen]) + b"]"
     return Page(text.decode(), [ids[i] for i in chosen], len(order) > page.limit)
+
+
+def items_reply(op: ResponseOp, input_items: str) -> ResponseReply:
+    """One page of the stored items: a reply's size follows the page, not the whole input."""
+    page = page_of(op.response_id, input_items, op.page or ItemsPage())
+    if page is None:
+        after = op.page.after if op.page is not None else None
+        return ResponseReply(op.op_id, 400, param="after", message=f"'after' names no input "
+                             f"item of response {op.response_id!r}: {after!r}")
+    return ResponseReply(op.op_id, 200, input_items=page.items, item_ids=page.ids,
+                         has_more=page.has_more)

@@ -36,22 +36,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from daemon.responses.db import Database, StoreError, connect
-from daemon.responses.items import page_of
+from daemon.responses.items import items_reply
+from daemon.responses.rows import (
+    from_text_column,
+    json_text,
+    messages_decoder,
+    row_size,
+    stored_response,
+    text_column,
+)
 from daemon.responses.schema import SCHEMA_VERSION
 from daemon.responses.watcher import PLACEHOLDERS_SQL, Watcher
 from ipc.records import (
     PLACEHOLDER_STATUSES,
-    ItemsPage,
     Message,
     ResponseFields,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,
     ResponseStatus,
-    StoredResponse,
     Submit,
     Usage,
 )
@@ -65,8 +69,6 @@ DEFAULT_MAX_BYTES = 1 << 30
 
 _PLACEHOLDERS_SQL = PLACEHOLDERS_SQL
 
-_messages_decoder = msgspec.json.Decoder(list[Message])
-_usage_decoder = msgspec.json.Decoder(Usage)
 
 
 def previous_not_found(previous_response_id: str) -> str:
@@ -74,60 +76,10 @@ def previous_not_found(previous_response_id: str) -> str:
     return f"Previous response with id '{previous_response_id}' not found."
 
 
-def _json(value: Any) -> str:
-    return msgspec.json.encode(value).decode()
-
-
-def _size(*texts: object) -> int:
-    """The bytes a row's text columns hold (the `size` column: retention by bytes)."""
-    return sum(len(t.encode()) for t in texts if isinstance(t, str))
-
-
-def text_column(value: str | None) -> str | None:
-    """Free text (model output, instructions, errors) as a JSON string: PostgreSQL's text type
-    refuses NUL, which a model may well emit."""
-    return None if value is None else _json(value)
-
-
-def _from_text_column(value: str | None) -> str | None:
-    return None if value is None else str(msgspec.json.decode(value))
-
-
 def _fields(submit: Submit) -> ResponseFields:
     if submit.response is None:
         raise ValueError(f"Submit {submit.rid!r} of kind {submit.kind} has no response fields")
     return submit.response
-
-
-def _stored(row: Any) -> StoredResponse:
-    return StoredResponse(
-        id=row["id"],
-        status=ResponseStatus(row["status"]),
-        created_at=row["created_at"],
-        model=row["model"],
-        background=bool(row["background"]),
-        completed_at=row["completed_at"],
-        output_text=_from_text_column(row["output_text"]),
-        usage=None if row["usage"] is None else _usage_decoder.decode(row["usage"]),
-        instructions=_from_text_column(row["instructions"]),
-        previous_response_id=row["previous_response_id"],
-        error=_from_text_column(row["error"]),
-        incomplete_reason=row["incomplete_reason"],
-        temperature=row["temperature"],
-        top_p=row["top_p"],
-        max_output_tokens=row["max_output_tokens"],
-    )
-
-
-def _items_reply(op: ResponseOp, input_items: str) -> ResponseReply:
-    """One page of the stored items: a reply's size follows the page, not the whole input."""
-    page = page_of(op.response_id, input_items, op.page or ItemsPage())
-    if page is None:
-        after = op.page.after if op.page is not None else None
-        return ResponseReply(op.op_id, 400, param="after", message=f"'after' names no input "
-                             f"item of response {op.response_id!r}: {after!r}")
-    return ResponseReply(op.op_id, 200, input_items=page.items, item_ids=page.ids,
-                         has_more=page.has_more)
 
 
 class ResponseStore:
@@ -190,7 +142,7 @@ class ResponseStore:
             raise ValueError(previous_not_found(fields.previous_response_id or ""))
         now = self._clock()
         status = ResponseStatus.QUEUED if fields.background else ResponseStatus.IN_PROGRESS
-        instructions, messages = text_column(fields.instructions), _json(turn)
+        instructions, messages = text_column(fields.instructions), json_text(turn)
         inserted = self._db.execute(
             "INSERT INTO responses (id, status, created_at, stored_at, model, instructions,"
             " previous_response_id, background, input_items, messages, temperature, top_p,"
@@ -200,7 +152,7 @@ class ResponseStore:
              instructions, fields.previous_response_id, int(fields.background),
              fields.input_items, messages, submit.sampling.temperature,
              submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id,
-             _size(fields.input_items, messages, instructions)),
+             row_size(fields.input_items, messages, instructions)),
         ).rowcount
         if inserted != 1:
             raise ValueError(f"response id {submit.rid!r} is already stored")
@@ -222,9 +174,9 @@ class ResponseStore:
         ).one()
         if row is None or row["status"] in PLACEHOLDER_STATUSES:
             return None
-        messages = _messages_decoder.decode(row["messages"])
+        messages = messages_decoder.decode(row["messages"])
         if row["output_text"] is not None:
-            messages.append(Message("assistant", _from_text_column(row["output_text"]) or ""))
+            messages.append(Message("assistant", from_text_column(row["output_text"]) or ""))
         return messages
 
     def complete(
@@ -232,7 +184,7 @@ class ResponseStore:
     ) -> None:
         """Completed; or incomplete when ``incomplete_reason`` is given (``max_output_tokens``)."""
         status = ResponseStatus.COMPLETED if incomplete_reason is None else ResponseStatus.INCOMPLETE
-        self._end(rid, status, output_text=text_column(output_text), usage=_json(usage),
+        self._end(rid, status, output_text=text_column(output_text), usage=json_text(usage),
                   incomplete_reason=incomplete_reason, completed_at=self._clock())
 
     def fail(self, rid: str, message: str) -> None:
@@ -266,7 +218,7 @@ class ResponseStore:
         sets = "".join(f", {name} = ?" for name in columns)
         self._db.execute(
             f"UPDATE responses SET status = ?, size = size + ?{sets} WHERE id = ? AND status IN "
-            f"{_PLACEHOLDERS_SQL}", (status.value, _size(*columns.values()), *columns.values(), rid),
+            f"{_PLACEHOLDERS_SQL}", (status.value, row_size(*columns.values()), *columns.values(), rid),
         )
 
     # --- the proxy's side: GET / DELETE / cancel ----------------------------------------------
@@ -282,9 +234,9 @@ class ResponseStore:
             return ResponseReply(op.op_id, 404,
                                  message=f"No response found with id '{op.response_id}'.")
         if op.op is ResponseOpKind.GET:
-            return ResponseReply(op.op_id, 200, response=_stored(row))
+            return ResponseReply(op.op_id, 200, response=stored_response(row))
         if op.op is ResponseOpKind.INPUT_ITEMS:
-            return _items_reply(op, row["input_items"])
+            return items_reply(op, row["input_items"])
         if op.op is ResponseOpKind.DELETE:
             return self._delete(op, row, running)
         return self._cancel_op(op, row)
@@ -336,7 +288,7 @@ class ResponseStore:
         elif status != ResponseStatus.CANCELLED:
             return ResponseReply(op.op_id, 400,
                                  message=f"Cannot cancel a response that is {status}.")
-        return ResponseReply(op.op_id, 200, response=_stored(row))
+        return ResponseReply(op.op_id, 200, response=stored_response(row))
 
     def _cancel_row(self, rid: str, owner: str | None) -> None:
         """Mark it cancelled; a response another replica runs is left as a request for it."""

@@ -15,9 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
-import msgspec
-
 from daemon.responses.db import Database, Listener
+from daemon.responses.rows import text_column
 from ipc.records import PLACEHOLDER_STATUSES, ResponseStatus
 
 log = logging.getLogger("tether.store")
@@ -80,7 +79,7 @@ class Watcher:
                 n += tx.execute(
                     f"UPDATE responses SET status = ?, error = ? WHERE owner = ? AND background = 1"
                     f" AND status IN {PLACEHOLDERS_SQL}",
-                    (ResponseStatus.FAILED.value, _json_text(OWNER_LOST_MESSAGE), owner)).rowcount
+                    (ResponseStatus.FAILED.value, text_column(OWNER_LOST_MESSAGE), owner)).rowcount
                 n += tx.execute(
                     f"DELETE FROM responses WHERE owner = ? AND background = 0 AND status IN "
                     f"{PLACEHOLDERS_SQL}", (owner,)).rowcount
@@ -152,10 +151,6 @@ class Watcher:
                 self._stop.wait(1.0)
         if listener is not None:
             _close_quietly(listener)
-
-
-def _json_text(value: str) -> str:
-    return msgspec.json.encode(value).decode()  # as store.text_column: free text is JSON
 
 
 def _close_quietly(listener: Listener) -> None:

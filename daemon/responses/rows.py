@@ -1,0 +1,52 @@
+"""How a stored response lies in its row: free text as JSON strings, the bytes a row counts
+against the store's bound, and the typed record a row becomes on the wire."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ipc.records import Message, ResponseStatus, StoredResponse, Usage
+
+messages_decoder = msgspec.json.Decoder(list[Message])
+_usage_decoder = msgspec.json.Decoder(Usage)
+
+
+def json_text(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def row_size(*texts: object) -> int:
+    """The bytes a row's text columns hold (the `size` column: retention by bytes)."""
+    return sum(len(t.encode()) for t in texts if isinstance(t, str))
+
+
+def text_column(value: str | None) -> str | None:
+    """Free text (model output, instructions, errors) as a JSON string: PostgreSQL's text type
+    refuses NUL, which a model may well emit."""
+    return None if value is None else json_text(value)
+
+
+def from_text_column(value: str | None) -> str | None:
+    return None if value is None else str(msgspec.json.decode(value))
+
+
+def stored_response(row: Any) -> StoredResponse:
+    return StoredResponse(
+        id=row["id"],
+        status=ResponseStatus(row["status"]),
+        created_at=row["created_at"],
+        model=row["model"],
+        background=bool(row["background"]),
+        completed_at=row["completed_at"],
+        output_text=from_text_column(row["output_text"]),
+        usage=None if row["usage"] is None else _usage_decoder.decode(row["usage"]),
+        instructions=from_text_column(row["instructions"]),
+        previous_response_id=row["previous_response_id"],
+        error=from_text_column(row["error"]),
+        incomplete_reason=row["incomplete_reason"],
+        temperature=row["temperature"],
+        top_p=row["top_p"],
+        max_output_tokens=row["max_output_tokens"],
+    )
