@@ -10,6 +10,8 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from daemon.engine.core import Engine, Runner
+from daemon.engine.grammar import Grammars
+from daemon.engine.guided import Guidance
 from daemon.model.tokenizer import Tokenizer
 from daemon.options import DaemonOptions, ModelOptions
 from daemon.responses.store import ResponseStore, StoreError
@@ -58,9 +60,12 @@ def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: No
         log.warning("ended %d responses left unfinished by a previous run", crashed)
     store.start_watching()
     try:
+        grammars = Grammars(tokenizer, tokenizer.special_token_ids,
+                            cache_bytes=options.grammar_cache_bytes)
         engine = Engine(runner, tokenizer, store, options.model.max_num_seqs,
                         options.model.max_tokens_per_tick, max_model_len, name,
-                        prefix_caching=options.prefix_caching)
+                        prefix_caching=options.prefix_caching,
+                        guidance=Guidance(grammars, options.grammar_compile_timeout_s))
     except ValueError as e:
         log.error("%s", e)
         pipes.close()

@@ -55,3 +55,5 @@ class DaemonOptions:
     pipe_group: str | None
     prefix_caching: bool
     drain_timeout_s: float
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_bytes: int = 64 << 20

@@ -59,6 +59,7 @@ Notify = Callable[[str], object]
 
 STATS_INTERVAL_S = 0.1
 IDLE_WAIT_S = 0.05
+GRAMMAR_POLL_S = 0.001
 WATCHDOG_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
 FLUSH_TIMEOUT_S = 1.0
@@ -111,7 +112,9 @@ class DaemonServer:
         while not self._done():
             ran = self.tick()
             if not ran:
-                self.pipes.wait_readable(IDLE_WAIT_S)
+                # A grammar compiles on its own thread, in a millisecond or so: look again soon.
+                self.pipes.wait_readable(GRAMMAR_POLL_S if self.engine.waiting_for_grammar
+                                         else IDLE_WAIT_S)
         self._shutdown()
         return 0 if self.failure is None else 1
 
@@ -121,6 +124,7 @@ class DaemonServer:
         self._drain_control(now)
         self._drain_requests()
         self._answer_ops()
+        self._out += self.engine.admit_guided()
         if self._out and self.engine.has_work:
             # Admissions and evictions go out before a forward pass that may take seconds.
             out, self._out = self._out, []
@@ -262,7 +266,8 @@ class DaemonServer:
             return True
         if self.stop_deadline is None:
             return False
-        return not self.engine.has_work or self.clock() >= self.stop_deadline
+        idle = not (self.engine.has_work or self.engine.waiting_for_grammar)
+        return idle or self.clock() >= self.stop_deadline
 
     def _shutdown(self) -> None:
         self.notify("STOPPING=1")

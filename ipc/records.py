@@ -23,8 +23,9 @@ import msgspec
 # nonce, Welcome), Admitted, Alive, Pause/Resume, Submit.client_id, Stats.paused;
 # 5: Welcome.tensor_parallel_size; 6: ResponseFields.input as messages (the proxy parses the
 # Responses input), ResponseReply typed (StoredResponse, input_items, deleted) instead of a body;
-# 7: input items paged by the daemon (ResponseOp.page; ResponseReply.item_ids, has_more, param)
-PROTOCOL_VERSION = 7
+# 7: input items paged by the daemon (ResponseOp.page; ResponseReply.item_ids, has_more, param);
+# 8: SamplingParams.guide (constrained decoding), Stats.grammar_*
+PROTOCOL_VERSION = 8
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -116,6 +117,22 @@ class Message(msgspec.Struct, frozen=True):
     content: str
 
 
+class GuideKind(enum.StrEnum):
+    JSON_SCHEMA = "json_schema"  # spec: the schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; no spec
+    REGEX = "regex"
+    CHOICE = "choice"  # spec: a JSON list of strings, one of which is the output
+    GRAMMAR = "grammar"  # spec: a Lark grammar (or llama.cpp's GBNF)
+
+
+class Guide(msgspec.Struct, frozen=True):
+    """What a constrained output must match (structured outputs, forced tool calls)."""
+
+    kind: GuideKind
+    spec: str = ""
+    source: str = ""  # the request field it came from, named in errors (response_format, ...)
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: PosInt = 16
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
@@ -128,6 +145,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_tokens: NonNegInt = 0
     # Log-probabilities of the sampled tokens with this many alternatives each; None: none.
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    guide: Guide | None = None  # the output is constrained to match it
 
 
 class ResponseFields(msgspec.Struct, frozen=True):
@@ -341,6 +359,10 @@ class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found there
     paused: int = 0  # requests the proxy has paused (flow control)
+    grammar_compiles: int = 0  # grammars compiled (cache misses)
+    grammar_cache_hits: int = 0
+    grammar_cache_bytes: int = 0
+    grammar_compile_obs: list[float] = []  # seconds per compile since the previous Stats
 
 
 class StoredResponse(msgspec.Struct, frozen=True):

@@ -26,6 +26,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.0
                     0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TICK_BUCKETS = (0, 1, 2, 3, 5, 10, 25)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 _GAUGES = (
@@ -38,6 +39,8 @@ _GAUGES = (
      "kv_blocks_cached"),
     ("tether_conversation_placeholders", "Responses placeholders held", "placeholders"),
     ("tether_requests_paused", "Sessions paused because their client is not reading", "paused"),
+    ("tether_grammar_cache_bytes", "Compiled structured-output grammars kept for reuse",
+     "grammar_cache_bytes"),
 )
 
 _TOKEN_COUNTERS = (
@@ -49,6 +52,10 @@ _TOKEN_COUNTERS = (
     ("tether_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
      "prefix_cache_queries"),
     ("tether_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
+    ("tether_grammar_compiles", "Structured-output grammars compiled (cache misses)",
+     "grammar_compiles"),
+    ("tether_grammar_cache_hits", "Structured-output grammars found compiled",
+     "grammar_cache_hits"),
 )
 
 
@@ -121,6 +128,9 @@ class ProxyMetrics:
             "tether_abort_latency_ticks",
             "Forward passes that started between the disconnect and the eviction",
             buckets=_TICK_BUCKETS, registry=self.registry)
+        self.grammar_compile = Histogram(
+            "tether_grammar_compile_seconds", "Time to compile a structured-output grammar",
+            buckets=_COMPILE_BUCKETS, registry=self.registry)
         self.time_to_first_token = Histogram(
             "tether_time_to_first_token_seconds", "From request arrival to the first token",
             buckets=_TTFT_BUCKETS, registry=self.registry)
@@ -134,6 +144,8 @@ class ProxyMetrics:
             self.abort_latency.observe(seconds)
         for ticks in stats.abort_latency_ticks_obs:
             self.abort_latency_ticks.observe(ticks)
+        for seconds in stats.grammar_compile_obs:
+            self.grammar_compile.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

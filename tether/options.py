@@ -40,7 +40,9 @@ def daemon_options(s: Settings) -> DaemonOptions:
         lease_s=s.replica_lease_s)
     return DaemonOptions(
         model=model, store=store, runtime_dir=s.runtime_dir, pipe_group=s.pipe_group,
-        prefix_caching=s.prefix_caching, drain_timeout_s=s.drain_timeout_s)
+        prefix_caching=s.prefix_caching, drain_timeout_s=s.drain_timeout_s,
+        grammar_compile_timeout_s=s.grammar_compile_timeout_s,
+        grammar_cache_bytes=s.grammar_cache_mib << 20)
 
 
 def proxy_options(s: Settings) -> ProxyOptions:

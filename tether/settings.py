@@ -50,6 +50,8 @@ class Settings:
     gpu_memory_utilization: float = 0.0
     cuda_graphs: bool = True
     prefix_caching: bool = True
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_mib: int = 64
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
     keep_alive_timeout_s: int = 75
@@ -105,6 +107,9 @@ _HELP: dict[str, str] = {
     "profile pass; 0 = size it with --kv-cache-blocks or --kv-cache-mib (CUDA only)",
     "cuda_graphs": "replay decode-only ticks as CUDA graphs, one per batch-size bucket up to "
     "--max-num-seqs (CUDA, Triton kernels, one rank; --no-cuda-graphs runs every tick eagerly)",
+    "grammar_compile_timeout_s": "a structured-output grammar (JSON schema, regex, ...) not "
+    "compiled within this many seconds fails its request with a 400",
+    "grammar_cache_mib": "compiled grammars kept for reuse, in MiB (least recently used go)",
     "prefix_caching": "reuse the KV of full blocks of earlier prompts with the same start "
     "(--no-prefix-caching turns it off)",
     "max_waiting": "most requests waiting in the proxy before it answers 429",
@@ -234,7 +239,8 @@ def _check(s: Settings) -> None:
     if s.gpu_memory_utilization and s.kv_cache_mib:
         raise ValueError("--gpu-memory-utilization and --kv-cache-mib both size the KV cache: "
                          "give one of them")
-    for name in ("request_timeout_s", "stall_timeout_s", "header_timeout_s", "body_timeout_s"):
+    for name in ("request_timeout_s", "stall_timeout_s", "header_timeout_s", "body_timeout_s",
+                 "grammar_compile_timeout_s"):
         if not getattr(s, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(s, name)}")
     if s.threads < 0:

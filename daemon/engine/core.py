@@ -23,6 +23,7 @@ from daemon.engine.admission import (
     render_prompts,
 )
 from daemon.engine.block_manager import BlockManager
+from daemon.engine.guided import Guidance, check_guide
 from daemon.engine.sampler import Sampler, sampled_logprobs
 from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import Detokenizer, Sequence, Session
@@ -78,7 +79,8 @@ class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer, store: Store | None,
                  max_num_seqs: int, max_tokens_per_tick: int, max_model_len: int,
                  model_name: str, *, make_detokenizer: Callable[[list[int]], Detokenizer] | None = None,
-                 clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True,
+                 guidance: Guidance | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         # A stored response's whole life goes through here: a failing store costs one session.
@@ -92,6 +94,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_tokens_per_tick,
                                    runner.copy_block)
         self.sampler = Sampler(tokenizer.eos_token_ids)
+        self.guidance = guidance  # constrained decoding; None: guided requests are refused
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._make_detok = make_detokenizer or _default_detokenizer(tokenizer)
         self.sessions: dict[str, Session] = {}
@@ -110,6 +113,10 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return self.guidance is not None and self.guidance.num_pending > 0
+
     def is_running(self, rid: str) -> bool:
         return rid in self.sessions
 
@@ -125,6 +132,7 @@ class Engine:
             return [Rejected(f"request id {rec.rid!r} is already running", status=409)
                     .to_error(rec.rid)]
         try:
+            check_guide(rec, self.guidance)
             history = self.responses.history if self.responses is not None else None
             prompts = render_prompts(rec, self.tokenizer, history)
             check_limits(rec, prompts, self.max_model_len, self.max_num_seqs,
@@ -133,10 +141,37 @@ class Engine:
         except Rejected as e:
             return [e.to_error(rec.rid)]
         self.sessions[rec.rid] = session
-        for seq in session.sequences:
-            if seq.index % rec.n == 0:
-                self.scheduler.add(seq)
+        guide = rec.sampling.guide
+        if guide is not None and self.guidance is not None:
+            self.guidance.wait(session, guide)  # scheduled once its grammar is ready
+        else:
+            self._schedule(session)
         return [Admitted(rec.rid)]
+
+    def _schedule(self, session: Session) -> None:
+        """Sample 0 of each prompt to the scheduler; its siblings fork from it once its prompt
+        is prefilled."""
+        forked = {id(child) for seq in session.sequences for child in seq.fork_children}
+        for seq in session.sequences:
+            if id(seq) not in forked:
+                self.scheduler.add(seq)
+
+    def admit_guided(self) -> list[ToProxy]:
+        """Guided sessions whose grammar is ready join the scheduler; those refused end with
+        their Error."""
+        if not self.waiting_for_grammar:
+            return []
+        assert self.guidance is not None
+        ready, refused = self.guidance.ready()
+        for session in ready:
+            self._schedule(session)
+        out: list[ToProxy] = []
+        for session, rejected in refused:
+            del self.sessions[session.rid]
+            # Refused like a request refused at admission: its placeholder goes with it.
+            self._end_response(session, Aborted(AbortCause.CLIENT_DISCONNECT, background=False))
+            out.append(rejected.to_error(session.rid))
+        return out
 
     def refuse(self, rec: Submit, cause: AbortCause,
                t_disconnect: float | None = None) -> list[ToProxy]:
@@ -220,6 +255,8 @@ class Engine:
         ended = session.end(reason)
         for seq in ended:
             self.scheduler.remove(seq)
+        if self.guidance is not None:
+            self.guidance.drop(session.rid)
         self._end_response(session, Failed(error or "internal error") if cause is None
                            else Aborted(cause, session.background))
         del self.sessions[session.rid]
@@ -271,7 +308,11 @@ class Engine:
         rows = [row for row, _ in to_sample]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = self.sampler(logits, seqs)
+        if self.guidance is None:
+            tokens = self.sampler(logits, seqs)
+        else:
+            tokens = self.sampler(self.guidance.mask(logits, seqs), seqs)
+            tokens = self.guidance.accept(seqs, tokens, self.max_model_len)
         return self._emit(seqs, tokens, sampled_logprobs(logits, seqs, tokens))
 
     def _emit(self, seqs: list[Sequence], tokens: list[int],
@@ -350,7 +391,7 @@ class Engine:
         """Gauges and counters now; latency observations since the previous call."""
         obs, self._latency_obs = self._latency_obs, []
         ticks_obs, self._latency_ticks_obs = self._latency_ticks_obs, []
-        return Stats(
+        stats = Stats(
             t=self.clock(),
             # Requests, not sequences: a request runs while any of its sequences does.
             running=(running := len({seq.rid for seq in self.scheduler.running})),
@@ -372,6 +413,12 @@ class Engine:
             abort_latency_ticks_obs=ticks_obs,
             paused=sum(1 for s in self.sessions.values() if s.paused),
         )
+        if self.guidance is not None:
+            grammars = self.guidance.grammars
+            stats.grammar_compiles, stats.grammar_cache_hits = grammars.num_misses, grammars.num_hits
+            stats.grammar_cache_bytes = grammars.num_cached_bytes
+            stats.grammar_compile_obs = grammars.take_compile_obs()
+        return stats
 
     def _log_end(self, session: Session, reason: FinishReason, cause: AbortCause | None,
                  extra: dict[str, Any]) -> None:

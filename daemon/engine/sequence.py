@@ -7,10 +7,13 @@ import enum
 import itertools
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from daemon.engine.stops import StopMatcher
 from ipc.records import FinishReason, RequestKind, SamplingParams, TokenLogprob, Usage
+
+if TYPE_CHECKING:
+    from daemon.engine.grammar import Constraint
 
 # Ticks remembered per session to attribute sampled tokens to "after the client left".
 _TICK_MEMORY = 4096
@@ -54,6 +57,7 @@ class Detokenizer(Protocol):
 
 
 class SeqStatus(enum.Enum):
+    NEW = "new"  # built, not given to the scheduler yet (a guided one waits for its grammar)
     WAITING = "waiting"  # no blocks; in the scheduler's waiting queue
     RUNNING = "running"  # holds blocks; in the scheduler's running list
     FORK_PENDING = "fork_pending"  # a sibling of a prompt still being prefilled
@@ -77,7 +81,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # Prompt tokens found in the prefix cache when first admitted; None until then.
     num_cached_tokens: int | None = None
-    status: SeqStatus = SeqStatus.WAITING
+    status: SeqStatus = SeqStatus.NEW
     finish_reason: FinishReason | None = None
     # Siblings forked from this sequence's blocks once its prompt is prefilled.
     fork_children: list[Sequence] = field(default_factory=list)
@@ -86,6 +90,7 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs
     rng: Any = None  # the sampler's torch.Generator, created lazily from `seed`
     paused: bool = False  # flow control: not scheduled until resumed (Scheduler.set_paused)
+    constraint: Constraint | None = None  # what its output must match (guided decoding)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -96,7 +96,10 @@ class SimRunner:
                                  f"too few for {end} positions of {self.block_size}")
             if c.needs_logits:
                 words.append(self.next_token(c.token_ids[-1], end - 1))
-        logits = torch.full((len(words), self.vocab_size), float("-inf"))
+        # The word is certain; every other text token is possible but never chosen beside it
+        # (e^-30), so that a grammar's mask leaves something to sample; special ids never.
+        logits = torch.full((len(words), self.vocab_size), -30.0)
+        logits[:, 256:self.first_word_id] = float("-inf")
         if words:
             logits[torch.arange(len(words)), torch.tensor(words)] = 0.0
         if self.tick_s:

@@ -34,6 +34,7 @@ class Tokenizer(Protocol):
     bos_token_id: int | None
     eos_token_ids: list[int]
     vocab_size: int  # ids >= this never come out of encode and decode to nothing
+    special_token_ids: list[int]  # control tokens (BOS, EOS, chat markers): never text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """add_special_tokens=False for text from apply_chat_template (it has its own BOS)."""
@@ -131,6 +132,7 @@ class ByteTokenizer:
         self.bos_token_id: int | None = self.special_ids["<bos>"]
         self.eos_token_ids = [self.special_ids["<eos>"], self.special_ids["<|im_end|>"]]
         self.vocab_size = 256 + len(BYTE_SPECIALS)
+        self.special_token_ids = sorted(self.special_ids.values())
         self._split = re.compile("(" + "|".join(re.escape(s) for s in BYTE_SPECIALS) + ")")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -186,6 +188,7 @@ class HFTokenizer:
         added = tokenizer.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self.special_token_ids = sorted(self._special_ids)
         self._byte_piece_ids = _byte_fallback_pieces(tokenizer)
         self._byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
         # Decoding after a plain token keeps the leading space that SentencePiece's decoder

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 from daemon.engine.core import Engine
+from daemon.engine.grammar import Grammars
+from daemon.engine.guided import Guidance
 from daemon.model.tokenizer import ByteTokenizer
 from daemon.responses.store import ResponseStore
 from ipc.records import Delta, Finish, RequestKind, SamplingParams, Submit, ToProxy
@@ -24,11 +28,17 @@ class Clock:
 def make_engine(script: Script | None = None, num_blocks: int = 64, max_num_seqs: int = 8,
                 budget: int = 64, max_model_len: int = 512,
                 store: ResponseStore | None = None,
-                prefix_caching: bool = True) -> tuple[Engine, FakeRunner]:
+                prefix_caching: bool = True,
+                guidance: Guidance | None = None) -> tuple[Engine, FakeRunner]:
     runner = FakeRunner(num_blocks, TOK.vocab_size, script)
     engine = Engine(runner, TOK, store, max_num_seqs, budget, max_model_len, "fake",
-                    clock=Clock(), prefix_caching=prefix_caching)
+                    clock=Clock(), prefix_caching=prefix_caching, guidance=guidance)
     return engine, runner
+
+
+def guidance() -> Guidance:
+    """Constrained decoding over the byte tokenizer, as the daemon builds it."""
+    return Guidance(Grammars(TOK, TOK.special_token_ids))
 
 
 def completion(rid: str, prompt: str = "hello", n: int = 1, **params) -> Submit:
@@ -39,8 +49,12 @@ def completion(rid: str, prompt: str = "hello", n: int = 1, **params) -> Submit:
 def run(engine: Engine, max_ticks: int = 500) -> list[ToProxy]:
     out: list[ToProxy] = []
     for _ in range(max_ticks):
+        out += engine.admit_guided()
         if not engine.has_work:
-            return out
+            if not engine.waiting_for_grammar:
+                return out
+            time.sleep(0.001)  # a grammar compiles on its own thread
+            continue
         out += engine.step()
     raise AssertionError("engine did not finish")
 

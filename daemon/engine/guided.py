@@ -1,0 +1,158 @@
+"""The engine's side of constrained decoding (daemon/engine/grammar.py): sessions waiting for
+their grammar, the masks of a tick, and the tokens the constraints let through.
+
+A guided session is admitted (its client hears Admitted) but its sequences reach the scheduler
+only once its grammar is compiled, so one whose client leaves meanwhile is never prefilled: its
+eviction drops the pending compile like everything else it holds. A compile that fails, or
+takes longer than the timeout, is that request's 400.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import llguidance
+import torch
+
+from daemon.engine.grammar import Constraint, GrammarError, Grammars, apply_bitmask
+from daemon.engine.sequence import Sequence, Session
+from daemon.rejected import Rejected
+from ipc.records import Guide, Submit
+
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    session: Session
+    guide: Guide
+    future: Future[llguidance.LLMatcher]
+    deadline: float
+
+
+class Guidance:
+    def __init__(self, grammars: Grammars, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.grammars = grammars
+        self.compile_timeout_s = compile_timeout_s
+        self.clock = clock
+        self._pending: dict[str, _Pending] = {}
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def wait(self, session: Session, guide: Guide) -> None:
+        """Compile the session's grammar; `ready` hands the session back once it is."""
+        self._pending[session.rid] = _Pending(session, guide, self.grammars.compile(guide),
+                                              self.clock() + self.compile_timeout_s)
+
+    def drop(self, rid: str) -> None:
+        """The session ended while its grammar compiled: nothing of it is kept."""
+        pending = self._pending.pop(rid, None)
+        if pending is not None:
+            pending.future.cancel()
+
+    def ready(self) -> tuple[list[Session], list[tuple[Session, Rejected]]]:
+        """Sessions whose grammar is ready (each sequence holding its constraint), and those
+        refused: the grammar is invalid, took too long, or cannot fit in max_tokens."""
+        if not self._pending:
+            return [], []
+        now = self.clock()
+        ready: list[Session] = []
+        refused: list[tuple[Session, Rejected]] = []
+        for rid, pending in list(self._pending.items()):
+            future = pending.future
+            if not future.done() and now < pending.deadline:
+                continue
+            del self._pending[rid]
+            try:
+                self._constrain(pending, future)
+            except Rejected as e:
+                future.cancel()
+                refused.append((pending.session, e))
+                continue
+            ready.append(pending.session)
+        return ready, refused
+
+    def _constrain(self, pending: _Pending, future: Future[llguidance.LLMatcher]) -> None:
+        param = pending.guide.source or None
+        if not future.done():
+            raise Rejected(f"the grammar took longer than {self.compile_timeout_s:g} s to "
+                           "compile", param=param, code="grammar_timeout")
+        try:
+            template = future.result()
+        except GrammarError as e:
+            raise Rejected(f"invalid {pending.guide.kind.value}: {e}", param=param,
+                           code="invalid_grammar") from None
+        seqs = pending.session.sequences
+        for seq in seqs:
+            seq.constraint = Constraint(self.grammars, template.deep_copy())
+        first = seqs[0]
+        left = _tokens_left(first, first.params.max_tokens)
+        if not first.constraint.feasible(left):  # type: ignore[union-attr]
+            raise Rejected(f"max_tokens ({left}) is too small for the shortest output the "
+                           f"{pending.guide.kind.value} allows", param="max_tokens",
+                           code="max_tokens_too_small")
+
+    # --- one tick -------------------------------------------------------------------------------
+
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """`logits` with every token a constrained row forbids at -inf (a copy: the model's own
+        logits stay for the reported log-probabilities); the same tensor when none is."""
+        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if not rows:
+            return logits
+        bitmask = self.grammars.new_bitmask(len(rows))
+        for j, row in enumerate(rows):
+            seqs[row].constraint.fill(bitmask, j)  # type: ignore[union-attr]
+        masked = logits.clone()
+        apply_bitmask(masked, rows, bitmask)
+        return masked
+
+    def accept(self, seqs: list[Sequence], tokens: list[int], max_model_len: int) -> list[int]:
+        """The tokens to emit: each constraint consumes its sequence's sampled token, or puts
+        the next token of its closing in its place (daemon/engine/grammar.py)."""
+        out = tokens
+        for i, seq in enumerate(seqs):
+            constraint = seq.constraint
+            if constraint is None:
+                continue
+            left = min(_tokens_left(seq, seq.params.max_tokens),
+                       max_model_len - seq.num_tokens)
+            token = constraint.accept(tokens[i], left)
+            if token != tokens[i]:
+                if out is tokens:
+                    out = list(tokens)
+                out[i] = token
+        return out
+
+    def close(self) -> None:
+        for rid in list(self._pending):
+            self.drop(rid)
+        self.grammars.close()
+
+
+def check_guide(submit: Submit, guidance: Guidance | None) -> None:
+    """Refuses what a guided request cannot have: no grammar engine, or an end of sequence
+    the grammar cannot rely on."""
+    guide = submit.sampling.guide
+    if guide is None:
+        return
+    if guidance is None:
+        raise Rejected("constrained decoding is not available on this server",
+                       param=guide.source or None)
+    if submit.sampling.ignore_eos:
+        raise Rejected(f"ignore_eos cannot be combined with {guide.source or 'a guide'}: a "
+                       "constrained output ends with the end of sequence", param="ignore_eos")
+    if submit.sampling.min_tokens:
+        raise Rejected(f"min_tokens cannot be combined with {guide.source or 'a guide'}: the "
+                       "grammar decides where the output ends", param="min_tokens")
+
+
+def _tokens_left(seq: Sequence, max_tokens: int) -> int:
+    """Tokens this sequence may still generate, the next one included."""
+    return max_tokens - seq.num_generated

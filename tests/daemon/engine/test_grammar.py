@@ -1,0 +1,152 @@
+"""Grammars compiled from guides, their masks, and outputs that stay valid within max_tokens.
+
+The property tests sample at temperature 1 from random logits, where a naive integration fails:
+every output must parse and validate against its schema whatever the budget left."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from daemon.engine.grammar import Constraint, GrammarError, Grammars, apply_bitmask, closing
+from daemon.model.tokenizer import ByteTokenizer
+from ipc.records import Guide, GuideKind
+
+TOK = ByteTokenizer()
+EOS = TOK.eos_token_ids[0]
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    return Grammars(TOK, TOK.special_token_ids)
+
+
+def schema_guide(schema: dict[str, Any]) -> Guide:
+    return Guide(GuideKind.JSON_SCHEMA, json.dumps(schema), source="response_format")
+
+
+def generate(grammars: Grammars, guide: Guide, max_tokens: int, seed: int) -> tuple[str, bool]:
+    """Samples at temperature 1 from random logits under the guide; (text, ended with EOS)."""
+    gen = torch.Generator().manual_seed(seed)
+    constraint = Constraint(grammars, grammars.compile(guide).result())
+    out: list[int] = []
+    for step in range(max_tokens):
+        logits = torch.randn(1, TOK.vocab_size, generator=gen) * 4
+        bitmask = grammars.new_bitmask(1)
+        constraint.fill(bitmask, 0)
+        apply_bitmask(logits, [0], bitmask)
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        token = constraint.accept(token, max_tokens - step)
+        if token == EOS:
+            return TOK.decode(out), True
+        out.append(token)
+    return TOK.decode(out), False
+
+
+def test_each_kind_compiles_and_masks(grammars: Grammars) -> None:
+    cases = {
+        Guide(GuideKind.JSON_OBJECT): ("{", "x"),
+        Guide(GuideKind.REGEX, r"[0-9]{3}-[a-z]+"): ("7", "a"),
+        Guide(GuideKind.CHOICE, json.dumps(["yes", "no"])): ("y", "a"),
+        Guide(GuideKind.GRAMMAR, 'start: "ab" | "cd"'): ("c", "b"),
+        Guide(GuideKind.GRAMMAR, 'root ::= "ab" | "cd"'): ("a", "d"),  # GBNF
+    }
+    for guide, (allowed, forbidden) in cases.items():
+        matcher = grammars.compile(guide).result()
+        assert matcher.validate_tokens([ord(allowed)]) == 1, guide
+        assert matcher.validate_tokens([ord(forbidden)]) == 0, guide
+
+
+def test_a_bad_guide_names_what_is_wrong(grammars: Grammars) -> None:
+    with pytest.raises(GrammarError, match="uniqueItems"):  # a keyword not built
+        grammars.compile(schema_guide({"type": "array", "uniqueItems": True})).result()
+    with pytest.raises(GrammarError, match="notatype"):
+        grammars.compile(schema_guide({"type": "notatype"})).result()
+    with pytest.raises(GrammarError):
+        grammars.compile(Guide(GuideKind.REGEX, "(unclosed")).result()
+    with pytest.raises(GrammarError):
+        grammars.compile(Guide(GuideKind.JSON_SCHEMA, "{not json")).result()
+
+
+def test_compiled_grammars_are_cached_within_their_bytes() -> None:
+    small = Grammars(TOK, TOK.special_token_ids, cache_bytes=4096)
+    guide = Guide(GuideKind.REGEX, "a+")
+    small.compile(guide).result()
+    small.compile(guide).result()
+    assert (small.num_misses, small.num_hits) == (1, 1)
+    for i in range(50):
+        small.compile(Guide(GuideKind.REGEX, f"b{i}+")).result()
+    assert 0 < small.num_cached_bytes <= 4096
+    assert small.compile_obs and all(t >= 0 for t in small.take_compile_obs())
+
+
+def test_the_closing_is_valid_from_anywhere(grammars: Grammars) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {
+        "type": "array", "items": {"type": "integer"}}}, "required": ["a", "b"],
+        "additionalProperties": False}
+    matcher = grammars.compile(schema_guide(schema)).result()
+    for byte in b'{"a":"x\\"y","b":[1':
+        assert matcher.consume_token(byte)
+    tail = closing(matcher, grammars.byte_tokens)
+    assert tail is not None
+    jsonschema.validate(json.loads(b'{"a":"x\\"y","b":[1' + tail), schema)
+
+
+def test_a_budget_too_small_for_any_output_is_infeasible(grammars: Grammars) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}},
+              "required": ["name"]}
+    constraint = Constraint(grammars, grammars.compile(schema_guide(schema)).result())
+    assert not constraint.feasible(len('{"name":""}'))  # no room left for the end of sequence
+    assert constraint.feasible(len('{"name":""}') + 1)
+
+
+_leaf = st.one_of(
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 12)),
+    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+              st.integers(-50, 50), st.integers(0, 1000)),
+    st.just({"type": "boolean"}),
+    st.just({"type": "number"}),
+    st.just({"type": "string"}),  # unbounded: only the budget ends it
+    st.builds(lambda vals: {"enum": vals},
+              st.lists(st.text("abcxyz", min_size=1, max_size=6), min_size=1, max_size=4,
+                       unique=True)),
+)
+
+
+def _object(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    def build(props: dict[str, dict[str, Any]], required: list[bool]) -> dict[str, Any]:
+        names = list(props)
+        return {"type": "object", "properties": props, "additionalProperties": False,
+                "required": [n for n, r in zip(names, required, strict=False) if r]}
+    return st.builds(build, st.dictionaries(st.text("abcdefgh", min_size=1, max_size=5),
+                                            children, min_size=1, max_size=4),
+                     st.lists(st.booleans(), min_size=4, max_size=4))
+
+
+_schemas = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        _object(inner),
+        st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n},
+                  inner, st.integers(0, 4))),
+    max_leaves=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schema=_object(_schemas), max_tokens=st.integers(8, 160), seed=st.integers(0, 2**31))
+def test_every_output_validates_within_its_budget(grammars: Grammars, schema: dict[str, Any],
+                                                  max_tokens: int, seed: int) -> None:
+    guide = schema_guide(schema)
+    feasible = Constraint(grammars, grammars.compile(guide).result()).feasible(max_tokens)
+    text, ended = generate(grammars, guide, max_tokens, seed)
+    if not feasible:
+        return  # refused at admission in the engine (tests/daemon/engine/test_guided.py)
+    assert ended, f"ran out of its {max_tokens} tokens: {text!r}"
+    jsonschema.validate(json.loads(text), schema)
+    assert len(text.encode()) < max_tokens  # byte tokens; the end of sequence took one

@@ -1,0 +1,113 @@
+"""Guided sessions in the engine: held until their grammar is compiled, refused when it cannot
+be, valid when they finish, and evicted whole (the pending compile included)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jsonschema
+import llguidance
+
+from daemon.engine.grammar import Grammars
+from daemon.engine.guided import Guidance
+from daemon.responses.store import ResponseStore
+from ipc.records import (
+    AbortCause,
+    Error,
+    FinishReason,
+    Guide,
+    GuideKind,
+    Message,
+    RequestKind,
+    ResponseFields,
+    SamplingParams,
+    Submit,
+)
+from tests.support.engine_kit import TOK, completion, finishes, guidance, make_engine, run, texts
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+GUIDE = Guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA), source="response_format")
+
+
+class HeldGrammars(Grammars):
+    """Compiles only once `release` is set: a slow compile, on the real compile thread."""
+
+    def __init__(self) -> None:
+        super().__init__(TOK, TOK.special_token_ids)
+        self.release = threading.Event()
+
+    def _build(self, guide: Guide) -> llguidance.LLMatcher:
+        self.release.wait(10)
+        return super()._build(guide)
+
+
+def test_a_guided_completion_is_valid_json_and_stops():
+    engine, _ = make_engine(guidance=guidance())
+    engine.submit(completion("g", "go", n=2, max_tokens=60, temperature=1.0, guide=GUIDE))
+    out = run(engine)
+    for index, text in texts(out, "g").items():
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert finishes(out, "g")[index].reason is FinishReason.STOP
+
+
+def test_a_session_waits_for_its_grammar_and_is_never_prefilled_if_its_client_leaves():
+    grammars = HeldGrammars()
+    engine, runner = make_engine(guidance=Guidance(grammars))
+    engine.submit(completion("slow", "go", max_tokens=40, guide=GUIDE))
+    engine.submit(completion("plain", "go", max_tokens=3))
+    while engine.has_work:  # the plain request finishes meanwhile
+        engine.admit_guided()
+        engine.step()
+    assert engine.waiting_for_grammar and "slow" in engine.sessions
+    engine.abort("slow", AbortCause.CLIENT_DISCONNECT)
+    assert not engine.waiting_for_grammar and not engine.sessions
+    grammars.release.set()
+    assert run(engine) == []
+    prefilled = [c for p in runner.passes for c in p if TOK.decode(c.token_ids) == "go"]
+    assert len(prefilled) == 1  # the plain request's prompt only
+
+
+def test_a_grammar_that_cannot_compile_is_the_request_s_400():
+    engine, _ = make_engine(guidance=guidance())
+    bad = Guide(GuideKind.JSON_SCHEMA, json.dumps({"type": "array", "uniqueItems": True}),
+                source="response_format")
+    engine.submit(completion("bad", max_tokens=20, guide=bad))
+    [error] = run(engine)
+    assert isinstance(error, Error) and error.status == 400
+    assert error.param == "response_format" and "uniqueItems" in error.message
+    assert not engine.sessions
+
+
+def test_a_budget_too_small_for_the_schema_is_a_400_naming_max_tokens():
+    engine, _ = make_engine(guidance=guidance())
+    engine.submit(completion("tiny", max_tokens=5, guide=GUIDE))
+    [error] = run(engine)
+    assert isinstance(error, Error) and error.param == "max_tokens"
+
+
+def test_guides_that_need_the_end_of_sequence_refuse_ignore_eos_and_min_tokens():
+    engine, _ = make_engine(guidance=guidance())
+    for param, extra in (("ignore_eos", {"ignore_eos": True}), ("min_tokens", {"min_tokens": 3})):
+        [error] = engine.submit(completion("x", max_tokens=20, guide=GUIDE, **extra))
+        assert isinstance(error, Error) and error.param == param
+
+
+def test_without_a_grammar_engine_a_guided_request_is_refused():
+    engine, _ = make_engine()
+    [error] = engine.submit(completion("x", max_tokens=20, guide=GUIDE))
+    assert isinstance(error, Error) and error.param == "response_format"
+
+
+def test_a_refused_guided_response_leaves_no_stored_row():
+    store = ResponseStore(None, 100, 3600.0)
+    engine, _ = make_engine(guidance=guidance(), store=store)
+    bad = Guide(GuideKind.REGEX, "(", source="text.format")
+    fields = ResponseFields(input=[Message("user", "hi")], model="fake")
+    engine.submit(Submit("resp_g", RequestKind.RESPONSE, SamplingParams(max_tokens=20, guide=bad),
+                         response=fields, epoch=1))
+    [error] = run(engine)
+    assert isinstance(error, Error) and error.param == "text.format"
+    assert store.num_placeholders() == 0 and store.num_stored() == 0
