@@ -54,3 +54,4 @@ class DaemonOptions:
     pipe_group: str | None
     prefix_caching: bool
     drain_timeout_s: float
+    max_seqs_per_request: int  # prompts x n, checked again here whatever the proxy checked

@@ -39,7 +39,8 @@ def daemon_options(s: Settings) -> DaemonOptions:
         lease_s=s.replica_lease_s)
     return DaemonOptions(
         model=model, store=store, runtime_dir=s.runtime_dir, pipe_group=s.pipe_group,
-        prefix_caching=s.prefix_caching, drain_timeout_s=s.drain_timeout_s)
+        prefix_caching=s.prefix_caching, drain_timeout_s=s.drain_timeout_s,
+        max_seqs_per_request=s.max_seqs_per_request)
 
 
 def proxy_options(s: Settings) -> ProxyOptions:
@@ -48,7 +49,8 @@ def proxy_options(s: Settings) -> ProxyOptions:
     return ProxyOptions(
         host=s.host, port=s.port, keep_alive_timeout_s=s.keep_alive_timeout_s,
         drain_timeout_s=s.drain_timeout_s, api_keys=tuple(s.api_key),
-        max_body_bytes=s.max_body_bytes, model=s.model, runtime_dir=s.runtime_dir,
+        max_body_bytes=s.max_body_bytes, max_seqs_per_request=s.max_seqs_per_request,
+        max_collected_bytes=s.max_collected_bytes, model=s.model, runtime_dir=s.runtime_dir,
         max_waiting=s.max_waiting, request_timeout_s=s.request_timeout_s,
         stall_timeout_s=s.stall_timeout_s, max_buffered_tokens=s.max_buffered_tokens,
         stream_merge_tokens=s.stream_merge_tokens)

@@ -44,6 +44,7 @@ class Settings:
     port: int = 8000
     api_key: list[str] = dataclasses.field(default_factory=list)
     max_num_seqs: int = 64
+    max_seqs_per_request: int = 256
     max_tokens_per_tick: int = 512
     kv_cache_blocks: int = 2048
     kv_cache_mib: int = 0
@@ -52,6 +53,7 @@ class Settings:
     prefix_caching: bool = True
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
+    max_collected_bytes: int = 64 * 1024 * 1024
     keep_alive_timeout_s: int = 75
     response_store_max: int = 10000
     response_store_max_age_s: float = 7 * 24 * 3600.0
@@ -89,6 +91,8 @@ _HELP: dict[str, str] = {
     "port": "HTTP listen port",
     "api_key": "accepted API key (repeatable; env: comma-separated); none = no auth",
     "max_num_seqs": "most sequences running at once",
+    "max_seqs_per_request": "most sequences one request may ask for (prompts x n for "
+    "completions, n otherwise); more is a 400 naming the limit",
     "max_tokens_per_tick": "token budget of one forward pass (prefill chunks + decodes)",
     "kv_cache_blocks": "KV cache pool size in blocks of 16 tokens",
     "kv_cache_mib": "KV cache pool as a memory budget in MiB (per tensor-parallel rank, which "
@@ -102,6 +106,9 @@ _HELP: dict[str, str] = {
     "(--no-prefix-caching turns it off)",
     "max_waiting": "most requests waiting in the proxy before it answers 429",
     "max_body_bytes": "largest accepted HTTP request body (413 above)",
+    "max_collected_bytes": "most memory the proxy may hold for one request that does not "
+    "stream (estimated up front from sequences x max_tokens x (1 + logprobs)); more is a 400: "
+    "stream it instead",
     "keep_alive_timeout_s": "idle keep-alive connections are closed after this (announced in a "
     "Keep-Alive header); keep it above your clients' and load balancer's own idle timeouts",
     "response_store_max": "most stored responses kept (oldest pruned)",
@@ -192,7 +199,8 @@ def _bool(raw: str) -> bool:
 
 def _check(s: Settings) -> None:
     positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
-                "max_body_bytes", "response_store_max", "keep_alive_timeout_s",
+                "max_body_bytes", "max_seqs_per_request", "max_collected_bytes",
+                "response_store_max", "keep_alive_timeout_s",
                 "max_buffered_tokens", "tensor_parallel_size", "stream_merge_tokens")
     for name in positive:
         if getattr(s, name) < 1:

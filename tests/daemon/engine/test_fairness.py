@@ -4,7 +4,7 @@ block table after a preemption gives a wrong token)."""
 
 from __future__ import annotations
 
-from ipc.records import Finish, Submit
+from ipc.records import Delta, Error, Finish, Submit
 from tests.support.engine_kit import completion, finishes, make_engine, run, texts
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -48,3 +48,21 @@ def test_a_small_request_behind_a_big_one_finishes_first_with_its_own_text() -> 
         assert texts(out, big.rid) == alone(big)
         assert len(finishes(out, big.rid)) == big.num_sequences
         assert engine.block_manager.num_used == 0
+
+
+def test_a_request_over_the_sequence_cap_is_refused_naming_the_field() -> None:
+    engine, _ = make_engine()
+    engine.max_seqs_per_request = 16
+    wide = completion("wide", n=8)
+    wide.prompts = ["a", "b", "c"]
+    [err] = engine.submit(wide)
+    assert isinstance(err, Error) and (err.param, err.status) == ("n", 400)
+    assert "24 sequences" in err.message and "16" in err.message
+    many = completion("many")
+    many.prompts = ["p"] * 17
+    [err] = engine.submit(many)
+    assert isinstance(err, Error) and err.param == "prompt" and "17" in err.message
+    at_cap = completion("ok", n=8)
+    at_cap.prompts = ["a", "b"]
+    assert not any(isinstance(r, Error) for r in engine.submit(at_cap))
+    assert all(not isinstance(r, Delta) or r.rid == "ok" for r in run(engine))
