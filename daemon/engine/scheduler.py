@@ -8,9 +8,13 @@ those of a request over its share, then the newest. A paused sequence (its clien
 reading: flow control) keeps its place and its blocks but is never scheduled until resumed.
 
 Requests take turns, not sequences (turns.py): prompt chunks and admissions go request by
-request, the one served longest ago first, and a request waiting within its share takes room
-back from one over its own before the tick, so however many sequences a request has, another
-request's first token comes within a tick or two. Alone, a request's share is the whole engine.
+request, the one served longest ago first (a preempted sequence's request goes back to the
+front). Before the tick, a request waiting within its share takes room back from a big one
+(over its share and over a quarter of the slots, or over its share of the blocks), which gives
+up its newest sequences and waits its turn for them; so however many
+sequences a request has, another's first token comes within a tick or two. Requests of a few
+sequences each never preempt one another: when they outnumber the slots they queue in turn.
+Alone, a request's share is the whole engine.
 
 Prefix caching happens at admission: a waiting sequence starts from the longest run of its full
 blocks found in the cache (a preempted one often finds its own), and every block that a forward
@@ -73,6 +77,9 @@ class Scheduler:
         self.num_paused = 0  # paused sequences in waiting or running
         # Blocks promised to this tick's forks (taken in postprocess, after the forward pass).
         self._fork_reserve = 0
+        # Slots and blocks kept this tick for requests within their share (see _make_room).
+        self._room: dict[str, tuple[int, int]] = {}
+        self._room_total = (0, 0)
 
     @property
     def has_work(self) -> bool:
@@ -119,54 +126,54 @@ class Scheduler:
                     and seq.seq_id not in scheduled and self._reserve(seq, 1, scheduled)):
                 self._add(batch, seq, 1, scheduled)
                 budget -= 1
-        self._prefill(batch, budget, scheduled, shares.slots)
+        self._prefill(batch, budget, scheduled)
         return batch
 
-    def _prefill(self, batch: Batch, budget: int, scheduled: set[int], share: int) -> None:
-        """Prompt chunks and admissions, request by request in turn order: those within their
-        share of the slots first, then the rest."""
+    def _prefill(self, batch: Batch, budget: int, scheduled: set[int]) -> None:
+        """Prompt chunks and admissions, request by request in turn order."""
         chunks: dict[str, list[Sequence]] = {}
         for seq in self.running:
             if seq.num_uncomputed > 1 and not seq.paused:
                 chunks.setdefault(seq.rid, []).append(seq)
         served: list[str] = []
         admitting = True
-        for within in (True, False):
-            for rid, request in list(self.turns.requests.items()):
-                if budget == 0:
-                    break
-                if self.turns.within_share(request, share) != within:
-                    continue
-                before = budget
-                for seq in chunks.pop(rid, ()):
-                    n = min(seq.num_uncomputed, budget)
-                    if (n and seq.status is SeqStatus.RUNNING
-                            and self._reserve(seq, n, scheduled)):
-                        self._add(batch, seq, n, scheduled)
-                        budget -= n
-                while admitting and budget and request.next is not None:
-                    if within and not self.turns.within_share(request, share):
-                        break
-                    n = self._admit(batch, request, budget, scheduled)
-                    if not n:
-                        # A request holding nothing waits at the head: nobody overtakes it
-                        # (a group as big as the engine would never find enough free slots).
-                        admitting = request.slots > 0
-                        break
+        for rid, request in list(self.turns.requests.items()):
+            if budget == 0 or not (admitting or chunks):
+                break
+            before = budget
+            for seq in chunks.pop(rid, ()):
+                n = min(seq.num_uncomputed, budget)
+                if n and seq.status is SeqStatus.RUNNING and self._reserve(seq, n, scheduled):
+                    self._add(batch, seq, n, scheduled)
                     budget -= n
-                if budget != before:
-                    served.append(rid)
+            while admitting and budget and request.next is not None:
+                n = self._admit(batch, rid, request, budget, scheduled)
+                if not n:
+                    # A request holding nothing waits at the head: nobody overtakes it (a
+                    # group as big as the engine would never find enough free slots).
+                    admitting = request.slots > 0
+                    break
+                budget -= n
+            if budget != before:
+                served.append(rid)
         self.turns.served(served)
 
-    def _admit(self, batch: Batch, request: Request, budget: int, scheduled: set[int]) -> int:
-        """Admit the request's next sequence with up to `budget` tokens of its prompt; the
-        tokens scheduled, or 0 when it does not fit."""
+    def _admit(self, batch: Batch, rid: str, request: Request, budget: int,
+               scheduled: set[int]) -> int:
+        """Admit the request's next sequence with up to `budget` tokens of its prompt, leaving
+        the room made for others; the tokens scheduled, or 0 when it does not fit."""
         bm = self.block_manager
         seq = request.next
         assert seq is not None
-        hits, n, need = self._admission(seq, budget)
-        if self.num_slots_used + slots_of(seq) > self.max_num_seqs or need > self._num_available:
+        own = self._room.get(rid, (0, 0))
+        others = (self._room_total[0] - own[0], self._room_total[1] - own[1])
+        if self.num_slots_used + slots_of(seq) + others[0] > self.max_num_seqs:
             return 0
+        hits, n, need = self._admission(seq, budget)
+        if need + others[1] > self._num_available:
+            return 0
+        if self._room.pop(rid, None) is not None:
+            self._room_total = others
         self.turns.start(request)
         cached = len(hits) * bm.block_size
         bm.share(seq.block_table, hits)
@@ -220,23 +227,25 @@ class Scheduler:
         return True
 
     def _reserve_victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
-        """Whom `seq` takes blocks from: a paused sequence; else, if its request holds more
-        than its share of the slots, its own newest (`seq` itself, maybe); else a prompt chunk
-        takes the newest that came after it (the oldest prompt always gets on: prefills never
-        take turns preempting each other) and a decode the newest of the request furthest
-        over its share, or the newest of all."""
+        """Whom `seq` takes blocks from: a paused sequence; else a prompt chunk takes the
+        newest that came after it (the oldest prompt always gets on: prefills never take turns
+        preempting each other). A decode of a request with more slots than makes it big
+        (Turns.big) takes its own newest (`seq` itself, maybe); another decode the newest of
+        the request with the most slots beyond that, or the newest of all."""
         candidates = [v for v in reversed(self.running) if v.seq_id not in scheduled]
         others = [v for v in candidates if v is not seq]
         paused = next((v for v in others if v.paused), None)
         if paused is not None:
             return paused
-        shares = self.turns.shares()
-        if self.turns.requests[seq.rid].slots > shares.slots:
-            return next(v for v in candidates if v.rid == seq.rid)
         if seq.num_uncomputed > 1:
             return next(iter(candidates[:candidates.index(seq)]), None)
-        return (self.turns.heaviest(others, self.turns.loads(self.running, shares))
-                or next(iter(others), None))
+        requests = self.turns.requests
+        big = self.turns.big(self.turns.shares()).slots
+        if requests[seq.rid].slots > big:
+            return next(v for v in candidates if v.rid == seq.rid)
+        big_others = [v for v in others if requests[v.rid].slots > big]
+        return max(big_others, key=lambda v: requests[v.rid].slots, default=None) or next(
+            iter(others), None)
 
     @property
     def _num_available(self) -> int:
@@ -257,65 +266,82 @@ class Scheduler:
         batch.add(seq, n)
         scheduled.add(seq.seq_id)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, *, gave_way: bool = False) -> None:
         self.running.remove(seq)
         self.turns.stop(seq)
         self.block_manager.free(seq.block_table)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
-        self.turns.queue(seq, first=True)
+        self.turns.requeue(seq, first=not gave_way)
         self.num_preemptions += 1
 
     # --- room for a request within its share -----------------------------------------------------
 
     def _make_room(self, shares: Shares) -> None:
         """Before a tick: each waiting request within its share whose next group does not fit
-        takes room back from requests over theirs (their newest sequences, recomputed later),
-        so that a newcomer waits a tick or two however much the others hold."""
+        takes room back from a big request over its own (its newest sequences, recomputed
+        later), so that a newcomer waits a tick or two however much the others hold."""
+        self._room = {}
+        self._room_total = (0, 0)
         if not self.turns.num_waiting:
             return
-        claimed = (0, 0)  # slots and blocks promised to requests earlier in the order
-        for rid, request in self.turns.requests.items():
+        # What this tick's decodes and the requests before this one in the order will take.
+        claimed = (0, self._decode_blocks())
+        for rid, request in list(self.turns.requests.items()):
             seq = request.next
             if seq is None or not self.turns.within_share(request, shares.slots):
                 continue
             need = (slots_of(seq), self._admission(seq, self.max_tokens_per_tick)[2])
+            taken = False
             while (short := self._short(need, claimed)) != (0, 0):
                 victim = self._room_victim(rid, request, seq, short, shares)
                 if victim is None:
                     break
-                self._preempt(victim)
+                decodes = self._blocks_needed(victim, 1) if victim.num_uncomputed == 1 else 0
+                self._preempt(victim, gave_way=True)
+                claimed = (claimed[0], claimed[1] - decodes)
+                taken = True
             if short != (0, 0):
                 if not request.slots:
                     return  # it waits at the head (see _prefill): nobody behind gets room
                 continue
             claimed = (claimed[0] + need[0], claimed[1] + need[1])
+            if taken:
+                # Room taken back is kept for it this tick (its victim, or another request
+                # before it in the order, would take it again); room that came free goes to
+                # whoever's turn it is.
+                self._room[rid] = need
+                self._room_total = (self._room_total[0] + need[0],
+                                    self._room_total[1] + need[1])
 
     def _short(self, need: tuple[int, int], claimed: tuple[int, int]) -> tuple[int, int]:
-        """Slots and blocks missing for `need` once `claimed` and this tick's decodes have
-        theirs."""
+        """Slots and blocks missing for `need` once `claimed` has been taken."""
         free_slots = self.max_num_seqs - self.num_slots_used - claimed[0]
-        free_blocks = self.block_manager.num_free - claimed[1] - sum(
-            self._blocks_needed(s, 1) for s in self.running
-            if s.num_uncomputed == 1 and not s.paused)
+        free_blocks = self.block_manager.num_free - claimed[1]
         return max(0, need[0] - free_slots), max(0, need[1] - free_blocks)
+
+    def _decode_blocks(self) -> int:
+        """Blocks this tick's decodes will take."""
+        return sum(self._blocks_needed(s, 1) for s in self.running
+                   if s.num_uncomputed == 1 and not s.paused)
 
     def _room_victim(self, rid: str, request: Request, seq: Sequence, short: tuple[int, int],
                      shares: Shares) -> Sequence | None:
         """The next sequence to preempt for `request`, None if it cannot be given room."""
-        # A victim keeps at least its share and what this request will hold: no request is
-        # made poorer than the one it gives way to, so nothing swings back.
-        keep = max(shares.slots, request.slots + slots_of(seq))
+        # Only a big request gives way (Turns.big), and it keeps what makes it big and what
+        # this request will hold: no request is made poorer than the one it gives way to, so
+        # nothing swings back.
+        keep = max(self.turns.big(shares).slots, request.slots + slots_of(seq))
+        others = [v for v in reversed(self.running) if v.rid != rid]
         if short[0]:
-            if self.turns.excess_slots(rid, keep) < short[0]:
-                return None  # all that is over a share would not do: it waits
             requests = self.turns.requests
-            candidates = [v for v in reversed(self.running)
-                          if v.rid != rid and requests[v.rid].slots - slots_of(v) >= keep]
+            candidates = [v for v in others if requests[v.rid].slots - slots_of(v) >= keep]
+            if min(len(candidates), self.turns.excess_slots(rid, keep)) < short[0]:
+                return None  # all that is over a share would not do: it waits
         elif self.block_manager.num_blocks_for(seq.num_tokens) * slots_of(seq) <= shares.blocks:
-            candidates = [v for v in reversed(self.running) if v.rid != rid]
+            candidates = others  # blocks only for a group whose prompts fit in a share
         else:
-            return None  # blocks only for a group whose prompts fit in a share
+            return None
         return self.turns.heaviest(candidates, self.turns.loads(self.running, shares))
 
     # --- after the forward pass -----------------------------------------------------------------

@@ -57,16 +57,24 @@ class Turns:
 
     # --- sequences in and out -------------------------------------------------------------------
 
-    def queue(self, seq: Sequence, *, first: bool = False) -> None:
-        """A sequence waits: at the end of its request's line, or first (preempted)."""
-        request = self.requests.get(seq.rid)
-        if request is None:
-            request = self.requests[seq.rid] = Request()
-        if first:
-            request.waiting.appendleft(seq)
-        else:
-            request.waiting.append(seq)
+    def queue(self, seq: Sequence) -> None:
+        """A sequence waits, at the end of its request's line."""
+        self._request(seq.rid).waiting.append(seq)
         self.num_waiting += 1
+
+    def requeue(self, seq: Sequence, *, first: bool) -> None:
+        """A preempted sequence waits first in its request's line; its request goes first in
+        the order (back in before anyone new: out of blocks) or last (it gave way to
+        another request: it waits its turn)."""
+        self._request(seq.rid).waiting.appendleft(seq)
+        self.requests.move_to_end(seq.rid, last=not first)
+        self.num_waiting += 1
+
+    def _request(self, rid: str) -> Request:
+        request = self.requests.get(rid)
+        if request is None:
+            request = self.requests[rid] = Request()
+        return request
 
     def start(self, request: Request) -> Sequence:
         """The request's next sequence leaves the line to run."""
@@ -111,12 +119,20 @@ class Turns:
         seq = request.next
         return not request.slots or request.slots + (slots_of(seq) if seq else 0) <= share
 
+    def big(self, shares: Shares) -> Shares:
+        """What a request holds beyond to count as big: its share, and a quarter of the
+        engine (requests of a few sequences each queue in turn: preempting one another would
+        only churn)."""
+        return Shares(max(shares.slots, self.max_num_seqs // 4),
+                      max(shares.blocks, self.num_blocks // 4))
+
     def loads(self, running: list[Sequence], shares: Shares) -> dict[str, float]:
-        """How many shares each running request holds, of slots or of blocks (> 1: over)."""
+        """How big each running request is, in slots or in blocks (> 1: big, see `big`)."""
+        big = self.big(shares)
         blocks: dict[str, int] = {}
-        for seq in running:
+        for seq in running:  # a block shared by siblings counts once per holder
             blocks[seq.rid] = blocks.get(seq.rid, 0) + len(seq.block_table)
-        return {rid: max(self.requests[rid].slots / shares.slots, n / shares.blocks)
+        return {rid: max(self.requests[rid].slots / big.slots, n / big.blocks)
                 for rid, n in blocks.items()}
 
     def excess_slots(self, rid: str, keep: int) -> int:
@@ -125,6 +141,6 @@ class Turns:
 
     @staticmethod
     def heaviest(candidates: list[Sequence], loads: dict[str, float]) -> Sequence | None:
-        """The newest of `candidates` (newest first) of the request furthest over its share."""
+        """The newest of `candidates` (newest first) of the biggest big request."""
         over = [v for v in candidates if loads[v.rid] > 1]
         return max(over, key=lambda v: loads[v.rid], default=None)

@@ -415,3 +415,14 @@ def test_a_group_as_big_as_the_engine_is_not_starved_by_later_small_requests() -
         run_tick(sched)
     assert group.status is SeqStatus.RUNNING
     assert not any(s.rid.startswith("late") for s in sched.running)
+
+
+def test_requests_of_a_few_sequences_queue_in_turn_without_preempting_one_another() -> None:
+    sched = scheduler(num_blocks=512, max_num_seqs=8, budget=64)
+    groups = [seq(8, n=2, rid=f"r{i}") for i in range(8)]
+    for group in groups:
+        sched.add(group)
+    for _ in range(20):
+        run_tick(sched)
+    assert sched.num_preemptions == 0 and sched.num_slots_used == 8
+    assert [g.rid for g in groups if g.status is SeqStatus.RUNNING] == ["r0", "r1", "r2", "r3"]
