@@ -65,7 +65,8 @@ def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: No
         engine = Engine(runner, tokenizer, store, options.model.max_num_seqs,
                         options.model.max_tokens_per_tick, max_model_len, name,
                         prefix_caching=options.prefix_caching,
-                        guidance=Guidance(grammars, options.grammar_compile_timeout_s))
+                        guidance=Guidance(grammars, options.grammar_compile_timeout_s),
+                        max_seqs_per_request=options.max_seqs_per_request)
     except ValueError as e:
         log.error("%s", e)
         pipes.close()

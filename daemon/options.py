@@ -55,5 +55,6 @@ class DaemonOptions:
     pipe_group: str | None
     prefix_caching: bool
     drain_timeout_s: float
+    max_seqs_per_request: int  # prompts x n, checked again here whatever the proxy checked
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_bytes: int = 64 << 20

@@ -10,29 +10,52 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, TokenLogprob, Usage
+from ipc.records import (
+    Delta,
+    Finish,
+    FinishReason,
+    RequestKind,
+    SamplingParams,
+    Submit,
+    TokenLogprob,
+    Usage,
+)
 from proxy.batching import Batch
 from proxy.chunks import StreamChunks
+from proxy.collected import (
+    Choice,
+    Logprobs,
+    check_collected,
+    joined_arrays,
+    json_array,
+    json_string,
+)
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.exchange import exchange
 from proxy.metrics import RequestTimer
+from proxy.options import ProxyOptions
 from proxy.schemas import (
     ChatRequest,
     CompletionRequest,
     check_chat,
     check_completion,
     check_model,
+    check_sequences,
     client_request_id,
     decode_body,
     new_id,
     sampling_params,
 )
 from proxy.sse import DONE, sse_event
+
+# A choice's text: a stream's piece, or a collected answer's text already in JSON.
+Text = str | orjson.Fragment
 
 
 class Shape:
@@ -44,7 +67,7 @@ class Shape:
     chunk_object = "text_completion"
     endpoint = "completions"
 
-    def choice(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
+    def choice(self, index: int, text: Text, finish: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
     def chunk_choice(self, index: int, text: str, finish: str | None,
@@ -53,17 +76,19 @@ class Shape:
 
     def logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
         """The legacy completions shape; `offset` is where the first token starts in the text."""
-        # A token that starts inside a character (its first bytes came with the token before)
-        # is placed at that character.
-        seen = b""
-        offsets = []
-        for lp in lps:
-            offsets.append(offset + len(seen.decode(errors="ignore")))
-            seen += lp.token
         return {"tokens": [token_string(lp.token) for lp in lps],
                 "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{token_string(t): v for t, v in lp.top} for lp in lps],
-                "text_offset": offsets}
+                "top_logprobs": [_top(lp) for lp in lps],
+                "text_offset": text_offsets([lp.token for lp in lps], offset)}
+
+    def logprobs_json(self, lps: Logprobs) -> bytes:
+        """A whole collected choice's `logprobs`, as `logprobs` renders them, in JSON."""
+        tokens = lps.tokens()
+        tops = joined_arrays(orjson.dumps([_top(lp) for lp in part]) for part in lps.slices())
+        return b"".join([b'{"tokens":', json_array([token_string(t) for t in tokens]),
+                         b',"token_logprobs":', json_array(lps.values()),
+                         b',"top_logprobs":', tops,
+                         b',"text_offset":', json_array(text_offsets(tokens, 0)), b"}"])
 
 
 class ChatShape(Shape):
@@ -73,7 +98,7 @@ class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
     endpoint = "chat"
 
-    def choice(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
+    def choice(self, index: int, text: Text, finish: str | None) -> dict[str, Any]:
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": None, "finish_reason": finish}
 
@@ -89,6 +114,11 @@ class ChatShape(Shape):
                              "top_logprobs": [_token(t, v) for t, v in lp.top]} for lp in lps],
                 "refusal": None}
 
+    def logprobs_json(self, lps: Logprobs) -> bytes:
+        content = joined_arrays(orjson.dumps(self.logprobs(part, 0)["content"])
+                                for part in lps.slices())
+        return b'{"content":' + content + b',"refusal":null}'
+
 
 def token_string(raw: bytes) -> str:
     """A token's text as OpenAI shows it: bytes that are not (yet) a whole UTF-8 character
@@ -98,6 +128,21 @@ def token_string(raw: bytes) -> str:
 
 def _token(raw: bytes, logprob: float) -> dict[str, Any]:
     return {"token": token_string(raw), "logprob": logprob, "bytes": list(raw)}
+
+
+def _top(lp: TokenLogprob) -> dict[str, float]:
+    return {token_string(t): v for t, v in lp.top}
+
+
+def text_offsets(tokens: list[bytes], offset: int) -> list[int]:
+    """Where each token starts in the text, the first at `offset`. A token that starts inside
+    a character (its first bytes came with the token before) is placed at that character."""
+    seen = b""
+    offsets = []
+    for raw in tokens:
+        offsets.append(offset + len(seen.decode(errors="ignore")))
+        seen += raw
+    return offsets
 
 
 COMPLETION = Shape()
@@ -131,9 +176,8 @@ class CompletionAnswer:
     each batch's stream events together (one write; the client's bytes the same as one event at
     a time), the ending, or the error that ends the stream."""
 
-    __slots__ = ("chunks", "finishes", "head", "include_usage", "logprobs", "num_sequences", "ok",
-                 "rid", "shape", "submit_n", "texts", "token_ids", "usages", "wants_logprobs",
-                 "wants_token_ids")
+    __slots__ = ("choices", "chunks", "finishes", "head", "include_usage", "num_sequences", "ok",
+                 "rid", "shape", "submit_n", "usages", "wants_logprobs", "wants_token_ids")
 
     def __init__(self, submit: Submit, shape: Shape, model: str, wants: Wants) -> None:
         self.rid = submit.rid
@@ -142,16 +186,14 @@ class CompletionAnswer:
         self.num_sequences = submit.num_sequences
         self.include_usage = wants.include_usage
         self.wants_token_ids = wants.token_ids
-        self.wants_logprobs = submit.sampling.logprobs is not None
         self.head = {"id": submit.rid, "created": int(time.time()), "model": model}
         self.usages: dict[int, Usage] = {}
         self.ok = False  # every sequence finished (a stream ended with [DONE])
         # Streaming.
         self.chunks: StreamChunks | None = None
         # Collecting.
-        self.texts: dict[int, list[str]] = {}
-        self.token_ids: dict[int, list[int]] = {}
-        self.logprobs: dict[int, list[TokenLogprob]] = {}
+        self.choices: dict[int, Choice] = {}
+        self.wants_logprobs = submit.sampling.logprobs is not None
         self.finishes: dict[int, str] = {}
 
     def _on_finish(self, record: Finish) -> str:
@@ -199,20 +241,26 @@ class CompletionAnswer:
     def collect(self, batch: Batch) -> None:
         for record in batch:
             if isinstance(record, Delta):
-                self.texts.setdefault(record.index, []).append(record.text)
-                self.token_ids.setdefault(record.index, []).extend(record.token_ids)
-                self.logprobs.setdefault(record.index, []).extend(record.logprobs or ())
+                choice = self.choices.get(record.index)
+                if choice is None:
+                    choice = self.choices[record.index] = Choice(self.wants_token_ids,
+                                                                 self.wants_logprobs)
+                choice.add(record)
             else:
                 self.finishes[record.index] = self._on_finish(record)
 
     def body(self) -> dict[str, Any]:
-        choices = [self.shape.choice(i, "".join(self.texts.get(i, ())), self.finishes.get(i))
-                   for i in sorted(self.finishes)]
-        for choice in choices:
-            if self.wants_token_ids:
-                choice["token_ids"] = self.token_ids.get(choice["index"], [])
-            if self.wants_logprobs:
-                choice["logprobs"] = self.shape.logprobs(self.logprobs.get(choice["index"], []), 0)
+        empty = Choice(self.wants_token_ids, self.wants_logprobs)
+        choices = []
+        for i in sorted(self.finishes):
+            got = self.choices.pop(i, empty)  # let each go once it is rendered
+            choice = self.shape.choice(i, orjson.Fragment(json_string(got.text)),
+                                       self.finishes[i])
+            if got.token_ids is not None:
+                choice["token_ids"] = orjson.Fragment(json_array(got.token_ids))
+            if got.logprobs is not None:
+                choice["logprobs"] = orjson.Fragment(self.shape.logprobs_json(got.logprobs))
+            choices.append(choice)
         return {"id": self.rid, "object": self.shape.full_object, **self.head, "choices": choices,
                 "usage": self._usage()}
 
@@ -276,6 +324,7 @@ def _completion(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wa
     check_model(req.model, served_models(request))
     engine: EngineClient = request.app.state.engine
     sampling = sampling_params(req, req.max_tokens, "max_tokens", engine.max_model_len)
+    _check_size(request, req, len(req.prompts), sampling, "max_tokens")
     submit = Submit(rid=begun.rid, kind=RequestKind.COMPLETION, sampling=sampling,
                     n=req.n, prompts=req.prompts, t_submit=begun.t_start,
                     client_id=begun.client_id)
@@ -291,10 +340,22 @@ def _chat(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wants]:
     if max_tokens is None:
         max_tokens, param = req.max_tokens, "max_tokens"
     sampling = sampling_params(req, max_tokens, param, engine.max_model_len)
+    _check_size(request, req, 1, sampling, param)
     submit = Submit(rid=begun.rid, kind=RequestKind.CHAT, sampling=sampling,
                     n=req.n, messages=[m.to_record() for m in req.messages],
                     t_submit=begun.t_start, client_id=begun.client_id)
     return submit, Wants(req.stream, req.include_usage, req.return_token_ids)
+
+
+def _check_size(request: Request, req: CompletionRequest | ChatRequest, num_prompts: int,
+                sampling: SamplingParams, param: str) -> None:
+    """The request's sequences within the cap; and unless it streams, what it could collect
+    within the proxy's budget for one answer."""
+    options: ProxyOptions = request.app.state.options
+    check_sequences(num_prompts, req.n, options.max_seqs_per_request)
+    if not req.stream:
+        check_collected(num_prompts * req.n, sampling.max_tokens, sampling.logprobs,
+                        options.max_collected_bytes, param)
 
 
 routes = [

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import orjson
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ipc.records import Submit
 from proxy.batching import Batch
@@ -50,7 +51,8 @@ async def exchange(request: Request, submit: Submit, answer: Answer, stream: boo
                 answer.collect(batch)
                 batch = await session.next_batch()
         timer.done()
-        return JSONResponse(answer.body())
+        # orjson: a collected choice's log-probabilities come pre-rendered (proxy/collected.py).
+        return Response(orjson.dumps(answer.body()), media_type="application/json")
     finally:
         if not streaming:
             watch.close()

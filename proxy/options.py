@@ -23,6 +23,8 @@ class ProxyOptions:
     # The app: who may call it, what it accepts, the name it answers to before the daemon says.
     api_keys: tuple[str, ...]
     max_body_bytes: int
+    max_seqs_per_request: int
+    max_collected_bytes: int  # what one request that does not stream may make the proxy hold
     model: str
     # The engine client: the pipes, and the limits and flow control of the sessions on them.
     runtime_dir: Path

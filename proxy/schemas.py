@@ -173,6 +173,17 @@ def check_completion(req: CompletionRequest) -> None:
         raise _refuse("best_of", "is not supported (only 1)")
 
 
+def check_sequences(num_prompts: int, n: int, limit: int) -> None:
+    """At most `limit` sequences (prompts x n) in one request: 400 naming `n`, or `prompt`
+    when n is 1 and the prompts alone are too many."""
+    count = num_prompts * n
+    if count > limit:
+        made_of = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise ApiError(400, f"the request asks for {count} sequences ({made_of}), more than the "
+                       f"server's limit of {limit} per request", param="n" if n > 1 else "prompt",
+                       code="too_many_sequences")
+
+
 def check_chat(req: ChatRequest) -> None:
     _check_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:

@@ -42,7 +42,8 @@ def daemon_options(s: Settings) -> DaemonOptions:
         model=model, store=store, runtime_dir=s.runtime_dir, pipe_group=s.pipe_group,
         prefix_caching=s.prefix_caching, drain_timeout_s=s.drain_timeout_s,
         grammar_compile_timeout_s=s.grammar_compile_timeout_s,
-        grammar_cache_bytes=s.grammar_cache_mib << 20)
+        grammar_cache_bytes=s.grammar_cache_mib << 20,
+        max_seqs_per_request=s.max_seqs_per_request)
 
 
 def proxy_options(s: Settings) -> ProxyOptions:
@@ -53,7 +54,8 @@ def proxy_options(s: Settings) -> ProxyOptions:
         drain_timeout_s=s.drain_timeout_s, max_connections=s.max_connections,
         max_header_bytes=s.max_header_bytes, header_timeout_s=s.header_timeout_s,
         body_timeout_s=s.body_timeout_s, body_min_rate=s.body_min_rate, api_keys=tuple(s.api_key),
-        max_body_bytes=s.max_body_bytes, model=s.model, runtime_dir=s.runtime_dir,
+        max_body_bytes=s.max_body_bytes, max_seqs_per_request=s.max_seqs_per_request,
+        max_collected_bytes=s.max_collected_bytes, model=s.model, runtime_dir=s.runtime_dir,
         max_waiting=s.max_waiting, request_timeout_s=s.request_timeout_s,
         stall_timeout_s=s.stall_timeout_s, max_buffered_tokens=s.max_buffered_tokens,
         stream_merge_tokens=s.stream_merge_tokens,

@@ -44,6 +44,7 @@ class Settings:
     port: int = 8000
     api_key: list[str] = dataclasses.field(default_factory=list)
     max_num_seqs: int = 64
+    max_seqs_per_request: int = 256
     max_tokens_per_tick: int = 512
     kv_cache_blocks: int = 2048
     kv_cache_mib: int = 0
@@ -54,6 +55,7 @@ class Settings:
     grammar_cache_mib: int = 64
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
+    max_collected_bytes: int = 64 * 1024 * 1024
     keep_alive_timeout_s: int = 75
     max_connections: int = 16384
     max_header_bytes: int = 64 * 1024
@@ -98,6 +100,8 @@ _HELP: dict[str, str] = {
     "port": "HTTP listen port",
     "api_key": "accepted API key (repeatable; env: comma-separated); none = no auth",
     "max_num_seqs": "most sequences running at once",
+    "max_seqs_per_request": "most sequences one request may ask for (prompts x n for "
+    "completions, n otherwise); more is a 400 naming the limit",
     "max_tokens_per_tick": "token budget of one forward pass (prefill chunks + decodes)",
     "kv_cache_blocks": "KV cache pool size in blocks of 16 tokens",
     "kv_cache_mib": "KV cache pool as a memory budget in MiB (per tensor-parallel rank, which "
@@ -114,6 +118,9 @@ _HELP: dict[str, str] = {
     "(--no-prefix-caching turns it off)",
     "max_waiting": "most requests waiting in the proxy before it answers 429",
     "max_body_bytes": "largest accepted HTTP request body (413 above)",
+    "max_collected_bytes": "most memory the proxy may hold for one request that does not "
+    "stream (estimated up front from sequences x max_tokens x (1 + logprobs)); more is a 400: "
+    "stream it instead",
     "keep_alive_timeout_s": "idle keep-alive connections are closed after this (announced in a "
     "Keep-Alive header); keep it above your clients' and load balancer's own idle timeouts",
     "max_connections": "most open HTTP connections (idle keep-alive ones included); a newcomer "
@@ -218,7 +225,8 @@ def _bool(raw: str) -> bool:
 
 def _check(s: Settings) -> None:
     positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
-                "max_body_bytes", "response_store_max", "response_store_max_bytes",
+                "max_body_bytes", "max_seqs_per_request", "max_collected_bytes",
+                "response_store_max", "response_store_max_bytes",
                 "background_history_bytes", "keep_alive_timeout_s",
                 "max_buffered_tokens", "tensor_parallel_size", "stream_merge_tokens",
                 "max_connections", "max_header_bytes", "body_min_rate")

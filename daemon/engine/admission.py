@@ -52,15 +52,27 @@ def _chat_text(tokenizer: Tokenizer, messages: list[Message]) -> str:
                        param="messages") from None
 
 
+def check_sequences(submit: Submit, max_num_seqs: int, max_seqs_per_request: int | None) -> None:
+    """A prompt's n siblings run at once, so n fits in a batch; and however its sequences are
+    made up, one request has at most `max_seqs_per_request` (the proxy checks it first)."""
+    if submit.n > max_num_seqs:
+        raise Rejected(f"n ({submit.n}) exceeds the server's limit of {max_num_seqs}",
+                       param="n")
+    count = submit.num_sequences
+    if max_seqs_per_request is not None and count > max_seqs_per_request:
+        made_of = (f"{len(submit.prompts)} prompts x n={submit.n}"
+                   if submit.kind is RequestKind.COMPLETION else f"n={submit.n}")
+        raise Rejected(f"the request asks for {count} sequences ({made_of}), more than the "
+                       f"server's limit of {max_seqs_per_request} per request",
+                       param="n" if submit.n > 1 else "prompt", code="too_many_sequences")
+
+
 def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
-                 max_num_seqs: int, block_manager: BlockManager, vocab_size: int) -> None:
+                 block_manager: BlockManager, vocab_size: int) -> None:
     bad = [t for t in submit.sampling.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise Rejected(f"stop_token_ids {bad} are outside the vocabulary (0..{vocab_size - 1})",
                        param="stop_token_ids")
-    if submit.n > max_num_seqs:
-        raise Rejected(f"n ({submit.n}) exceeds the server's limit of {max_num_seqs}",
-                       param="n")
     max_tokens = submit.sampling.max_tokens
     param = "max_output_tokens" if submit.kind is RequestKind.RESPONSE else "max_tokens"
     longest = max(len(p) for p in prompts)

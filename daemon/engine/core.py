@@ -20,6 +20,7 @@ from daemon.engine.admission import (
     Tombstones,
     build_sequences,
     check_limits,
+    check_sequences,
     render_prompts,
 )
 from daemon.engine.block_manager import BlockManager
@@ -80,12 +81,14 @@ class Engine:
                  max_num_seqs: int, max_tokens_per_tick: int, max_model_len: int,
                  model_name: str, *, make_detokenizer: Callable[[list[int]], Detokenizer] | None = None,
                  clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True,
-                 guidance: Guidance | None = None) -> None:
+                 guidance: Guidance | None = None,
+                 max_seqs_per_request: int | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         # A stored response's whole life goes through here: a failing store costs one session.
         self.responses = Responses(store) if store is not None else None
         self.max_num_seqs = max_num_seqs
+        self.max_seqs_per_request = max_seqs_per_request  # None: only n <= max_num_seqs
         self.max_model_len = max_model_len
         self.model_name = model_name
         self.clock = clock
@@ -135,8 +138,9 @@ class Engine:
             check_guide(rec, self.guidance)
             history = self.responses.history if self.responses is not None else None
             prompts = render_prompts(rec, self.tokenizer, history)
-            check_limits(rec, prompts, self.max_model_len, self.max_num_seqs,
-                         self.block_manager, self.tokenizer.vocab_size)
+            check_sequences(rec, self.max_num_seqs, self.max_seqs_per_request)
+            check_limits(rec, prompts, self.max_model_len, self.block_manager,
+                         self.tokenizer.vocab_size)
             session = self._open_session(rec, prompts)
         except Rejected as e:
             return [e.to_error(rec.rid)]

@@ -3,9 +3,18 @@
 One tick mixes decodes (one token per running sequence, scheduled first so latency stays flat)
 with prefill chunks (chunked prefill under a token budget). The scheduler alone owns the block
 manager. When blocks run out a running sequence that is not yet in this tick's batch is
-preempted (paused ones first, then newest first) and later recomputed from its tokens.
-A paused sequence (its client is not reading: flow control) keeps its place and its blocks but
-is never scheduled until resumed.
+preempted and later recomputed from its tokens: paused ones first, then (while others wait)
+those of a request over its share, then the newest. A paused sequence (its client is not
+reading: flow control) keeps its place and its blocks but is never scheduled until resumed.
+
+Requests take turns, not sequences (turns.py): prompt chunks and admissions go request by
+request, the one served longest ago first (a preempted sequence's request goes back to the
+front). Before the tick, a request waiting within its share takes room back from a big one
+(over its share and over a quarter of the slots, or over its share of the blocks), which gives
+up its newest sequences and waits its turn for them; so however many
+sequences a request has, another's first token comes within a tick or two. Requests of a few
+sequences each never preempt one another: when they outnumber the slots they queue in turn.
+Alone, a request's share is the whole engine.
 
 Prefix caching happens at admission: a waiting sequence starts from the longest run of its full
 blocks found in the cache (a preempted one often finds its own), and every block that a forward
@@ -15,12 +24,12 @@ the point of the pass.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from daemon.engine.block_manager import BlockManager, chain_hashes
 from daemon.engine.sequence import SeqStatus, Sequence
+from daemon.engine.turns import Request, Shares, Turns, slots_of
 from daemon.model.batch import ScheduledChunk
 
 
@@ -59,7 +68,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_tokens_per_tick = max_tokens_per_tick
         self.copy_block = copy_block
-        self.waiting: deque[Sequence] = deque()
+        self.turns = Turns(max_num_seqs, block_manager.num_total)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Prefix-cache lookups, in tokens (vLLM's queries/hits): every admission counts.
@@ -68,22 +77,30 @@ class Scheduler:
         self.num_paused = 0  # paused sequences in waiting or running
         # Blocks promised to this tick's forks (taken in postprocess, after the forward pass).
         self._fork_reserve = 0
+        # Slots and blocks kept this tick for requests within their share (see _make_room).
+        self._room: dict[str, tuple[int, int]] = {}
+        self._room_total = (0, 0)
 
     @property
     def has_work(self) -> bool:
         """Anything schedulable: paused sequences alone are no work."""
-        return len(self.waiting) + len(self.running) > self.num_paused
+        return self.turns.num_waiting + len(self.running) > self.num_paused
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """The waiting sequences, request by request in turn order."""
+        return self.turns.waiting()
 
     @property
     def num_slots_used(self) -> int:
-        return sum(1 + len(s.fork_children) for s in self.running)
+        return self.turns.num_slots_used
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; its `fork_children` join it once its prompt is prefilled."""
         seq.status = SeqStatus.WAITING
         for child in seq.fork_children:
             child.status = SeqStatus.FORK_PENDING
-        self.waiting.append(seq)
+        self.turns.queue(seq)
 
     def set_paused(self, seqs: list[Sequence], paused: bool) -> None:
         for seq in seqs:
@@ -97,52 +114,88 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         batch = Batch()
-        budget = self.max_tokens_per_tick
         self._fork_reserve = 0
         scheduled: set[int] = set()
-        for decode_phase in (True, False):
-            for seq in list(self.running):
-                if budget == 0:
-                    break
-                if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled or seq.paused:
-                    continue
-                if (seq.num_uncomputed == 1) != decode_phase:
-                    continue
-                n = min(seq.num_uncomputed, budget)
-                if self._reserve(seq, n, scheduled):
-                    self._add(batch, seq, n)
-                    scheduled.add(seq.seq_id)
-                    budget -= n
-        self._admit(batch, budget)
+        shares = self.turns.shares()
+        self._make_room(shares)
+        budget = self.max_tokens_per_tick
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if (seq.status is SeqStatus.RUNNING and not seq.paused and seq.num_uncomputed == 1
+                    and seq.seq_id not in scheduled and self._reserve(seq, 1, scheduled)):
+                self._add(batch, seq, 1, scheduled)
+                budget -= 1
+        self._prefill(batch, budget, scheduled)
         return batch
 
-    def _admit(self, batch: Batch, budget: int) -> None:
+    def _prefill(self, batch: Batch, budget: int, scheduled: set[int]) -> None:
+        """Prompt chunks and admissions, request by request in turn order."""
+        chunks: dict[str, list[Sequence]] = {}
+        for seq in self.running:
+            if seq.num_uncomputed > 1 and not seq.paused:
+                chunks.setdefault(seq.rid, []).append(seq)
+        served: list[str] = []
+        admitting = True
+        for rid, request in list(self.turns.requests.items()):
+            if budget == 0 or not (admitting or chunks):
+                break
+            before = budget
+            for seq in chunks.pop(rid, ()):
+                n = min(seq.num_uncomputed, budget)
+                if n and seq.status is SeqStatus.RUNNING and self._reserve(seq, n, scheduled):
+                    self._add(batch, seq, n, scheduled)
+                    budget -= n
+            while admitting and budget and request.next is not None:
+                n = self._admit(batch, rid, request, budget, scheduled)
+                if not n:
+                    # A request holding nothing waits at the head: nobody overtakes it (a
+                    # group as big as the engine would never find enough free slots).
+                    admitting = request.slots > 0
+                    break
+                budget -= n
+            if budget != before:
+                served.append(rid)
+        self.turns.served(served)
+
+    def _admit(self, batch: Batch, rid: str, request: Request, budget: int,
+               scheduled: set[int]) -> int:
+        """Admit the request's next sequence with up to `budget` tokens of its prompt, leaving
+        the room made for others; the tokens scheduled, or 0 when it does not fit."""
         bm = self.block_manager
-        skipped = 0  # paused sequences at the head wait without holding up the others
-        while len(self.waiting) > skipped and budget > 0:
-            seq = self.waiting[skipped]
-            if seq.paused:
-                skipped += 1
-                continue
-            if self.num_slots_used + 1 + len(seq.fork_children) > self.max_num_seqs:
-                return
-            hits = self._cache_hits(seq)
-            cached = len(hits) * bm.block_size
-            n = min(seq.num_tokens - cached, budget)
-            end = cached + n
-            need = (bm.num_blocks_for(end) - len(hits) + bm.num_revived(hits)
-                    + self._fork_cost(seq, end))
-            if need > self._num_available:
-                return
-            del self.waiting[skipped]
-            bm.share(seq.block_table, hits)
-            seq.num_computed = cached
-            self._count_lookup(seq, cached)
-            bm.may_append(seq.block_table, end)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            self._add(batch, seq, n)
-            budget -= n
+        seq = request.next
+        assert seq is not None
+        own = self._room.get(rid, (0, 0))
+        others = (self._room_total[0] - own[0], self._room_total[1] - own[1])
+        if self.num_slots_used + slots_of(seq) + others[0] > self.max_num_seqs:
+            return 0
+        hits, n, need = self._admission(seq, budget)
+        if need + others[1] > self._num_available:
+            return 0
+        if self._room.pop(rid, None) is not None:
+            self._room_total = others
+        self.turns.start(request)
+        cached = len(hits) * bm.block_size
+        bm.share(seq.block_table, hits)
+        seq.num_computed = cached
+        self._count_lookup(seq, cached)
+        bm.may_append(seq.block_table, cached + n)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self._add(batch, seq, n, scheduled)
+        return n
+
+    def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int, int]:
+        """A waiting sequence's cache hits, the tokens it would compute now and the free
+        blocks that takes (its forks' copies included)."""
+        bm = self.block_manager
+        hits = self._cache_hits(seq)
+        cached = len(hits) * bm.block_size
+        n = min(seq.num_tokens - cached, budget)
+        end = cached + n
+        need = (bm.num_blocks_for(end) - len(hits) + bm.num_revived(hits)
+                + self._fork_cost(seq, end))
+        return hits, n, need
 
     def _cache_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks for the start of a sequence that holds none yet."""
@@ -161,13 +214,10 @@ class Scheduler:
             self.num_cache_hits += cached
 
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
-        """Blocks for `n` more tokens of a running sequence, preempting newer ones if needed."""
+        """Blocks for `n` more tokens of a running sequence, preempting others if needed."""
         while self._blocks_needed(seq, n) > self._num_available:
-            candidates = [v for v in reversed(self.running)
-                          if v is not seq and v.seq_id not in scheduled]
-            victim = next((v for v in candidates if v.paused), None) or next(iter(candidates),
-                                                                              None)
-            if victim is None:
+            victim = self._reserve_victim(seq, scheduled)
+            if victim is None or victim is seq:
                 if seq.num_uncomputed == 1:
                     self._preempt(seq)
                 # A prefill keeps its blocks and waits for decodes to finish.
@@ -175,6 +225,27 @@ class Scheduler:
             self._preempt(victim)
         self.block_manager.may_append(seq.block_table, seq.num_computed + n)
         return True
+
+    def _reserve_victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
+        """Whom `seq` takes blocks from: a paused sequence; else a prompt chunk takes the
+        newest that came after it (the oldest prompt always gets on: prefills never take turns
+        preempting each other). A decode of a request with more slots than makes it big
+        (Turns.big) takes its own newest (`seq` itself, maybe); another decode the newest of
+        the request with the most slots beyond that, or the newest of all."""
+        candidates = [v for v in reversed(self.running) if v.seq_id not in scheduled]
+        others = [v for v in candidates if v is not seq]
+        paused = next((v for v in others if v.paused), None)
+        if paused is not None:
+            return paused
+        if seq.num_uncomputed > 1:
+            return next(iter(candidates[:candidates.index(seq)]), None)
+        requests = self.turns.requests
+        big = self.turns.big(self.turns.shares()).slots
+        if requests[seq.rid].slots > big:
+            return next(v for v in candidates if v.rid == seq.rid)
+        big_others = [v for v in others if requests[v.rid].slots > big]
+        return max(big_others, key=lambda v: requests[v.rid].slots, default=None) or next(
+            iter(others), None)
 
     @property
     def _num_available(self) -> int:
@@ -190,17 +261,88 @@ class Scheduler:
             return 0
         return self.block_manager.fork_cost(end) * len(seq.fork_children)
 
-    def _add(self, batch: Batch, seq: Sequence, n: int) -> None:
+    def _add(self, batch: Batch, seq: Sequence, n: int, scheduled: set[int]) -> None:
         self._fork_reserve += self._fork_cost(seq, seq.num_computed + n)
         batch.add(seq, n)
+        scheduled.add(seq.seq_id)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, *, gave_way: bool = False) -> None:
         self.running.remove(seq)
+        self.turns.stop(seq)
         self.block_manager.free(seq.block_table)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.turns.requeue(seq, first=not gave_way)
         self.num_preemptions += 1
+
+    # --- room for a request within its share -----------------------------------------------------
+
+    def _make_room(self, shares: Shares) -> None:
+        """Before a tick: each waiting request within its share whose next group does not fit
+        takes room back from a big request over its own (its newest sequences, recomputed
+        later), so that a newcomer waits a tick or two however much the others hold."""
+        self._room = {}
+        self._room_total = (0, 0)
+        if not self.turns.num_waiting:
+            return
+        # What this tick's decodes and the requests before this one in the order will take.
+        claimed = (0, self._decode_blocks())
+        for rid, request in list(self.turns.requests.items()):
+            seq = request.next
+            if seq is None or not self.turns.within_share(request, shares.slots):
+                continue
+            need = (slots_of(seq), self._admission(seq, self.max_tokens_per_tick)[2])
+            taken = False
+            while (short := self._short(need, claimed)) != (0, 0):
+                victim = self._room_victim(rid, request, seq, short, shares)
+                if victim is None:
+                    break
+                decodes = self._blocks_needed(victim, 1) if victim.num_uncomputed == 1 else 0
+                self._preempt(victim, gave_way=True)
+                claimed = (claimed[0], claimed[1] - decodes)
+                taken = True
+            if short != (0, 0):
+                if not request.slots:
+                    return  # it waits at the head (see _prefill): nobody behind gets room
+                continue
+            claimed = (claimed[0] + need[0], claimed[1] + need[1])
+            if taken:
+                # Room taken back is kept for it this tick (its victim, or another request
+                # before it in the order, would take it again); room that came free goes to
+                # whoever's turn it is.
+                self._room[rid] = need
+                self._room_total = (self._room_total[0] + need[0],
+                                    self._room_total[1] + need[1])
+
+    def _short(self, need: tuple[int, int], claimed: tuple[int, int]) -> tuple[int, int]:
+        """Slots and blocks missing for `need` once `claimed` has been taken."""
+        free_slots = self.max_num_seqs - self.num_slots_used - claimed[0]
+        free_blocks = self.block_manager.num_free - claimed[1]
+        return max(0, need[0] - free_slots), max(0, need[1] - free_blocks)
+
+    def _decode_blocks(self) -> int:
+        """Blocks this tick's decodes will take."""
+        return sum(self._blocks_needed(s, 1) for s in self.running
+                   if s.num_uncomputed == 1 and not s.paused)
+
+    def _room_victim(self, rid: str, request: Request, seq: Sequence, short: tuple[int, int],
+                     shares: Shares) -> Sequence | None:
+        """The next sequence to preempt for `request`, None if it cannot be given room."""
+        # Only a big request gives way (Turns.big), and it keeps what makes it big and what
+        # this request will hold: no request is made poorer than the one it gives way to, so
+        # nothing swings back.
+        keep = max(self.turns.big(shares).slots, request.slots + slots_of(seq))
+        others = [v for v in reversed(self.running) if v.rid != rid]
+        if short[0]:
+            requests = self.turns.requests
+            candidates = [v for v in others if requests[v.rid].slots - slots_of(v) >= keep]
+            if min(len(candidates), self.turns.excess_slots(rid, keep)) < short[0]:
+                return None  # all that is over a share would not do: it waits
+        elif self.block_manager.num_blocks_for(seq.num_tokens) * slots_of(seq) <= shares.blocks:
+            candidates = others  # blocks only for a group whose prompts fit in a share
+        else:
+            return None
+        return self.turns.heaviest(candidates, self.turns.loads(self.running, shares))
 
     # --- after the forward pass -----------------------------------------------------------------
 
@@ -245,10 +387,12 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is (abort or finish) and free its blocks."""
         if seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
+            self.turns.drop(seq)
             self.num_paused -= seq.paused
         elif seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self.turns.stop(seq)
             self.num_paused -= seq.paused
+        self.turns.forget_if_idle(seq.rid)
         self.block_manager.free(seq.block_table)
         seq.status = SeqStatus.FINISHED

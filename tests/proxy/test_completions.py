@@ -15,6 +15,7 @@ from ipc.records import RequestKind, TokenLogprob
 from proxy.app import create_app
 from proxy.completions import CHAT, COMPLETION
 from proxy.options import ProxyOptions
+from tests.proxy.conftest import running_app
 from tests.support.peer import MODEL, Peer
 from tests.support.raw_http import sse_events
 from tests.support.wait import wait_until
@@ -229,3 +230,53 @@ def test_logprob_tokens_split_inside_a_character_keep_their_bytes() -> None:
     assert legacy["tokens"] == ["a", "\\xe6\\x97", "\\xa5", " b"]
     assert legacy["text_offset"] == [10, 11, 11, 12]  # the split character starts at 11
     assert legacy["top_logprobs"][1] == {"\\xe6": -0.2}
+
+
+@pytest.mark.parametrize(("path", "body", "param", "sequences"), [
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, "n", 6),
+    ("/v1/completions", {"prompt": ["p"] * 5}, "prompt", 5),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 5}, "n", 5),
+])
+async def test_more_sequences_than_the_cap_is_400_naming_the_field(
+        options: ProxyOptions, peer: Peer, path: str, body: dict[str, object], param: str,
+        sequences: int) -> None:
+    options = dataclasses.replace(options, max_seqs_per_request=4)
+    async with running_app(options) as app:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://p") as c:
+            for stream in (False, True):
+                r = await c.post(path, json={**body, "max_tokens": 1, "stream": stream})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert (error["param"], error["code"]) == (param, "too_many_sequences")
+                assert f"{sequences} sequences" in error["message"]
+                assert "limit of 4 per request" in error["message"]
+            at_cap = {**body, "n": 1, "prompt": ["a"] * 4} if "prompt" in body else {**body, "n": 4}
+            r = await c.post(path, json={**at_cap, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+    assert [s.num_sequences for s in peer.submits] == [4]  # the refused never went out
+
+
+async def test_what_a_collected_answer_could_hold_is_bounded_up_front(
+        options: ProxyOptions, peer: Peer) -> None:
+    options = dataclasses.replace(options, max_collected_bytes=2_000_000)
+    big = {"prompt": ["a", "b"], "n": 4, "max_tokens": 100, "logprobs": 20}
+    async with running_app(options) as app:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://p") as c:
+            r = await c.post("/v1/completions", json=big)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["param"], error["code"]) == ("max_tokens", "output_too_large")
+            assert "limit of 2000000" in error["message"] and "stream" in error["message"]
+            r = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "n": 8, "logprobs": True,
+                "top_logprobs": 20, "max_completion_tokens": 100})
+            assert r.status_code == 400
+            assert r.json()["error"]["param"] == "max_completion_tokens"
+            assert not peer.submits
+            # Streamed, nothing is collected; without logprobs, it fits.
+            r = await c.post("/v1/completions", json={**big, "max_tokens": 2, "stream": True})
+            assert r.status_code == 200
+            r = await c.post("/v1/completions", json={**big, "logprobs": None})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 8
