@@ -167,7 +167,7 @@ class DaemonServer:
         # the tick that applied it) and every 100 ms otherwise, not every tick: at hundreds of
         # ticks a second they would cost the proxy more than the tokens do.
         sessions = (len(self.engine.sessions), len(self.engine.scheduler.running),
-                    sum(self.engine.finished.values()))
+                    sum(self.engine.figures.finished.values()))
         if force or sessions != self._last_sessions or now - self._last_stats >= STATS_INTERVAL_S:
             self._last_sessions = sessions
             stats = self.engine.stats()

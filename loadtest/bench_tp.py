@@ -43,14 +43,14 @@ def generate(engine: Any, jobs: int, prompt_len: int, gen_len: int, tag: str) ->
     for i in range(jobs):
         engine.submit(Submit(f"{tag}{i}", RequestKind.COMPLETION, params,
                              prompts=["a" * prompt_len], epoch=1))
-    ticks0, tokens0 = engine.num_ticks, engine.num_generation_tokens
+    ticks0, tokens0 = engine.figures.num_ticks, engine.figures.num_generation_tokens
     start = time.perf_counter()
     while engine.has_work:
         engine.step()
     wall = time.perf_counter() - start
-    new = engine.num_generation_tokens - tokens0
+    new = engine.figures.num_generation_tokens - tokens0
     return {"wall_s": wall, "new_tokens": new, "tok_per_s": new / wall,
-            "ticks": engine.num_ticks - ticks0}
+            "ticks": engine.figures.num_ticks - ticks0}
 
 
 def tick_figures(runner: Any, before: list[Any], wall_s: float, ticks: int) -> dict[str, Any]:

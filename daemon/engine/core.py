@@ -7,12 +7,10 @@ includes the aborted session.
 
 from __future__ import annotations
 
-import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -24,6 +22,7 @@ from daemon.engine.admission import (
     render_prompts,
 )
 from daemon.engine.block_manager import BlockManager
+from daemon.engine.figures import Figures
 from daemon.engine.guided import Guidance, check_guide
 from daemon.engine.sampler import Sampler, sampled_logprobs
 from daemon.engine.scheduler import Scheduler
@@ -46,14 +45,6 @@ from ipc.records import (
     Usage,
 )
 
-request_log = logging.getLogger("tether.requests")
-
-# Tick start times kept for tests and for abort latency in ticks.
-TICK_LOG_SIZE = 4096
-# An aborted request's log line carries its newest ticks: enough to show any tick that started
-# after the client left, and one from before.
-LOGGED_TICKS = 4
-
 
 class Runner(Protocol):
     block_size: int
@@ -61,13 +52,6 @@ class Runner(Protocol):
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
     def copy_block(self, src: int, dst: int) -> None: ...
-
-
-@dataclass(slots=True, frozen=True)
-class TickRecord:
-    tick: int
-    start: float
-    rids: frozenset[str]
 
 
 def _default_detokenizer(tokenizer: Tokenizer) -> Callable[[list[int]], Detokenizer]:
@@ -102,15 +86,7 @@ class Engine:
         self._make_detok = make_detokenizer or _default_detokenizer(tokenizer)
         self.sessions: dict[str, Session] = {}
         self.tombstones = Tombstones(clock=clock)
-        self.tick_log: deque[TickRecord] = deque(maxlen=TICK_LOG_SIZE)
-        self.num_ticks = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.num_tokens_after_disconnect = 0
-        self.aborts: Counter[str] = Counter()
-        self.finished: Counter[str] = Counter()
-        self._latency_obs: list[float] = []
-        self._latency_ticks_obs: list[int] = []
+        self.figures = Figures(clock)
 
     @property
     def has_work(self) -> bool:
@@ -181,24 +157,9 @@ class Engine:
                t_disconnect: float | None = None) -> list[ToProxy]:
         """A request ended before it was admitted (aborted while still in the pipe, or sent
         under a stale epoch): counted and logged like any other abort."""
-        self.aborts[cause.value] += 1
-        self.finished[FinishReason.ABORT.value] += 1
-        fields: dict[str, Any] = {"rid": rec.rid, "kind": rec.kind.value, "n": rec.n,
-                                  "finish_reason": FinishReason.ABORT.value,
-                                  "cause": cause.value, "admitted": False}
-        if rec.client_id is not None:
-            fields["client_id"] = rec.client_id
-        if t_disconnect is not None:
-            latency = self.clock() - t_disconnect
-            self._latency_obs.append(latency)
-            self._latency_ticks_obs.append(self._ticks_since(t_disconnect))
-            fields["abort_latency_s"] = round(latency, 6)
-        request_log.info("request %s abort", rec.rid, extra={"fields": fields})
+        self.figures.refused(rec, cause, t_disconnect)
         return [Finish(rec.rid, i, FinishReason.ABORT, Usage(0, 0), cause=cause)
                 for i in range(rec.num_sequences)]
-
-    def _ticks_since(self, t: float) -> int:
-        return sum(1 for r in self.tick_log if r.start > t)
 
     def set_paused(self, rid: str, paused: bool) -> None:
         """Flow control: stop (or resume) scheduling a session; it keeps its blocks."""
@@ -264,26 +225,7 @@ class Engine:
         self._end_response(session, Failed(error or "internal error") if cause is None
                            else Aborted(cause, session.background))
         del self.sessions[session.rid]
-        now = self.clock()
-        self.finished[reason.value] += 1
-        extra: dict[str, Any] = {}
-        if cause is not None:
-            self.aborts[cause.value] += 1
-            # Monotonic stamps (CLOCK_MONOTONIC is system-wide): a client can set its own
-            # close time against them, and count the tokens sampled after it.
-            extra = {"evicted_at": round(now, 6),
-                     "last_ticks": [[round(t, 6), n] for t, n in session.ticks.tail(LOGGED_TICKS)]}
-        if session.t_disconnect is not None:
-            t = session.t_disconnect
-            ticks, tokens = session.tokens_after(t)
-            self.num_tokens_after_disconnect += tokens
-            self._latency_obs.append(now - t)
-            self._latency_ticks_obs.append(self._ticks_since(t))
-            extra |= {"abort_latency_s": round(now - t, 6), "ticks_after_disconnect": ticks,
-                      "tokens_after_disconnect": tokens}
-            if t_read is not None:
-                extra["abort_read_s"] = round(t_read - t, 6)
-        self._log_end(session, reason, cause, extra)
+        self.figures.evicted(session, reason, cause, t_read)
         return [Finish(session.rid, s.index, reason, s.usage, cause=cause, message=error)
                 for s in ended]
 
@@ -294,10 +236,8 @@ class Engine:
         if not batch:
             return []
         t_start = self.clock()
-        self.num_ticks += 1
         rids = frozenset(s.rid for s in batch.seqs)
-        self.tick_log.append(TickRecord(self.num_ticks, t_start, rids))
-        self.num_prompt_tokens += batch.num_prefill_tokens
+        self.figures.tick(t_start, rids, batch.num_prefill_tokens)
         logits = self.runner.run(batch.chunks)
         to_sample = self.scheduler.postprocess(batch)
         seqs = [seq for _, seq in to_sample]
@@ -336,7 +276,7 @@ class Engine:
                 seq.pending_logprobs = []
             if reason is not None:
                 out += self._finish(seq, reason)
-        self.num_generation_tokens += len(tokens)
+        self.figures.num_generation_tokens += len(tokens)
         return out
 
     def _token_logprob(self, token: int, lp: tuple[float, list[tuple[int, float]]]) -> TokenLogprob:
@@ -373,10 +313,7 @@ class Engine:
             del self.sessions[seq.rid]
             error = self._end_response(session, Completed(reason, session.output_text(),
                                                           session.usage))
-            # Counted per request, like the aborts: a request's reason is its last sequence's.
-            ended = reason if error is None else FinishReason.ERROR
-            self.finished[ended.value] += 1
-            self._log_end(session, ended, None, {} if error is None else {"error": error})
+            self.figures.completed(session, reason if error is None else FinishReason.ERROR, error)
         if error is not None:  # the client learns that its response was not stored
             return [Finish(seq.rid, seq.index, FinishReason.ERROR, seq.usage, message=error)]
         return [Finish(seq.rid, seq.index, reason, seq.usage)]
@@ -393,49 +330,20 @@ class Engine:
 
     def stats(self) -> Stats:
         """Gauges and counters now; latency observations since the previous call."""
-        obs, self._latency_obs = self._latency_obs, []
-        ticks_obs, self._latency_ticks_obs = self._latency_ticks_obs, []
-        stats = Stats(
-            t=self.clock(),
-            # Requests, not sequences: a request runs while any of its sequences does.
-            running=(running := len({seq.rid for seq in self.scheduler.running})),
-            waiting=len(self.sessions) - running,
-            kv_blocks_used=self.block_manager.num_used,
-            kv_blocks_total=self.block_manager.num_total,
-            kv_blocks_cached=self.block_manager.num_cached_free,
+        # Requests, not sequences: a request runs while any of its sequences does.
+        running = len({seq.rid for seq in self.scheduler.running})
+        bm = self.block_manager
+        stats = self.figures.stats(
+            running=running, waiting=len(self.sessions) - running,
+            kv_blocks_used=bm.num_used, kv_blocks_total=bm.num_total,
+            kv_blocks_cached=bm.num_cached_free,
             prefix_cache_queries=self.scheduler.num_cache_queries,
             prefix_cache_hits=self.scheduler.num_cache_hits,
             placeholders=self.responses.num_placeholders() if self.responses is not None else 0,
-            ticks=self.num_ticks,
-            prompt_tokens=self.num_prompt_tokens,
-            generation_tokens=self.num_generation_tokens,
-            tokens_after_disconnect=self.num_tokens_after_disconnect,
-            aborts=dict(self.aborts),
-            finished=dict(self.finished),
-            bad_records={},
-            abort_latency_obs=obs,
-            abort_latency_ticks_obs=ticks_obs,
-            paused=sum(1 for s in self.sessions.values() if s.paused),
-        )
+            paused=sum(1 for s in self.sessions.values() if s.paused))
         if self.guidance is not None:
             grammars = self.guidance.grammars
             stats.grammar_compiles, stats.grammar_cache_hits = grammars.num_misses, grammars.num_hits
             stats.grammar_cache_bytes = grammars.num_cached_bytes
             stats.grammar_compile_obs = grammars.take_compile_obs()
         return stats
-
-    def _log_end(self, session: Session, reason: FinishReason, cause: AbortCause | None,
-                 extra: dict[str, Any]) -> None:
-        reasons = sorted({s.finish_reason.value for s in session.sequences if s.finish_reason})
-        fields = {
-            "rid": session.rid, "kind": session.kind.value, "n": len(session.sequences),
-            "finish_reason": ",".join(reasons) or reason.value,
-            "cause": cause.value if cause is not None else None,
-            "prompt_tokens": session.num_prompt_tokens,
-            "generated_tokens": session.num_generated,
-            "duration_s": round(self.clock() - session.t_arrival, 6), **extra,
-        }
-        if session.client_id is not None:
-            fields["client_id"] = session.client_id
-        request_log.info("request %s %s", session.rid, fields["finish_reason"],
-                         extra={"fields": fields})

@@ -346,10 +346,10 @@ def test_a_cancel_through_another_replica_is_applied_at_the_next_tick(daemon, tm
     # The owner's watcher hands the cancel to the tick through a queue; no tick waits on it.
     watcher = server.store.watcher(server.store.db.for_thread())
     assert watcher.poll_cancels() == 1
-    learned_at_tick = server.engine.num_ticks
+    learned_at_tick = server.engine.figures.num_ticks
     fin = proxy.wait_for(finish_of("resp_bg"))
     assert isinstance(fin, Finish) and fin.cause is AbortCause.CANCEL
-    assert server.engine.num_ticks - learned_at_tick <= 1  # at most the tick in flight
+    assert server.engine.figures.num_ticks - learned_at_tick <= 1  # at most the tick in flight
     watcher.db.close()
     other.close()
 
@@ -366,11 +366,11 @@ def test_a_slow_proxy_holds_forward_passes_and_replies_not_the_connection(daemon
     while not server.pipes.backlogged:
         assert time.monotonic() < deadline, "the pipe never filled"
         time.sleep(0.01)
-    ticks = server.engine.num_ticks
+    ticks = server.engine.figures.num_ticks
     proxy.send(ResponseOp("op1", ResponseOpKind.GET, "resp_missing", 1))
     proxy.send(ResponseOp("op2", ResponseOpKind.GET, "resp_missing", 1))
     time.sleep(0.3)  # well within the stall bound: reading slowly is not being lost
-    assert server.engine.num_ticks == ticks
+    assert server.engine.figures.num_ticks == ticks
     replies = [proxy.wait_for(lambda r, op=op: isinstance(r, ResponseReply) and r.op_id == op)
                for op in ("op1", "op2")]
     assert proxy.received.index(replies[0]) < proxy.received.index(replies[1])

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import orjson
 
-from daemon.engine.core import LOGGED_TICKS
+from daemon.engine.figures import LOGGED_TICKS
 from ipc.framing import daemon_decoder, proxy_decoder
 from ipc.pipes import TOKENS
 from ipc.records import Record

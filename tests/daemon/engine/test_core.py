@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.engine.core import LOGGED_TICKS, Engine
+from daemon.engine.core import Engine
+from daemon.engine.figures import LOGGED_TICKS
 from daemon.model.loader import load_model
 from daemon.model.runner import ModelRunner
 from daemon.responses.store import ResponseStore
@@ -135,8 +136,8 @@ def test_abort_while_waiting_is_never_prefilled():
     assert out == [Finish("b", 0, FinishReason.ABORT, out[0].usage,
                           cause=AbortCause.CLIENT_DISCONNECT)]
     run(engine)
-    assert all("b" not in t.rids for t in engine.tick_log)
-    assert len(runner.passes) == len(engine.tick_log)
+    assert all("b" not in t.rids for t in engine.figures.tick_log)
+    assert len(runner.passes) == len(engine.figures.tick_log)
 
 
 def test_no_forward_pass_after_the_abort_includes_the_session():
@@ -148,7 +149,7 @@ def test_no_forward_pass_after_the_abort_includes_the_session():
     t_read = engine.clock()
     engine.abort("a", AbortCause.CLIENT_DISCONNECT, t_disconnect=t_read - 0.5, t_read=t_read)
     run(engine)
-    assert all("a" not in t.rids for t in engine.tick_log if t.start > t_read)
+    assert all("a" not in t.rids for t in engine.figures.tick_log if t.start > t_read)
     assert engine.block_manager.num_used == 0
 
 

@@ -144,6 +144,6 @@ def test_builtin_tiny_greedy_output_is_the_same_with_and_without_caching(tiny, n
     cached, engine = greedy_rounds(tiny, num_blocks, budget, prefix_caching=True)
     assert cached == plain
     assert engine.scheduler.num_cache_hits > 0
-    assert engine.num_prompt_tokens < plain_engine.num_prompt_tokens
+    assert engine.figures.num_prompt_tokens < plain_engine.figures.num_prompt_tokens
     if num_blocks == 14:
         assert engine.scheduler.num_preemptions > 0

@@ -59,7 +59,7 @@ def test_every_sequence_gets_one_word_a_tick_with_real_token_counts():
             assert len(ids) == tokens and TOK.decode(ids) == text
     # Deterministic: the same prompt gives the same words, sampled or not.
     assert texts(out, "a")[0] == texts(out, "a")[1]
-    assert engine.block_manager.num_used == 0 and engine.num_ticks == 7
+    assert engine.block_manager.num_used == 0 and engine.figures.num_ticks == 7
 
 
 def test_a_tick_lasts_the_given_milliseconds():

@@ -108,7 +108,7 @@ def test_a_read_only_store_costs_each_session_alone(
     logged = store_errors(caplog)
     for rid in ("resp_done", "resp_gone", "resp_bg", "resp_new"):
         assert any(rid in line for line in logged), (rid, logged)
-    assert engine.finished["error"] == 1
+    assert engine.figures.finished["error"] == 1
 
     store.db.execute("PRAGMA query_only = OFF")  # writable again: the store serves as before
     assert engine.submit(response("resp_later", max_tokens=3)) == [Admitted("resp_later")]
