@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator, Awaitable
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy import completions, responses
+from proxy.access_log import AccessLogMiddleware
 from proxy.auth import ApiKeyMiddleware
 from proxy.engine_client import EngineClient
 from proxy.errors import EXCEPTION_HANDLERS, ApiError, error_response
@@ -146,6 +148,12 @@ def create_app(options: ProxyOptions) -> Starlette:
         *responses.routes,
     ]
     middleware = [
+        # Outermost: the access log sees every answer, CORS headers go on refusals too, and a
+        # browser's preflight is answered before anything asks it for a key.
+        Middleware(AccessLogMiddleware, sample=options.access_log_sample),
+        *([Middleware(CORSMiddleware, allow_origins=cors.origins, allow_methods=cors.methods,
+                      allow_headers=cors.headers, expose_headers=["X-Request-Id"])]
+          if (cors := options.cors).origins else []),
         Middleware(RequestIdMiddleware),
         Middleware(ApiKeyMiddleware, keys=options.api_keys),
         Middleware(BodyLimitMiddleware, max_bytes=options.max_body_bytes),

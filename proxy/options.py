@@ -7,6 +7,15 @@ from pathlib import Path
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CorsOptions:
+    """Who may call the API from a browser (the --allowed-* flags); no origins: CORS is off."""
+
+    origins: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ("GET", "POST", "DELETE", "OPTIONS")
+    headers: tuple[str, ...] = ("Authorization", "Content-Type", "X-Request-Id")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ProxyOptions:
     # The server: where it listens, how long it keeps idle connections and drains on SIGTERM.
     host: str
@@ -35,3 +44,6 @@ class ProxyOptions:
     stream_merge_tokens: int
     # Background responses: the bytes of events kept for their readers, all runs together.
     background_history_bytes: int
+    # Browsers and the access log (the share of successful requests written).
+    cors: CorsOptions = CorsOptions()
+    access_log_sample: float = 1.0

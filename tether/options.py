@@ -47,7 +47,7 @@ def daemon_options(s: Settings) -> DaemonOptions:
 
 
 def proxy_options(s: Settings) -> ProxyOptions:
-    from proxy.options import ProxyOptions
+    from proxy.options import CorsOptions, ProxyOptions
 
     return ProxyOptions(
         host=s.host, port=s.port, keep_alive_timeout_s=s.keep_alive_timeout_s,
@@ -59,4 +59,7 @@ def proxy_options(s: Settings) -> ProxyOptions:
         max_waiting=s.max_waiting, request_timeout_s=s.request_timeout_s,
         stall_timeout_s=s.stall_timeout_s, max_buffered_tokens=s.max_buffered_tokens,
         stream_merge_tokens=s.stream_merge_tokens,
-        background_history_bytes=s.background_history_bytes)
+        background_history_bytes=s.background_history_bytes,
+        cors=CorsOptions(tuple(s.allowed_origins), tuple(s.allowed_methods),
+                         tuple(s.allowed_headers)),
+        access_log_sample=s.access_log_sample)

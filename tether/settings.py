@@ -43,6 +43,12 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = dataclasses.field(default_factory=list)
+    allowed_origins: list[str] = dataclasses.field(default_factory=list)
+    allowed_methods: list[str] = dataclasses.field(
+        default_factory=lambda: ["GET", "POST", "DELETE", "OPTIONS"])
+    allowed_headers: list[str] = dataclasses.field(
+        default_factory=lambda: ["Authorization", "Content-Type", "X-Request-Id"])
+    access_log_sample: float = 1.0
     max_num_seqs: int = 64
     max_seqs_per_request: int = 256
     max_tokens_per_tick: int = 512
@@ -99,6 +105,13 @@ _HELP: dict[str, str] = {
     "host": "HTTP listen address",
     "port": "HTTP listen port",
     "api_key": "accepted API key (repeatable; env: comma-separated); none = no auth",
+    "allowed_origins": "CORS: browser origins allowed to call the API (repeatable; env: "
+    "comma-separated; '*' = any); none = CORS off",
+    "allowed_methods": "CORS: methods a browser may use (repeatable; env: comma-separated)",
+    "allowed_headers": "CORS: request headers a browser may send (repeatable; env: "
+    "comma-separated; '*' = any)",
+    "access_log_sample": "share of successful requests the access log writes a line for (every "
+    "4xx and 5xx is written); 0 = no access log",
     "max_num_seqs": "most sequences running at once",
     "max_seqs_per_request": "most sequences one request may ask for (prompts x n for "
     "completions, n otherwise); more is a 400 naming the limit",
@@ -166,7 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         shown = ",".join(default) if isinstance(default, list) else default
         help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {shown}]"
-        if f.name == "api_key":
+        if isinstance(default, list):
             parser.add_argument(flag, action="append", default=None, help=help_text)
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
@@ -193,7 +206,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
 
 
 def _convert(name: str, default: object, raw: object, source: str) -> object:
-    if name == "api_key":
+    if isinstance(default, list):
         items = raw if isinstance(raw, list) else str(raw).split(",")
         return [k.strip() for k in items if k.strip()]
     if name == "pipe_group":
@@ -237,6 +250,8 @@ def _check(s: Settings) -> None:
         scheme = s.state_url.split("://", 1)[0] if "://" in s.state_url else s.state_url[:20]
         raise ValueError(f"--state-url must start with postgresql:// or sqlite:///, got "
                          f"{scheme!r}")
+    if not 0.0 <= s.access_log_sample <= 1.0:
+        raise ValueError(f"--access-log-sample must be in [0, 1], got {s.access_log_sample}")
     if s.replica_lease_s <= 0:
         raise ValueError(f"--replica-lease-s must be > 0, got {s.replica_lease_s}")
     if s.kv_cache_mib < 0:

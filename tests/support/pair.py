@@ -247,9 +247,9 @@ def new_rid(prefix: str) -> str:
 
 
 def post_raw(server: Server, path: str, body: dict[str, Any],
-             rid: str | None = None) -> socket.socket:
+             rid: str | None = None, headers: dict[str, str] | None = None) -> socket.socket:
     """The request sent (with `rid` as its X-Request-Id), the socket left unread."""
-    return raw_http.post_raw(server.port, path, body, rid, key=server.api_key)
+    return raw_http.post_raw(server.port, path, body, rid, key=server.api_key, headers=headers)
 
 
 def drop(sock: socket.socket) -> float:

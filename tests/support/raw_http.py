@@ -11,11 +11,13 @@ import orjson
 
 
 def post_raw(port: int, path: str, body: dict[str, Any], rid: str | None = None,
-             key: str | None = None, timeout: float = 60.0) -> socket.socket:
+             key: str | None = None, timeout: float = 60.0,
+             headers: dict[str, str] | None = None) -> socket.socket:
     """Sends one POST and returns the socket without reading anything."""
     data = orjson.dumps(body)
     head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\n")
+    head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     if rid:
         head += f"X-Request-Id: {rid}\r\n"
     if key:
