@@ -50,7 +50,8 @@ class ServerPair:
     """`tether serve` on a free port with throw-away runtime and state directories."""
 
     def __init__(self, model: str = "builtin:tiny", max_num_seqs: int | None = None,
-                 extra_args: Sequence[str] = (), startup_timeout: float = 120.0) -> None:
+                 extra_args: Sequence[str] = (), startup_timeout: float = 120.0,
+                 fd_limit: int | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.tmp = Path(tempfile.mkdtemp(prefix="tether-lt-"))
@@ -62,6 +63,9 @@ class ServerPair:
             cmd += ["--max-num-seqs", str(max_num_seqs)]
         self.cmd = [*cmd, *extra_args]
         self.startup_timeout = startup_timeout
+        # Soft and hard open-files limit of the pair (as a systemd unit without LimitNOFILE
+        # gives it: 1024); None: inherited.
+        self.fd_limit = fd_limit
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerPair:
@@ -69,7 +73,8 @@ class ServerPair:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=REPO, env=env, start_new_session=True)
+                                         cwd=REPO, env=env, start_new_session=True,
+                                         preexec_fn=self._limit_fds)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -81,6 +86,12 @@ class ServerPair:
         self.stop()
         raise RuntimeError(f"tether serve not healthy after {self.startup_timeout:.0f} s:\n"
                            + self.log_tail())
+
+    def _limit_fds(self) -> None:
+        import resource
+
+        if self.fd_limit is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.fd_limit, self.fd_limit))
 
     def log_tail(self, lines: int = 40) -> str:
         with contextlib.suppress(OSError):

@@ -11,25 +11,36 @@ Fails (exit 1) if either process's RSS at the end (median of the last three samp
 RSS just after --warmup (median of the first three samples past it) by more than --max-growth,
 if the locust run failed, if a misbehaving client's request was answered 5xx, or if the daemon
 counted any proxy_lost abort (the pipes must never break).
+With --hostile the hostile clients of loadtest/hostile.py join them (big replies, nested
+bodies, idle and trickling sockets, huge heads, one enormous request every 30 s), with the pair
+under a 1024-descriptor limit (--fd-limit; what systemd gives a unit without LimitNOFILE): it
+also fails if a hostile client met a 5xx, and, given --baseline (the soak.json of a quiet run),
+if the well-behaved streams' p99 TTFT is over twice the baseline's.
 Writes soak.json, rss.png and the locust report under results/soak-<timestamp>/ (or --out).
 
     python -m loadtest.soak --duration 90 --users 20 --warmup 30   # a short check
+    python -m loadtest.soak --no-faults --out results/soak-quiet
+    python -m loadtest.soak --hostile --baseline results/soak-quiet/soak.json
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 from loadtest import run_locust
 from loadtest.faults import FaultClients
+from loadtest.hostile import HostileClients
 from loadtest.metrics import scrape
 from loadtest.pair import REPO, ServerPair, raise_fd_limit
 from loadtest.report import goal_line, plot_lines, results_dir, write_json
@@ -63,6 +74,23 @@ def sample_until_exit(proc: subprocess.Popen[bytes], procs: dict[str, psutil.Pro
     return times, rss, fault_counts
 
 
+def ttft_p99_ms(out: Path) -> float | None:
+    """The well-behaved clients' p99 time to first token, from locust's statistics: the worst
+    of its kinds (completions, chat streams, conversations)."""
+    try:
+        with open(out / "locust_stats.csv", newline="") as f:
+            p99s = [float(row["99%"]) for row in csv.DictReader(f)
+                    if row["Type"] == "METRIC" and row["Name"].startswith("ttft_ms")]
+    except (OSError, KeyError, ValueError):
+        return None
+    return max(p99s) if p99s else None
+
+
+def ttft_p99_ms_of(soak_json: Path) -> float | None:
+    value = json.loads(soak_json.read_text()).get("ttft_p99_ms")
+    return None if value is None else float(value)
+
+
 def growth(times: list[float], values: list[float], warmup: float) -> dict[str, Any]:
     after = [v for t, v in zip(times, values, strict=True) if t >= warmup]
     if len(after) < 4:
@@ -88,6 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the pair's tick budget (2048: the 2k prefill is one long tick)")
     parser.add_argument("--no-faults", dest="faults", action="store_false",
                         help="leave out the misbehaving clients")
+    parser.add_argument("--hostile", action="store_true",
+                        help="add the hostile clients (loadtest/hostile.py)")
+    parser.add_argument("--fd-limit", type=int, default=None,
+                        help="the pair's open-files limit (default: 1024 with --hostile)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="soak.json of a quiet run: p99 TTFT must stay within 2x of its")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     out = results_dir(args.out, "soak")
@@ -95,8 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     extra = [] if args.max_tokens_per_tick is None else [
         "--max-tokens-per-tick", str(args.max_tokens_per_tick)]
+    fd_limit = args.fd_limit or (1024 if args.hostile else None)
     with ServerPair(model=args.model, max_num_seqs=args.max_num_seqs,
-                    extra_args=extra) as pair:
+                    extra_args=extra, fd_limit=fd_limit) as pair:
         procs = pair.processes()
         cmd = run_locust.locust_command(pair.base_url, args.duration, args.users,
                                         max(1.0, args.users / 10), out, None,
@@ -104,9 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("$", " ".join(cmd), flush=True)
         locust = subprocess.Popen(cmd, cwd=REPO)
         faults = FaultClients(pair.base_url).start() if args.faults else None
+        hostile = HostileClients(pair.base_url).start() if args.hostile else None
         times, rss, fault_counts = sample_until_exit(
             locust, procs, args.sample_every, faults,
             max(args.duration - FAULTS_STOP_BEFORE_S, args.duration / 2))
+        hostile_counts = hostile.stop() if hostile is not None else {}
         pids = {name: p.pid for name, p in procs.items()}
         aborts = scrape(pair.base_url).by_label("tether_aborts_total", "cause")
 
@@ -123,6 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems.append(f"{fault_counts['prefill_5xx']} of the 2k-token prefills answered 5xx")
     if aborts.get("proxy_lost"):
         problems.append(f"{aborts['proxy_lost']:.0f} proxy_lost aborts: the pipes broke")
+    if hostile_counts.get("5xx"):
+        problems.append(f"{hostile_counts['5xx']} hostile requests answered 5xx")
+    p99 = ttft_p99_ms(out)
+    base_p99 = ttft_p99_ms_of(args.baseline) if args.baseline is not None else None
+    if p99 is not None and base_p99 is not None and p99 > 2 * base_p99:
+        problems.append(f"p99 TTFT {p99:.0f} ms, over twice the quiet run's {base_p99:.0f} ms")
 
     print(f"\n=== soak ({args.duration:g} s, {args.users} users, churn {args.churn:g}) ===")
     for name, v in verdicts.items():
@@ -130,12 +173,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"<= {args.max_growth:.0%}",
                         None if v["growth"] is None else v["growth"] <= args.max_growth))
     print(f"  misbehaving clients: {fault_counts or 'none'}")
+    print(f"  hostile clients: {hostile_counts or 'none'}")
+    print(f"  p99 TTFT, worst kind: {p99} ms" + (f" (quiet run: {base_p99} ms)"
+                                                     if base_p99 is not None else ""))
     print(f"  aborts by cause: {aborts}")
     for problem in problems:
         print("  FAIL:", problem)
     write_json(out / "soak.json", {"args": vars(args), "pids": pids, "times_s": times,
                                    "rss_mib": rss, "growth": verdicts,
-                                   "faults": fault_counts, "aborts": aborts,
+                                   "faults": fault_counts, "hostile": hostile_counts,
+                                   "fd_limit": fd_limit, "ttft_p99_ms": p99,
+                                   "baseline_ttft_p99_ms": base_p99, "aborts": aborts,
                                    "locust_exit": locust.returncode,
                                    "problems": problems})
     plot_lines(out / "rss.png", times, rss, "seconds", "RSS (MiB)",
