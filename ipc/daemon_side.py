@@ -255,6 +255,7 @@ class DaemonPipes:
         # A systemd-held tokens pipe never tells us whether a proxy reads it: wait for a Hello.
         self._await_hello = TOKENS in inherited
         self._proxy_seen = False
+        self._said_goodbye = False  # the proxy's EOF after its Goodbye is a close, not a loss
         self.num_dropped = 0  # records sent while no proxy was there
         self._closing = threading.Event()
         self._keepalive = threading.Thread(target=self._keep_alive, name="tether-keepalive",
@@ -279,6 +280,9 @@ class DaemonPipes:
                 self._await_hello = False
                 self._proxy_seen = True
                 self._tokens.next_try = 0.0  # a proxy is there now: the Welcome must not wait
+            for r in records:
+                if isinstance(r, Hello | Goodbye):
+                    self._said_goodbye = isinstance(r, Goodbye)
         elif (self.heartbeat_timeout is not None and self._last_control is not None
               and now - self._last_control > self.heartbeat_timeout):
             self._lose(Loss(LossReason.SILENCE,
@@ -363,10 +367,12 @@ class DaemonPipes:
         self._tokens.drop()
         self._last_control = None
         self._await_hello = True
-        if self._proxy_seen and self._lost is None:
+        if self._said_goodbye and loss.reason is LossReason.EOF:
+            log.info("ipc: the proxy closed its pipes after its goodbye")
+        elif self._proxy_seen and self._lost is None:
             log.warning("ipc: proxy lost: %s", loss.detail)
             self._lost = loss
-        self._proxy_seen = False
+        self._proxy_seen = self._said_goodbye = False
 
     def take_lost(self) -> Loss | None:
         """Why the proxy was lost since the last call, or None."""
@@ -387,8 +393,10 @@ class DaemonPipes:
 
     @property
     def backlogged(self) -> bool:
-        """The proxy reads more slowly than we write: add nothing that can wait."""
-        return len(self._tokens.buf) > BACKLOG_BOUND_BYTES
+        """The proxy reads more slowly than we write: add nothing that can wait. (Under the
+        writer's lock: between a send's append and its write the buffer only looks long.)"""
+        with self._tokens.lock:
+            return len(self._tokens.buf) > BACKLOG_BOUND_BYTES
 
     def close(self) -> None:
         self._closing.set()
