@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy import completions, responses
+from proxy import completions, responses, tokenize
 from proxy.auth import ApiKeyMiddleware
 from proxy.engine_client import EngineClient
 from proxy.errors import EXCEPTION_HANDLERS, ApiError, error_response
@@ -144,6 +144,7 @@ def create_app(options: ProxyOptions) -> Starlette:
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *completions.routes,
         *responses.routes,
+        *tokenize.routes,
     ]
     middleware = [
         Middleware(RequestIdMiddleware),

@@ -114,7 +114,7 @@ def test_greedy_tokens_match_one_process(pair: tuple[DriverRunner, LoadedModel, 
     assert one.scheduler.num_preemptions > 0  # the scenario does preempt
     assert got == expected
     assert len(got) == 4 and all(len(t) == 24 for t in got.values())
-    assert two.num_ticks == one.num_ticks and two.block_manager.num_used == 0
+    assert two.figures.num_ticks == one.figures.num_ticks and two.block_manager.num_used == 0
     figures = driver.report()
     assert len({f.num_runs for f in figures}) == 1  # every rank ran every forward pass
 
