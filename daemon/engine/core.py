@@ -14,7 +14,6 @@ from typing import Protocol
 
 import torch
 
-from daemon.engine import echo
 from daemon.engine.admission import (
     Tombstones,
     build_sequences,
@@ -25,7 +24,7 @@ from daemon.engine.admission import (
 from daemon.engine.block_manager import BlockManager
 from daemon.engine.figures import Figures
 from daemon.engine.guided import Guidance, check_guide
-from daemon.engine.sampler import Sampler, sampled_logprobs
+from daemon.engine.sampler import Sampler, prompt_logprobs, sampled_logprobs
 from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import Detokenizer, Sequence, Session
 from daemon.engine.tokenize import tokenize
@@ -247,7 +246,7 @@ class Engine:
         logits = self.runner.run(batch.chunks)
         to_sample = self.scheduler.postprocess(batch)
         if any(chunk.all_logits for chunk in batch.chunks):
-            echo.record(batch.chunks, batch.seqs, logits, self._token_logprob)
+            prompt_logprobs(batch.chunks, batch.seqs, logits, self._token_logprob)
         seqs = [seq for _, seq in to_sample]
         sampled: Counter[str] = Counter(seq.rid for seq in seqs)
         for rid in rids:

@@ -4,7 +4,8 @@ logprobs; the first token has none, which OpenAI and vLLM show as null).
 
 Those need the logits at every prompt position, not only the last: the scheduler marks the
 prompt chunks of a sequence whose echo is not complete (`ScheduledChunk.all_logits`), the runner
-returns a row per token of such a chunk, and `record` takes the entries the tick's rows give.
+returns a row per token of such a chunk, and the sampler's `prompt_logprobs` takes the entries
+the tick's rows give.
 Such a sequence reads nothing from the prefix cache (a cached position was never computed
 here), and a prompt recomputed after a preemption only adds the entries still missing. One
 `Echo` serves a prompt's n samples: each sends it before its first generated token, then lets
@@ -13,18 +14,10 @@ it go.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from daemon.engine.sampler import Logprob, token_logprobs
-from daemon.engine.sequence import Sequence
-from daemon.model.batch import ScheduledChunk
 from daemon.model.tokenizer import Tokenizer
 from ipc.records import ECHO_TOKENS, Delta, Submit, TokenLogprob
-
-ToTokenLogprob = Callable[[int, Logprob], TokenLogprob]
 
 
 @dataclass(slots=True, eq=False)
@@ -63,30 +56,3 @@ def make_echoes(submit: Submit, prompts: list[list[int]],
             echo.logprobs.append(TokenLogprob(tokenizer.token_bytes(ids[0]), 0.0))
         echoes.append(echo)
     return echoes
-
-
-def record(chunks: list[ScheduledChunk], seqs: list[Sequence], logits: torch.Tensor,
-           to_token_logprob: ToTokenLogprob) -> None:
-    """Prompt log-probabilities from this tick's rows of every chunk with all_logits: row j of
-    a chunk starting at position s gives the entry of prompt token s + j + 1."""
-    rows: list[int] = []
-    targets: list[tuple[Echo, int]] = []
-    row = 0
-    for chunk, seq in zip(chunks, seqs, strict=True):
-        echo = seq.echo
-        if chunk.all_logits and echo is not None:
-            for j in range(len(chunk.token_ids)):
-                position = chunk.start_pos + j + 1
-                if len(echo.logprobs) <= position < len(echo.token_ids):
-                    rows.append(row + j)
-                    targets.append((echo, position))
-        row += chunk.num_logit_rows
-    if not rows:
-        return
-    index = torch.tensor(rows, device=logits.device)
-    found = token_logprobs(logits.index_select(0, index),
-                           [echo.token_ids[p] for echo, p in targets],
-                           [echo.num_logprobs or 0 for echo, _ in targets])
-    for (echo, position), lp in zip(targets, found, strict=True):
-        if position == len(echo.logprobs):  # in order; a recomputed entry is already there
-            echo.logprobs.append(to_token_logprob(echo.token_ids[position], lp))

@@ -7,14 +7,25 @@ less likely than min_p times the most likely one go) and by top-k/top-p, and dra
 Sampling draws exponential noise and takes argmax(p / noise), which picks token i with
 probability p_i. Seeded sequences draw their noise from their own generator, one row at a
 time, so the same seed gives the same tokens whatever else shares the batch.
+
+The log-probabilities an answer reports, of its tokens and of an echoed prompt's, are the
+model's own distribution, before any of that.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from daemon.engine.logits_processors import LogitsProcessors
 from daemon.engine.sequence import Sequence
+from daemon.model.batch import ScheduledChunk
+from ipc.records import TokenLogprob
+
+if TYPE_CHECKING:
+    from daemon.engine.echo import Echo
 
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, sample) pairs over the generator's seed space
 
@@ -145,3 +156,31 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
     return [(chosen_lp[j], list(zip(top_id_rows[j][:n], top_lp_rows[j][:n], strict=True)))
             for j, n in enumerate(ks)]
+
+
+def prompt_logprobs(chunks: list[ScheduledChunk], seqs: list[Sequence], logits: torch.Tensor,
+                    to_token_logprob: Callable[[int, Logprob], TokenLogprob]) -> None:
+    """Echo's prompt log-probabilities (daemon/engine/echo.py) from this tick's rows of every
+    chunk with all_logits: row j of a chunk starting at position s gives the entry of prompt
+    token s + j + 1, under the model's own distribution too."""
+    rows: list[int] = []
+    targets: list[tuple[Echo, int]] = []
+    row = 0
+    for chunk, seq in zip(chunks, seqs, strict=True):
+        echo = seq.echo
+        if chunk.all_logits and echo is not None:
+            for j in range(len(chunk.token_ids)):
+                position = chunk.start_pos + j + 1
+                if len(echo.logprobs) <= position < len(echo.token_ids):
+                    rows.append(row + j)
+                    targets.append((echo, position))
+        row += chunk.num_logit_rows
+    if not rows:
+        return
+    index = torch.tensor(rows, device=logits.device)
+    found = token_logprobs(logits.index_select(0, index),
+                           [echo.token_ids[p] for echo, p in targets],
+                           [echo.num_logprobs or 0 for echo, _ in targets])
+    for (echo, position), lp in zip(targets, found, strict=True):
+        if position == len(echo.logprobs):  # in order; a recomputed entry is already there
+            echo.logprobs.append(to_token_logprob(echo.token_ids[position], lp))

@@ -13,7 +13,8 @@ from daemon.engine.sampler import Sampler, seed_for
 from daemon.engine.sequence import Sequence
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import ByteTokenizer, IncrementalDetokenizer
-from ipc.records import SamplingParams
+from ipc.records import AbortCause, SamplingParams
+from tests.support.engine_kit import completion, make_engine
 
 TOK = ByteTokenizer()
 VOCAB = 16
@@ -191,3 +192,18 @@ def test_only_the_sampled_ids_are_read_back(monkeypatch: pytest.MonkeyPatch) -> 
     sampler.count(seqs, tokens)
     assert reads == ["tolist"]
     assert torch.equal(raw, before)
+
+
+def test_a_sessions_rows_go_back_when_it_is_evicted_or_finishes() -> None:
+    engine, _ = make_engine()
+    engine.submit(completion("a", n=3, presence_penalty=1.0, max_tokens=50))
+    engine.submit(completion("b", frequency_penalty=1.0, max_tokens=3))
+    engine.submit(completion("c", max_tokens=50))  # no penalty: no row
+    for _ in range(6):
+        engine.step()
+    counts = engine.sampler.processors.counts
+    assert "b" not in engine.sessions and "a" in engine.sessions
+    assert counts.num_rows - counts.num_free == 3  # a's three samples
+    engine.abort("a", AbortCause.CLIENT_DISCONNECT)
+    assert counts.num_free == counts.num_rows
+    assert all(s.penalty_row is None for s in engine.sessions["c"].sequences)
