@@ -25,7 +25,9 @@ import msgspec
 # Responses input), ResponseReply typed (StoredResponse, input_items, deleted) instead of a body;
 # 7: input items paged by the daemon (ResponseOp.page; ResponseReply.item_ids, has_more, param);
 # 8: SamplingParams.guide (constrained decoding), Stats.grammar_*
-PROTOCOL_VERSION = 8
+# 9: sampling parity (penalties, min_p, logit_bias, bad_words, echo), max_tokens None, token-id
+# prompts (Submit.prompt_ids), tokenize/detokenize Submits, Delta.prompt
+PROTOCOL_VERSION = 9
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -70,6 +72,9 @@ class RequestKind(enum.StrEnum):
     COMPLETION = "completion"
     CHAT = "chat"
     RESPONSE = "response"
+    # Answered at once, without the model: one Delta (ids, or text) and its Finish.
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
 
 
 class FinishReason(enum.StrEnum):
@@ -110,6 +115,7 @@ class ResponseOpKind(enum.StrEnum):
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows
+ECHO_TOKENS = 512  # prompt log-probabilities per Delta: a frame stays far below its limit
 
 
 class Message(msgspec.Struct, frozen=True):
@@ -133,8 +139,15 @@ class Guide(msgspec.Struct, frozen=True):
     source: str = ""  # the request field it came from, named in errors (response_format, ...)
 
 
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
-    max_tokens: PosInt = 16
+    # None: the rest of the context, which the daemon resolves per prompt (what the proxy sends
+    # when a client leaves it out); 16 is only the default of records made in code, as in
+    # vLLM's SamplingParams.
+    max_tokens: PosInt | None = 16
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: no top-k (the OpenAI/vLLM convention)
@@ -146,6 +159,19 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # Log-probabilities of the sampled tokens with this many alternatives each; None: none.
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     guide: Guide | None = None  # the output is constrained to match it
+    # As vLLM defines them (daemon/engine/logits_processors.py): presence and frequency over the
+    # output's tokens, repetition over the prompt's and the output's, min_p relative to the
+    # most likely token, logit_bias added to the logits of token ids, bad_words' token
+    # sequences never completed in the output.
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    logit_bias: dict[int, Bias] = {}
+    bad_words: list[str] = []
+    # Completions: each choice starts with its prompt (Delta.prompt), with logprobs its prompt
+    # tokens' log-probabilities too.
+    echo: bool = False
 
 
 class ResponseFields(msgspec.Struct, frozen=True):
@@ -187,15 +213,21 @@ class Submit(msgspec.Struct, tag=Kind.SUBMIT.value, tag_field="k"):
     epoch: int = 0
     n: PosInt = 1
     prompts: list[str] = []
+    # Prompts given as token ids (completions instead of `prompts`; DETOKENIZE: the ids).
+    prompt_ids: list[list[int]] = []
     messages: list[Message] = []
     response: ResponseFields | None = None
     t_submit: float = 0.0  # proxy monotonic time when the HTTP request arrived
     client_id: str | None = None  # the client's X-Request-Id: logged, never a key
+    # TOKENIZE: the special tokens the tokenizer adds (None: for a prompt yes, after a chat
+    # template, which writes its own, no) and whether messages end with the assistant's turn.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
 
     @property
     def num_sequences(self) -> int:
         if self.kind is RequestKind.COMPLETION:
-            return len(self.prompts) * self.n
+            return (len(self.prompts) or len(self.prompt_ids)) * self.n
         return self.n
 
 
@@ -302,11 +334,18 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Delta(msgspec.Struct, tag=Kind.DELTA.value, tag_field="k", omit_defaults=True):
+    """Text and the token ids it came from; with ``prompt``, the echo of the choice's prompt,
+    before its first generated token: its text and ids in the first such Delta, and with
+    logprobs one entry per prompt token, spread over Deltas of at most ECHO_TOKENS entries (the
+    first prompt token has no log-probability: its entry's value is 0.0, shown as null)."""
+
     rid: str
     index: int
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+    prompt: bool = False
+    prompt_tokens: int = 0  # on a sequence's first generated Delta: its prompt's length
 
 
 class Usage(msgspec.Struct, frozen=True):

@@ -13,8 +13,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.errors import ApiError, error_response
 
-# The API lives under /v1; /health and /metrics stay open for probes and scrapers.
-PROTECTED_PREFIX = "/v1"
+# The API lives under /v1, and vLLM's /tokenize and /detokenize beside it; /health and /metrics
+# stay open for probes and scrapers.
+PROTECTED_PREFIX = ("/v1", "/tokenize", "/detokenize")
 
 
 class ApiKeyMiddleware:

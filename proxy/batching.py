@@ -19,10 +19,10 @@ def merge_deltas(batch: Batch, max_tokens: int) -> Batch:
     a Finish ends its sequence's run, so nothing moves across it."""
     if len(batch) < 2:
         return batch
-    out: list[Finish | list[Delta]] = []
+    out: list[Delta | Finish | list[Delta]] = []
     runs: dict[int, tuple[list[Delta], int]] = {}  # sequence index -> its open run, tokens in it
     for record in batch:
-        if type(record) is Delta:
+        if type(record) is Delta and not record.prompt:
             run = runs.get(record.index)
             size = len(record.token_ids)
             if run is not None and run[1] + size <= max_tokens:
@@ -32,8 +32,7 @@ def merge_deltas(batch: Batch, max_tokens: int) -> Batch:
                 parts = [record]
                 runs[record.index] = (parts, size)
                 out.append(parts)
-        else:
-            assert isinstance(record, Finish)
+        else:  # nothing joins across a Finish, nor a prompt's echo
             runs.pop(record.index, None)
             out.append(record)
     return [joined(item) if isinstance(item, list) else item for item in out]
@@ -47,4 +46,5 @@ def joined(parts: list[Delta]) -> Delta:
     logprobs = None if first.logprobs is None else [
         lp for part in parts for lp in part.logprobs or ()]
     return Delta(first.rid, first.index, "".join([part.text for part in parts]),
-                 [token for part in parts for token in part.token_ids], logprobs)
+                 [token for part in parts for token in part.token_ids], logprobs,
+                 prompt_tokens=first.prompt_tokens)

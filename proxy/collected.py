@@ -7,7 +7,10 @@ so only the JSON itself is ever held whole.
 
 A request is refused up front when what it could collect would not fit in
 ``--max-collected-bytes``: the estimate is sequences x max_tokens x the bytes a token takes from
-arrival to the rendered body, measured by tests/proxy/test_collected.py with tracemalloc.
+arrival to the rendered body, measured by tests/proxy/test_collected.py with tracemalloc. One
+without max_tokens (the rest of the context, which only the daemon knows) is not refused for a
+limit it never set: its tokens are counted as they come (`CollectedBudget`, an echoed prompt's
+too), and it fails with the same 400 only once what it holds passes the bound.
 """
 
 from __future__ import annotations
@@ -53,6 +56,25 @@ def check_collected(num_sequences: int, max_tokens: int, logprobs: int | None, l
                        f"{alternatives}), more than the server's limit of {limit} for a "
                        f"response that does not stream; send it with \"stream\": true, or "
                        f"lower {param}, n or logprobs", param=param, code="output_too_large")
+
+
+class CollectedBudget:
+    """What a request that does not stream holds, counted as its tokens arrive."""
+
+    __slots__ = ("limit", "logprobs", "param", "tokens")
+
+    def __init__(self, limit: int, logprobs: int | None, param: str) -> None:
+        self.limit, self.logprobs, self.param = limit, logprobs, param
+        self.tokens = 0
+
+    def add(self, record: Delta) -> None:
+        self.tokens += len(record.token_ids)
+        held = collected_bytes(1, self.tokens, self.logprobs)
+        if held > self.limit:
+            raise ApiError(400, f"this request's output reached {held} bytes ({self.tokens} "
+                           f"tokens), more than the server's limit of {self.limit} for a "
+                           f"response that does not stream; send it with \"stream\": true, or "
+                           f"set {self.param}", param=self.param, code="output_too_large")
 
 
 class Logprobs:
@@ -108,21 +130,23 @@ class Logprobs:
 
 
 class Choice:
-    """One sequence's output so far."""
+    """One sequence's output so far (after its echoed prompt, if it has one)."""
 
-    __slots__ = ("_pieces", "logprobs", "token_ids")
+    __slots__ = ("_pieces", "logprobs", "prompt_token_ids", "token_ids")
 
     def __init__(self, token_ids: bool, logprobs: bool) -> None:
         self._pieces: list[str] = []
         self.token_ids = array("I") if token_ids else None
+        self.prompt_token_ids = array("I") if token_ids else None
         self.logprobs = Logprobs() if logprobs else None
 
     def add(self, record: Delta) -> None:
         self._pieces.append(record.text)
         if len(self._pieces) >= _PIECES:
             self._pieces[:] = ["".join(self._pieces)]
-        if self.token_ids is not None:
-            self.token_ids.extend(record.token_ids)
+        ids = self.prompt_token_ids if record.prompt else self.token_ids
+        if ids is not None:
+            ids.extend(record.token_ids)
         if self.logprobs is not None and record.logprobs:
             self.logprobs.extend(record.logprobs)
 

@@ -7,6 +7,7 @@ client leaves is aborted) -> then either collect everything (still watching) or 
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -29,6 +30,7 @@ from proxy.batching import Batch
 from proxy.chunks import StreamChunks
 from proxy.collected import (
     Choice,
+    CollectedBudget,
     Logprobs,
     check_collected,
     joined_arrays,
@@ -130,8 +132,17 @@ def _token(raw: bytes, logprob: float) -> dict[str, Any]:
     return {"token": token_string(raw), "logprob": logprob, "bytes": list(raw)}
 
 
-def _top(lp: TokenLogprob) -> dict[str, float]:
+def _top(lp: TokenLogprob) -> dict[str, float] | None:
+    if math.isnan(lp.logprob):  # an echoed prompt's first token (`null_first_logprob`)
+        return None
     return {token_string(t): v for t, v in lp.top}
+
+
+def null_first_logprob(record: Delta) -> None:
+    """The first token of an echoed prompt has no log-probability: the daemon's placeholder
+    becomes NaN, which renders as null (JSON has no NaN), as OpenAI and vLLM show it."""
+    if record.prompt and record.token_ids and record.logprobs:
+        record.logprobs[0] = TokenLogprob(record.logprobs[0].token, math.nan)
 
 
 def text_offsets(tokens: list[bytes], offset: int) -> list[int]:
@@ -176,16 +187,20 @@ class CompletionAnswer:
     each batch's stream events together (one write; the client's bytes the same as one event at
     a time), the ending, or the error that ends the stream."""
 
-    __slots__ = ("choices", "chunks", "finishes", "head", "include_usage", "num_sequences", "ok",
-                 "rid", "shape", "submit_n", "usages", "wants_logprobs", "wants_token_ids")
+    __slots__ = ("budget", "choices", "chunks", "continuous_usage", "finishes", "head",
+                 "include_usage", "num_sequences", "ok", "rid", "shape", "submit_n", "usages",
+                 "wants_logprobs", "wants_token_ids")
 
-    def __init__(self, submit: Submit, shape: Shape, model: str, wants: Wants) -> None:
+    def __init__(self, submit: Submit, shape: Shape, model: str, wants: Wants,
+                 budget: CollectedBudget | None = None) -> None:
         self.rid = submit.rid
         self.shape = shape
         self.submit_n = submit.n
         self.num_sequences = submit.num_sequences
         self.include_usage = wants.include_usage
+        self.continuous_usage = wants.continuous_usage
         self.wants_token_ids = wants.token_ids
+        self.budget = budget  # what collecting may hold
         self.head = {"id": submit.rid, "created": int(time.time()), "model": model}
         self.usages: dict[int, Usage] = {}
         self.ok = False  # every sequence finished (a stream ended with [DONE])
@@ -210,13 +225,16 @@ class CompletionAnswer:
     def render(self, batch: Batch) -> tuple[bytes, bool]:
         if self.chunks is None:
             self.chunks = StreamChunks(self.shape, self._chunk_head(), self.include_usage,
-                                       self.wants_token_ids)
+                                       self.wants_token_ids, self.continuous_usage)
         chunks = self.chunks
         events: list[bytes] = []
         try:
             for record in batch:
-                events.append(chunks.delta(record) if isinstance(record, Delta)
-                              else chunks.finish(record, self._on_finish(record)))
+                if isinstance(record, Delta):
+                    null_first_logprob(record)
+                    events.append(chunks.delta(record))
+                else:
+                    events.append(chunks.finish(record, self._on_finish(record)))
             if not self.ok:
                 return b"".join(events), False
             if self.include_usage:
@@ -241,6 +259,9 @@ class CompletionAnswer:
     def collect(self, batch: Batch) -> None:
         for record in batch:
             if isinstance(record, Delta):
+                if self.budget is not None:
+                    self.budget.add(record)
+                null_first_logprob(record)
                 choice = self.choices.get(record.index)
                 if choice is None:
                     choice = self.choices[record.index] = Choice(self.wants_token_ids,
@@ -258,6 +279,8 @@ class CompletionAnswer:
                                        self.finishes[i])
             if got.token_ids is not None:
                 choice["token_ids"] = orjson.Fragment(json_array(got.token_ids))
+            if got.prompt_token_ids:  # echo, in vLLM's field
+                choice["prompt_token_ids"] = orjson.Fragment(json_array(got.prompt_token_ids))
             if got.logprobs is not None:
                 choice["logprobs"] = orjson.Fragment(self.shape.logprobs_json(got.logprobs))
             choices.append(choice)
@@ -266,7 +289,10 @@ class CompletionAnswer:
 
 
 async def respond(request: Request, submit: Submit, shape: Shape, wants: Wants) -> Response:
-    answer = CompletionAnswer(submit, shape, served_model(request), wants)
+    options: ProxyOptions = request.app.state.options
+    budget = None if wants.stream else CollectedBudget(
+        options.max_collected_bytes, submit.sampling.logprobs, wants.max_tokens_param)
+    answer = CompletionAnswer(submit, shape, served_model(request), wants, budget)
     timer = RequestTimer(request.app.state.metrics, shape.endpoint, submit.t_submit)
     return await exchange(request, submit, answer, wants.stream, timer)
 
@@ -297,6 +323,8 @@ class Wants(NamedTuple):
     stream: bool
     include_usage: bool
     token_ids: bool
+    continuous_usage: bool = False  # usage in every chunk (vLLM's continuous_usage_stats)
+    max_tokens_param: str = "max_tokens"  # the field that bounds the output, named in errors
 
 
 def _begin(request: Request, shape: Shape) -> Begun:
@@ -324,11 +352,12 @@ def _completion(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wa
     check_model(req.model, served_models(request))
     engine: EngineClient = request.app.state.engine
     sampling = sampling_params(req, req.max_tokens, "max_tokens", engine.max_model_len)
-    _check_size(request, req, len(req.prompts), sampling, "max_tokens")
+    _check_size(request, req, req.num_prompts, sampling, "max_tokens")
     submit = Submit(rid=begun.rid, kind=RequestKind.COMPLETION, sampling=sampling,
-                    n=req.n, prompts=req.prompts, t_submit=begun.t_start,
-                    client_id=begun.client_id)
-    return submit, Wants(req.stream, req.include_usage, req.return_token_ids)
+                    n=req.n, prompts=req.prompts, prompt_ids=req.prompt_ids,
+                    t_submit=begun.t_start, client_id=begun.client_id)
+    return submit, Wants(req.stream, req.include_usage, req.return_token_ids,
+                         req.continuous_usage)
 
 
 def _chat(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wants]:
@@ -344,7 +373,8 @@ def _chat(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wants]:
     submit = Submit(rid=begun.rid, kind=RequestKind.CHAT, sampling=sampling,
                     n=req.n, messages=[m.to_record() for m in req.messages],
                     t_submit=begun.t_start, client_id=begun.client_id)
-    return submit, Wants(req.stream, req.include_usage, req.return_token_ids)
+    return submit, Wants(req.stream, req.include_usage, req.return_token_ids,
+                         req.continuous_usage, param)
 
 
 def _check_size(request: Request, req: CompletionRequest | ChatRequest, num_prompts: int,
@@ -353,7 +383,7 @@ def _check_size(request: Request, req: CompletionRequest | ChatRequest, num_prom
     within the proxy's budget for one answer."""
     options: ProxyOptions = request.app.state.options
     check_sequences(num_prompts, req.n, options.max_seqs_per_request)
-    if not req.stream:
+    if not req.stream and sampling.max_tokens is not None:
         check_collected(num_prompts * req.n, sampling.max_tokens, sampling.logprobs,
                         options.max_collected_bytes, param)
 

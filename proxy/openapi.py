@@ -17,6 +17,12 @@ from starlette.responses import JSONResponse, Response
 
 from proxy.responses_request import CreateResponse
 from proxy.schemas import REQUEST_ID_PATTERN, ChatRequest, CompletionRequest
+from proxy.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 JSON = dict[str, Any]
 
@@ -49,6 +55,7 @@ class CompletionChoice(msgspec.Struct):
     logprobs: JSON | None
     finish_reason: Literal["stop", "length"]
     token_ids: list[int] | None = None  # when the request asked for return_token_ids
+    prompt_token_ids: list[int] | None = None  # echo with return_token_ids
 
 
 class Completion(msgspec.Struct):
@@ -88,10 +95,12 @@ class CompletionChunkChoice(msgspec.Struct):
     logprobs: JSON | None
     finish_reason: Literal["stop", "length"] | None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionChunk(msgspec.Struct):
-    """One SSE event of a streamed completion; the last one (include_usage) has no choices."""
+    """One SSE event of a streamed completion; the last one (include_usage) has no choices;
+    with continuous_usage_stats every one has its choice's usage so far."""
 
     id: str
     object: Literal["text_completion"]
@@ -200,7 +209,8 @@ class Health(msgspec.Struct):
 
 _TYPES = (CompletionRequest, ChatRequest, CreateResponse, ErrorBody, Completion, ChatCompletion,
           CompletionChunk, ChatCompletionChunk, ResponseEvent, ResponseObject, DeletedResponse,
-          InputItemList, ModelList, Health)
+          InputItemList, ModelList, Health, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
+          DetokenizeResponse)
 _ERRORS = {"400": "invalid input, named in error.param", "401": "missing or wrong API key",
            "404": "unknown model or response", "413": "request body too large",
            "429": "too many requests waiting", "500": "the engine or the store failed",
@@ -290,6 +300,12 @@ def _paths() -> JSON:
                         _query("after", {"type": "string"})])},
         "/v1/models": {"get": _operation("The served model", _answers("ModelList", errors=(
             "401",)))},
+        "/tokenize": {"post": _operation(
+            "Token ids of a prompt, or of chat messages rendered by the chat template (vLLM's)",
+            _answers("TokenizeResponse", errors=lookup), "TokenizeRequest")},
+        "/detokenize": {"post": _operation(
+            "The text of token ids (vLLM's)", _answers("DetokenizeResponse", errors=lookup),
+            "DetokenizeRequest")},
         "/health": {"get": _operation("Whether the engine is up", {
             "200": {"description": "up", "content": {"application/json": {
                 "schema": _ref("Health")}}},

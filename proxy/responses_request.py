@@ -23,11 +23,11 @@ from proxy.input_items import (
 )
 from proxy.responses_events import ResponseParams
 from proxy.schemas import (
-    DEFAULT_MAX_TOKENS,
     REQUEST_ID_PATTERN,
     PositiveInt,
     Temperature,
     TopP,
+    check_max_tokens,
     check_model,
     decode_body,
 )
@@ -83,19 +83,9 @@ def response_params(req: CreateResponse, rid: str, model: str,
 
 
 def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingParams:
+    """An omitted max_output_tokens is the rest of the context (None: the daemon resolves it)."""
     max_tokens = req.max_output_tokens
-    if max_tokens is None:
-        # The proxy cannot count prompt tokens: "the rest of the context" is not an option.
-        max_tokens = DEFAULT_MAX_TOKENS["chat"]
-        if max_model_len is not None:
-            max_tokens = min(max_tokens, max_model_len)
-    elif max_model_len is not None and max_tokens > max_model_len:
-        raise ApiError(400, f"'max_output_tokens' is {max_tokens}, more than the model's "
-                       f"context length {max_model_len}", param="max_output_tokens",
-                       code="context_length_exceeded")
-    if req.min_tokens > max_tokens:
-        raise ApiError(400, f"'min_tokens' ({req.min_tokens}) must be <= 'max_output_tokens' "
-                       f"({max_tokens})", param="min_tokens", code="invalid_value")
+    check_max_tokens(max_tokens, req.min_tokens, "max_output_tokens", max_model_len)
     return SamplingParams(max_tokens=max_tokens,
                           temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p,

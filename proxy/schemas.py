@@ -21,9 +21,8 @@ MAX_N = 128
 MAX_PROMPTS = 256
 MAX_STOP = 16
 MAX_SEED = 2**63 - 1
-# The proxy cannot count prompt tokens, so an omitted max_tokens gets a fixed default rather
-# than "the rest of the context" (which the daemon would reject for any non-empty prompt).
-DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 512}
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS
+MAX_LOGIT_BIAS = 1024
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
@@ -32,10 +31,19 @@ TopK = Annotated[int, msgspec.Meta(ge=-1)]
 Seed = Annotated[int, msgspec.Meta(ge=-MAX_SEED, le=MAX_SEED)]
 Stop = str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP)]
 N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+# OpenAI's keys are token ids written as strings ("50256"); msgspec reads them as ints.
+LogitBias = Annotated[dict[int, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+                      msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
+BadWords = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]],
+                     msgspec.Meta(max_length=MAX_BAD_WORDS)]
 
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -55,19 +63,28 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # vLLM's extension: each choice also carries its token ids, so a client can count tokens.
     return_token_ids: bool = False
     user: str | None = None
-    # Accepted so that clients sending the neutral value work; anything else is refused
-    # rather than silently ignored.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    # vLLM's extensions.
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    bad_words: BadWords | None = None
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP)] | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and
+                                           self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_PROMPTS)]
+    # A string, a list of strings, a list of token ids, or a list of such lists (`prompt_forms`).
+    prompt: str | Annotated[list[str | TokenId | TokenIds], msgspec.Meta(min_length=1)]
     max_tokens: PositiveInt | None = None
     echo: bool = False
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -76,7 +93,23 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     @property
     def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        """The prompts given as text (none when they are token ids)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        return [p for p in self.prompt if isinstance(p, str)]
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        """The prompts given as token ids (none when they are text)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], str):
+            return []
+        if isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return self.prompt  # type: ignore[return-value]
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts) or len(self.prompt_ids)
 
 
 class TextPart(msgspec.Struct):
@@ -143,6 +176,7 @@ def validation_error(text: str) -> ApiError:
         param = f"{param}.{name}" if param else name
         return ApiError(400, f"Unknown parameter: '{param}'.", param=param,
                         code="unknown_parameter")
+    param = param.replace("[...]", "")  # a dict's value: the field is the name
     if not param:
         return ApiError(400, f"invalid request body: {what}", code="invalid_value")
     return ApiError(400, f"invalid value for '{param}': {what}", param=param,
@@ -154,23 +188,36 @@ def _refuse(param: str, why: str) -> ApiError:
 
 
 def _check_unsupported(req: _Sampling) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise _refuse(name, "is not supported (only 0)")
-    if req.logit_bias:
-        raise _refuse("logit_bias", "is not supported")
-    if req.stream_options is not None and not req.stream:
+    options = req.stream_options
+    if options is not None and not req.stream:
         raise _refuse("stream_options", "is only allowed when 'stream' is true")
+    if options is not None and options.continuous_usage_stats and not options.include_usage:
+        raise ApiError(400, "'stream_options.continuous_usage_stats' requires "
+                       "'stream_options.include_usage': true",
+                       param="stream_options.continuous_usage_stats", code="invalid_value")
 
 
 def check_completion(req: CompletionRequest) -> None:
     _check_unsupported(req)
-    if req.echo:
-        raise _refuse("echo", "is not supported")
+    check_prompt(req.prompt)
     if req.suffix:
         raise _refuse("suffix", "is not supported")
     if req.best_of not in (None, 1):
         raise _refuse("best_of", "is not supported (only 1)")
+
+
+def check_prompt(prompt: str | list[str | int | list[int]]) -> None:
+    """One of the four forms, and at most MAX_PROMPTS prompts."""
+    if isinstance(prompt, str):
+        return
+    kinds = {type(p) for p in prompt}
+    if len(kinds) > 1:
+        raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids "
+                       "or a list of lists of token ids, not a mix", param="prompt",
+                       code="invalid_value")
+    if kinds != {int} and len(prompt) > MAX_PROMPTS:
+        raise ApiError(400, f"'prompt' holds {len(prompt)} prompts, more than {MAX_PROMPTS}",
+                       param="prompt", code="invalid_value")
 
 
 def check_sequences(num_prompts: int, n: int, limit: int) -> None:
@@ -193,20 +240,24 @@ def check_chat(req: ChatRequest) -> None:
         raise _refuse("tools", "is not supported")
 
 
+def check_max_tokens(max_tokens: int | None, min_tokens: int, param: str,
+                     max_model_len: int | None) -> None:
+    """What the proxy can check of a max-tokens field (`param`); an omitted one means the rest
+    of the context, which the daemon resolves per prompt (and checks min_tokens against)."""
+    if max_tokens is None:
+        return
+    if max_model_len is not None and max_tokens > max_model_len:
+        raise ApiError(400, f"'{param}' is {max_tokens}, more than the model's context length "
+                       f"{max_model_len}", param=param, code="context_length_exceeded")
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"'min_tokens' ({min_tokens}) must be <= '{param}' "
+                       f"({max_tokens})", param="min_tokens", code="invalid_value")
+
+
 def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
                     max_model_len: int | None) -> SamplingParams:
     """The record for the daemon; `param` names the max-tokens field the client used."""
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS["completion" if isinstance(req, CompletionRequest)
-                                        else "chat"]
-        if max_model_len is not None:
-            max_tokens = min(max_tokens, max_model_len)
-    elif max_model_len is not None and max_tokens > max_model_len:
-        raise ApiError(400, f"'{param}' is {max_tokens}, more than the model's context length "
-                       f"{max_model_len}", param=param, code="context_length_exceeded")
-    if req.min_tokens > max_tokens:
-        raise ApiError(400, f"'min_tokens' ({req.min_tokens}) must be <= '{param}' "
-                       f"({max_tokens})", param="min_tokens", code="invalid_value")
+    check_max_tokens(max_tokens, req.min_tokens, param, max_model_len)
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if isinstance(req, CompletionRequest):
         logprobs = req.logprobs
@@ -222,6 +273,14 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        stop_token_ids=req.stop_token_ids or [],
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
+        logit_bias=req.logit_bias or {},
+        bad_words=req.bad_words or [],
+        echo=isinstance(req, CompletionRequest) and req.echo,
     )
 
 

@@ -11,6 +11,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from daemon.engine.block_manager import BlockManager
+from daemon.engine.echo import make_echoes
+from daemon.engine.logits_processors import bad_word_ids
 from daemon.engine.sampler import seed_for
 from daemon.engine.sequence import Detokenizer, Sequence
 from daemon.engine.stops import StopMatcher
@@ -24,18 +26,22 @@ def render_prompts(submit: Submit, tokenizer: Tokenizer,
     """Token ids of each distinct prompt (one for chat and responses); `history` gives a
     response's messages (None: there is no response store)."""
     if submit.kind is RequestKind.COMPLETION:
-        if not submit.prompts:
+        if submit.prompt_ids:
+            prompts = [list(ids) for ids in submit.prompt_ids]
+            check_ids([t for ids in prompts for t in ids], tokenizer.vocab_size, "prompt")
+        elif not submit.prompts:
             raise Rejected("prompt must not be empty", param="prompt")
-        prompts = [tokenizer.encode(t) if t else [] for t in submit.prompts]
+        else:
+            prompts = [tokenizer.encode(t) if t else [] for t in submit.prompts]
     else:
         if submit.kind is RequestKind.CHAT:
             if not submit.messages:
                 raise Rejected("messages must contain at least one message", param="messages")
-            text = _chat_text(tokenizer, submit.messages)
+            text = chat_text(tokenizer, submit.messages)
         else:
             if history is None or submit.response is None:
                 raise Rejected("the Responses API needs the response store", status=500)
-            text = _chat_text(tokenizer, history(submit))
+            text = chat_text(tokenizer, history(submit))
         # The template writes its own special tokens (BOS included).
         prompts = [tokenizer.encode(text, add_special_tokens=False)]
     if any(not ids for ids in prompts):
@@ -43,10 +49,11 @@ def render_prompts(submit: Submit, tokenizer: Tokenizer,
     return prompts
 
 
-def _chat_text(tokenizer: Tokenizer, messages: list[Message]) -> str:
+def chat_text(tokenizer: Tokenizer, messages: list[Message],
+              add_generation_prompt: bool = True) -> str:
     rows = [{"role": m.role, "content": m.content} for m in messages]
     try:
-        return tokenizer.apply_chat_template(rows, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(rows, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # a template may raise anything (jinja2's raise_exception, ...)
         raise Rejected(f"messages cannot be rendered by the chat template: {e}",
                        param="messages") from None
@@ -67,15 +74,25 @@ def check_sequences(submit: Submit, max_num_seqs: int, max_seqs_per_request: int
                        param="n" if submit.n > 1 else "prompt", code="too_many_sequences")
 
 
+def check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = sorted({t for t in ids if not 0 <= t < vocab_size})
+    if bad:
+        shown = bad if len(bad) <= 8 else [*bad[:8], "..."]
+        raise Rejected(f"{param} holds token ids outside the vocabulary (0..{vocab_size - 1}): "
+                       f"{shown}", param=param)
+
+
 def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
                  block_manager: BlockManager, vocab_size: int) -> None:
-    bad = [t for t in submit.sampling.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise Rejected(f"stop_token_ids {bad} are outside the vocabulary (0..{vocab_size - 1})",
-                       param="stop_token_ids")
-    max_tokens = submit.sampling.max_tokens
+    params = submit.sampling
+    check_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_ids(list(params.logit_bias), vocab_size, "logit_bias")
     param = "max_output_tokens" if submit.kind is RequestKind.RESPONSE else "max_tokens"
     longest = max(len(p) for p in prompts)
+    if params.max_tokens is None:  # the rest of the context: only the prompt can be too long
+        _check_room(submit, longest, max_model_len, block_manager)
+        return
+    max_tokens = params.max_tokens
     if longest + max_tokens > max_model_len:
         room = max_model_len - longest
         if room > 0:
@@ -99,6 +116,37 @@ def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
                        param=param)
 
 
+def _check_room(submit: Submit, longest: int, max_model_len: int,
+                block_manager: BlockManager) -> None:
+    """An omitted max_tokens: the longest prompt must leave room for at least one token, and
+    min_tokens for as many."""
+    room = output_room(longest, submit.n, max_model_len, block_manager)
+    if room >= max(1, submit.sampling.min_tokens):
+        return
+    if room >= 1:
+        raise Rejected(f"min_tokens ({submit.sampling.min_tokens}) is more than the room the "
+                       f"prompt ({longest} tokens) leaves for the output ({room} tokens)",
+                       param="min_tokens", code="context_length_exceeded")
+    part, what, advice = _too_long(submit, max_model_len)
+    if longest < max_model_len:
+        cap = block_manager.num_total * block_manager.block_size
+        raise Rejected(f"{what} ({longest} tokens) with n={submit.n} leaves no room for the "
+                       f"output in the KV cache capacity of {cap} tokens; {advice}", param=part)
+    raise Rejected(
+        f"this model's maximum context length is {max_model_len} tokens, but {what} has "
+        f"{longest} tokens, with no room left for the output; {advice}", param=part,
+        code="context_length_exceeded")
+
+
+def output_room(prompt_len: int, n: int, max_model_len: int, block_manager: BlockManager) -> int:
+    """Tokens a prompt leaves for its output: the rest of the context, or what the KV cache
+    holds for one of its n sequences (with its siblings' copies of the partial block), if less.
+    Past that a sequence could never be scheduled alone."""
+    bm = block_manager
+    blocks = bm.num_total - bm.fork_cost(prompt_len) * (n - 1)
+    return min(max_model_len, blocks * bm.block_size) - prompt_len
+
+
 def _too_long(submit: Submit, max_model_len: int) -> tuple[str, str, str]:
     """The part of a request whose prompt alone fills the context: its param, how the message
     names it, and what to do."""
@@ -119,15 +167,23 @@ def _too_long(submit: Submit, max_model_len: int) -> tuple[str, str, str]:
 
 
 def build_sequences(submit: Submit, prompts: list[list[int]],
-                    make_detok: Callable[[list[int]], Detokenizer]) -> list[Sequence]:
-    """All sequences in index order; sample 0 of each prompt carries its siblings to fork."""
+                    make_detok: Callable[[list[int]], Detokenizer], tokenizer: Tokenizer,
+                    max_model_len: int, block_manager: BlockManager) -> list[Sequence]:
+    """All sequences in index order; sample 0 of each prompt carries its siblings to fork. An
+    omitted max_tokens becomes each prompt's room for the output (`output_room`)."""
     params = submit.sampling
+    bad_words = bad_word_ids(params.bad_words,
+                             lambda text: tokenizer.encode(text, add_special_tokens=False))
     seqs: list[Sequence] = []
-    for p, ids in enumerate(prompts):
+    for p, (ids, echo) in enumerate(zip(prompts, make_echoes(submit, prompts, tokenizer),
+                                        strict=True)):
+        max_tokens = params.max_tokens or output_room(len(ids), submit.n, max_model_len,
+                                                      block_manager)
         group = [
             Sequence(rid=submit.rid, index=p * submit.n + s, token_ids=list(ids), params=params,
                      detok=make_detok(ids), stops=StopMatcher(params.stop),
-                     seed=None if params.seed is None else seed_for(params.seed, s))
+                     seed=None if params.seed is None else seed_for(params.seed, s),
+                     max_tokens=max_tokens, bad_words=bad_words, echo=echo)
             for s in range(submit.n)
         ]
         group[0].fork_children = group[1:]

@@ -24,9 +24,10 @@ from daemon.engine.admission import (
 from daemon.engine.block_manager import BlockManager
 from daemon.engine.figures import Figures
 from daemon.engine.guided import Guidance, check_guide
-from daemon.engine.sampler import Sampler, sampled_logprobs
+from daemon.engine.sampler import Sampler, prompt_logprobs, sampled_logprobs
 from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import Detokenizer, Sequence, Session
+from daemon.engine.tokenize import tokenize
 from daemon.model.batch import ScheduledChunk
 from daemon.model.tokenizer import Tokenizer
 from daemon.rejected import Rejected
@@ -110,6 +111,8 @@ class Engine:
         if rec.rid in self.sessions:
             return [Rejected(f"request id {rec.rid!r} is already running", status=409)
                     .to_error(rec.rid)]
+        if rec.kind is RequestKind.TOKENIZE or rec.kind is RequestKind.DETOKENIZE:
+            return tokenize(rec, self.tokenizer)
         try:
             check_guide(rec, self.guidance)
             history = self.responses.history if self.responses is not None else None
@@ -170,7 +173,9 @@ class Engine:
 
     def _open_session(self, rec: Submit, prompts: list[list[int]]) -> Session:
         session = Session(rid=rec.rid, epoch=rec.epoch, kind=rec.kind,
-                          sequences=build_sequences(rec, prompts, self._make_detok),
+                          sequences=build_sequences(rec, prompts, self._make_detok,
+                                                    self.tokenizer, self.max_model_len,
+                                                    self.block_manager),
                           t_arrival=self.clock(), client_id=rec.client_id)
         fields = rec.response
         if rec.kind is RequestKind.RESPONSE and fields is not None and self.responses is not None:
@@ -219,7 +224,7 @@ class Engine:
         reason = FinishReason.ERROR if cause is None else FinishReason.ABORT
         ended = session.end(reason)
         for seq in ended:
-            self.scheduler.remove(seq)
+            self._release(seq)
         if self.guidance is not None:
             self.guidance.drop(session.rid)
         self._end_response(session, Failed(error or "internal error") if cause is None
@@ -240,6 +245,8 @@ class Engine:
         self.figures.tick(t_start, rids, batch.num_prefill_tokens)
         logits = self.runner.run(batch.chunks)
         to_sample = self.scheduler.postprocess(batch)
+        if any(chunk.all_logits for chunk in batch.chunks):
+            prompt_logprobs(batch.chunks, batch.seqs, logits, self._token_logprob)
         seqs = [seq for _, seq in to_sample]
         sampled: Counter[str] = Counter(seq.rid for seq in seqs)
         for rid in rids:
@@ -257,12 +264,16 @@ class Engine:
         else:
             tokens = self.sampler(self.guidance.mask(logits, seqs), seqs)
             tokens = self.guidance.accept(seqs, tokens, self.max_model_len)
+        self.sampler.count(seqs, tokens)
         return self._emit(seqs, tokens, sampled_logprobs(logits, seqs, tokens))
 
     def _emit(self, seqs: list[Sequence], tokens: list[int],
               logprobs: list[tuple[float, list[tuple[int, float]]] | None]) -> list[ToProxy]:
         out: list[ToProxy] = []
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            if seq.echo is not None:  # the answer starts with the prompt
+                out += seq.echo.deltas(seq.rid, seq.index)
+                seq.echo = None
             if lp is not None:
                 seq.pending_logprobs.append(self._token_logprob(token, lp))
             text, reason = self._append(seq, token)
@@ -270,8 +281,11 @@ class Engine:
             # Every sampled id reaches the client once (a stop token's too, though not its text),
             # so token_ids summed over a stream equal usage.completion_tokens.
             if text or (reason is not None and seq.pending_token_ids):
-                out.append(Delta(seq.rid, seq.index, text, seq.pending_token_ids,
-                                 seq.pending_logprobs if lp is not None else None))
+                delta = Delta(seq.rid, seq.index, text, seq.pending_token_ids,
+                              seq.pending_logprobs if lp is not None else None)
+                if seq.num_generated == len(seq.pending_token_ids):  # its first
+                    delta.prompt_tokens = seq.num_prompt_tokens
+                out.append(delta)
                 seq.pending_token_ids = []
                 seq.pending_logprobs = []
             if reason is not None:
@@ -294,7 +308,7 @@ class Engine:
         text = seq.stops.push(seq.detok.push(token), can_stop)
         if seq.stops.stopped:
             return text, FinishReason.STOP
-        if seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_generated >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return text + self._final_text(seq), FinishReason.LENGTH
         return text, None
 
@@ -304,9 +318,14 @@ class Engine:
         text = seq.stops.push(seq.detok.flush())
         return text if seq.stops.stopped else text + seq.stops.flush()
 
+    def _release(self, seq: Sequence) -> None:
+        """What one sequence holds: its place and blocks, and the sampler's state for it."""
+        self.scheduler.remove(seq)
+        self.sampler.release(seq)
+
     def _finish(self, seq: Sequence, reason: FinishReason) -> list[ToProxy]:
         seq.finish_reason = reason
-        self.scheduler.finish(seq)
+        self._release(seq)
         session = self.sessions[seq.rid]
         error: str | None = None
         if session.is_finished:

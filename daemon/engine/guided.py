@@ -92,7 +92,7 @@ class Guidance:
         for seq in seqs:
             seq.constraint = Constraint(self.grammars, template.deep_copy())
         first = seqs[0]
-        left = _tokens_left(first, first.params.max_tokens)
+        left = _tokens_left(first, first.max_tokens)
         if not first.constraint.feasible(left):  # type: ignore[union-attr]
             raise Rejected(f"max_tokens ({left}) is too small for the shortest output the "
                            f"{pending.guide.kind.value} allows", param="max_tokens",
@@ -121,7 +121,7 @@ class Guidance:
             constraint = seq.constraint
             if constraint is None:
                 continue
-            left = min(_tokens_left(seq, seq.params.max_tokens),
+            left = min(_tokens_left(seq, seq.max_tokens),
                        max_model_len - seq.num_tokens)
             token = constraint.accept(tokens[i], left)
             if token != tokens[i]:

@@ -1,15 +1,31 @@
 """Next-token sampling for a batch of sequences, each with its own sampling parameters.
 
+In vLLM's order: the logits processors (bans, logit_bias, penalties: logits_processors.py), then
+greedy rows take the argmax; the others are divided by their temperature, cut by min_p (tokens
+less likely than min_p times the most likely one go) and by top-k/top-p, and drawn.
+
 Sampling draws exponential noise and takes argmax(p / noise), which picks token i with
 probability p_i. Seeded sequences draw their noise from their own generator, one row at a
 time, so the same seed gives the same tokens whatever else shares the batch.
+
+The log-probabilities an answer reports, of its tokens and of an echoed prompt's, are the
+model's own distribution, before any of that.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
+from daemon.engine.logits_processors import LogitsProcessors
 from daemon.engine.sequence import Sequence
+from daemon.model.batch import ScheduledChunk
+from ipc.records import TokenLogprob
+
+if TYPE_CHECKING:
+    from daemon.engine.echo import Echo
 
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, sample) pairs over the generator's seed space
 
@@ -23,19 +39,17 @@ class Sampler:
     def __init__(self, eos_token_ids: list[int], device: torch.device | str = "cpu") -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
+        self.processors = LogitsProcessors(self.eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` ([len(seqs), vocab], float32) for `seqs` in order.
 
         Everything runs on the logits' device; the sampled ids cross to the host once, and no
-        other value is read back (which sequences are greedy is known on the host)."""
+        other value is read back (which sequences are greedy is known on the host). The
+        penalised sequences' counts take the emitted tokens from `count`."""
         if not seqs:
             return []
-        logits = logits.float()
-        banned = self._early_stops(seqs)
-        if banned[0]:
-            logits = logits.clone()  # never write into the runner's output
-            logits[banned] = float("-inf")
+        logits = self.processors(logits.float(), seqs)
         greedy = [s.params.temperature == 0.0 for s in seqs]
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
@@ -44,24 +58,19 @@ class Sampler:
             tokens = sampled if not any(greedy) else torch.where(temps == 0.0, tokens, sampled)
         return tokens.tolist()
 
-    def _early_stops(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """(rows, ids) that min_tokens forbids: EOS and stop_token_ids cannot be chosen until
-        enough tokens exist."""
-        rows: list[int] = []
-        ids: list[int] = []
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            if seq.num_generated >= p.min_tokens:
-                continue
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-            rows += [row] * len(banned)
-            ids += banned
-        return rows, ids
+    def count(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """The tokens emitted this tick (constrained decoding may have replaced some)."""
+        self.processors.count(seqs, tokens)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence ended: what the sampler kept for it goes."""
+        self.processors.release(seq)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 temps: torch.Tensor) -> torch.Tensor:
         safe_temps = torch.where(temps == 0.0, torch.ones_like(temps), temps)
         logits = logits / safe_temps.unsqueeze(1)
+        logits = _min_p(logits, seqs)
         logits = _top_k_top_p(logits, seqs)
         probs = torch.softmax(logits, dim=-1)
         noise = self._noise(probs, seqs)
@@ -83,6 +92,17 @@ class Sampler:
         return noise
 
 
+def _min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Tokens less likely than min_p times the most likely one dropped (after temperature)."""
+    min_ps = [s.params.min_p for s in seqs]
+    if not any(min_ps):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(
+        min_ps, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     vocab = logits.shape[-1]
     top_ks = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
@@ -102,27 +122,65 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(-1, order, ordered)
 
 
+Logprob = tuple[float, list[tuple[int, float]]]
+
+
 def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence],
-                     tokens: list[int]) -> list[tuple[float, list[tuple[int, float]]] | None]:
+                     tokens: list[int]) -> list[Logprob | None]:
     """Per row: the sampled token's log-probability and the top `params.logprobs` (id, logprob)
     pairs, most likely first; None for rows that did not ask.
 
-    Under the model's own distribution (the logits before temperature, top-k/top-p and the
-    min_tokens mask), as vLLM reports them by default."""
+    Under the model's own distribution (the logits before the logits processors, temperature,
+    min_p, top-k/top-p and the min_tokens mask), as vLLM reports them by default."""
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
+    out: list[Logprob | None] = [None] * len(seqs)
     if not rows:
         return out
     index = torch.tensor(rows, device=logits.device)
-    # Floored at -9999.0 as OpenAI reports "impossible": JSON has no -inf.
-    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1).clamp(min=-9999.0)
-    chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
+    found = token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows],
+                           [seqs[i].params.logprobs or 0 for i in rows])
+    for row, lp in zip(rows, found, strict=True):
+        out[row] = lp
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[Logprob]:
+    """Per row of `logits`: the log-probability of `tokens[row]` and the `ks[row]` most likely
+    (id, logprob) pairs, floored at -9999.0 as OpenAI reports "impossible" (JSON has no -inf)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1).clamp(min=-9999.0)
+    chosen = torch.tensor(tokens, device=logits.device)
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    k = max(seqs[i].params.logprobs or 0 for i in rows)
+    k = max(ks)
     top_lp, top_ids = (logprobs.topk(min(k, logprobs.shape[-1]), dim=-1) if k else
                        (logprobs[:, :0], logprobs[:, :0].long()))
     top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
-    for j, row in enumerate(rows):
-        n = seqs[row].params.logprobs or 0
-        out[row] = (chosen_lp[j], list(zip(top_id_rows[j][:n], top_lp_rows[j][:n], strict=True)))
-    return out
+    return [(chosen_lp[j], list(zip(top_id_rows[j][:n], top_lp_rows[j][:n], strict=True)))
+            for j, n in enumerate(ks)]
+
+
+def prompt_logprobs(chunks: list[ScheduledChunk], seqs: list[Sequence], logits: torch.Tensor,
+                    to_token_logprob: Callable[[int, Logprob], TokenLogprob]) -> None:
+    """Echo's prompt log-probabilities (daemon/engine/echo.py) from this tick's rows of every
+    chunk with all_logits: row j of a chunk starting at position s gives the entry of prompt
+    token s + j + 1, under the model's own distribution too."""
+    rows: list[int] = []
+    targets: list[tuple[Echo, int]] = []
+    row = 0
+    for chunk, seq in zip(chunks, seqs, strict=True):
+        echo = seq.echo
+        if chunk.all_logits and echo is not None:
+            for j in range(len(chunk.token_ids)):
+                position = chunk.start_pos + j + 1
+                if len(echo.logprobs) <= position < len(echo.token_ids):
+                    rows.append(row + j)
+                    targets.append((echo, position))
+        row += chunk.num_logit_rows
+    if not rows:
+        return
+    index = torch.tensor(rows, device=logits.device)
+    found = token_logprobs(logits.index_select(0, index),
+                           [echo.token_ids[p] for echo, p in targets],
+                           [echo.num_logprobs or 0 for echo, _ in targets])
+    for (echo, position), lp in zip(targets, found, strict=True):
+        if position == len(echo.logprobs):  # in order; a recomputed entry is already there
+            echo.logprobs.append(to_token_logprob(echo.token_ids[position], lp))

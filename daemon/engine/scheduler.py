@@ -47,7 +47,7 @@ class Batch:
         start = seq.num_computed
         end = start + num_tokens
         self.chunks.append(ScheduledChunk(seq.token_ids[start:end], start, seq.block_table,
-                                          end == seq.num_tokens))
+                                          end == seq.num_tokens, seq.wants_prompt_logits))
         self.seqs.append(seq)
         # A decode feeds back one sampled token; one token of a prompt (the rest cached,
         # or a chunk's tail) is still prefill.
@@ -200,7 +200,7 @@ class Scheduler:
     def _cache_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks for the start of a sequence that holds none yet."""
         bm = self.block_manager
-        if not bm.enable_caching:
+        if not bm.enable_caching or seq.wants_prompt_logits:  # a cached position has no logits
             return []
         num_blocks = (seq.num_tokens - 1) // bm.block_size  # never the last token's block
         hashes = chain_hashes(seq.token_ids, seq.block_hashes, bm.block_size, num_blocks)
@@ -353,9 +353,10 @@ class Scheduler:
         for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
             seq.num_computed += len(chunk.token_ids)
             self._commit(seq, chunk.start_pos)
+            row += chunk.num_logit_rows
             if not chunk.needs_logits:
                 continue
-            to_sample.append((row, seq))
+            to_sample.append((row - 1, seq))
             for child in seq.fork_children:
                 child.block_table = self.block_manager.fork(seq.block_table, seq.num_computed,
                                                             self.copy_block)
@@ -365,9 +366,8 @@ class Scheduler:
                 child.status = SeqStatus.RUNNING
                 self.num_paused += child.paused
                 self.running.append(child)
-                to_sample.append((row, child))
+                to_sample.append((row - 1, child))
             seq.fork_children.clear()
-            row += 1
         return to_sample
 
     def _commit(self, seq: Sequence, start_pos: int) -> None:

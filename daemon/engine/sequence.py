@@ -13,6 +13,7 @@ from daemon.engine.stops import StopMatcher
 from ipc.records import FinishReason, RequestKind, SamplingParams, TokenLogprob, Usage
 
 if TYPE_CHECKING:
+    from daemon.engine.echo import Echo
     from daemon.engine.grammar import Constraint
 
 # Ticks remembered per session to attribute sampled tokens to "after the client left".
@@ -91,10 +92,22 @@ class Sequence:
     rng: Any = None  # the sampler's torch.Generator, created lazily from `seed`
     paused: bool = False  # flow control: not scheduled until resumed (Scheduler.set_paused)
     constraint: Constraint | None = None  # what its output must match (guided decoding)
+    # Tokens it may generate: params.max_tokens, or the rest of the context (admission).
+    max_tokens: int = 0
+    bad_words: list[list[int]] = field(default_factory=list)  # as token sequences
+    penalty_row: int | None = None  # its row of token counts in the sampler (penalties)
+    echo: Echo | None = None  # its prompt, until its answer has started with it
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+        if not self.max_tokens and self.params.max_tokens is not None:
+            self.max_tokens = self.params.max_tokens
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prefill must give logits at every prompt position (echo with logprobs)."""
+        return self.echo is not None and not self.echo.complete
 
     @property
     def num_tokens(self) -> int:

@@ -16,3 +16,9 @@ class ScheduledChunk:
     start_pos: int
     block_table: list[int]
     needs_logits: bool
+    all_logits: bool = False  # logits at every token, not only the last (prompt logprobs)
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits the runner returns for this chunk."""
+        return len(self.token_ids) if self.all_logits else int(self.needs_logits)

@@ -51,7 +51,8 @@ class DecodeGraphs:
         self.outputs: dict[int, Tensor] = {}
 
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
-        return len(chunks) <= self.buckets[-1] and all(len(c.token_ids) == 1 for c in chunks)
+        return len(chunks) <= self.buckets[-1] and all(
+            len(c.token_ids) == 1 and not c.all_logits for c in chunks)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

@@ -89,8 +89,9 @@ class ModelRunner:
         return budget_bytes // ModelRunner.block_bytes(config, dtype, block_size, num_kv_heads)
 
     def run(self, chunks: list[ScheduledChunk]) -> Tensor:
-        """float32 logits [number of chunks with needs_logits, vocab], in chunk order (a
-        decode bucket's are valid until the next call)."""
+        """float32 logits [rows, vocab]: per chunk in order, its last token's row when it
+        needs_logits, or one per token with all_logits (a decode bucket's are valid until the
+        next call)."""
         with torch.inference_mode():
             if not chunks:
                 return torch.empty(0, self.config.vocab_size, device=self.device)
@@ -124,15 +125,17 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_row: dict[int, int] = {}
+        first_row: dict[int, int] = {}
         for chunk in decode + prefill:
             span = range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids))
             table = chunk.block_table
+            first_row[id(chunk)] = len(token_ids)
             token_ids += chunk.token_ids
             positions += span
             slots += [table[p // bs] * bs + p % bs for p in span]
-            last_row[id(chunk)] = len(token_ids) - 1
-        rows = [last_row[id(c)] for c in chunks if c.needs_logits]
+        # The last token's row, or every token's for a chunk with all_logits.
+        rows = [first_row[id(c)] + len(c.token_ids) - c.num_logit_rows + i
+                for c in chunks for i in range(c.num_logit_rows)]
         lens = [c.start_pos + 1 for c in decode]
         width = -(-max(lens) // bs) if decode else 0
         # Padding points at block 0; attention stops at each context length.

@@ -94,8 +94,9 @@ class SimRunner:
             if len(c.block_table) * self.block_size < end:
                 raise ValueError(f"chunk {i}: block_table has {len(c.block_table)} blocks, "
                                  f"too few for {end} positions of {self.block_size}")
-            if c.needs_logits:
-                words.append(self.next_token(c.token_ids[-1], end - 1))
+            first = len(c.token_ids) - c.num_logit_rows  # the last token, or all of them
+            words += [self.next_token(c.token_ids[j], c.start_pos + j)
+                      for j in range(first, len(c.token_ids))]
         # The word is certain; every other text token is possible but never chosen beside it
         # (e^-30), so that a grammar's mask leaves something to sample; special ids never.
         logits = torch.full((len(words), self.vocab_size), -30.0)

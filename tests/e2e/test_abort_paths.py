@@ -37,7 +37,13 @@ def server(abort_server: Server) -> Server:
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {**CHAT, "stream": True}),
     ("/v1/completions", {"prompt": "once upon a time", "stream": True, **LONG}),
-])
+    # Sessions whose sequences hold penalty counts, biases and bans in the sampler.
+    ("/v1/chat/completions", {**CHAT, "stream": True, "presence_penalty": 1.0,
+                              "frequency_penalty": 0.5, "repetition_penalty": 1.2}),
+    ("/v1/completions", {"prompt": "once upon a time", "stream": True, **LONG,
+                         "logit_bias": {"101": 5, "32": -3}, "bad_words": ["the"],
+                         "min_p": 0.05}),
+], ids=["chat", "completion", "penalised", "biased"])
 def test_streaming_disconnect_evicts_session(server: Server, path: str,
                                              body: dict[str, Any]) -> None:
     before = server.metrics()

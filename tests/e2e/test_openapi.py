@@ -174,6 +174,19 @@ def test_real_requests_and_answers_match_the_document(server: Server,
             call()
     for path in ("/health", "/metrics", "/openapi.json"):
         http_client.get(server.url + path)
+    # The sampling fields, token ids in and out, echo and continuous usage.
+    oai.completions.create(model=model, prompt=[[104, 105], [106]], max_tokens=3, echo=True,
+                           logprobs=1, presence_penalty=0.5, frequency_penalty=0.5,
+                           logit_bias={"104": 3}, extra_body={
+                               "return_token_ids": True, "repetition_penalty": 1.2,
+                               "min_p": 0.1, "bad_words": ["x"], "stop_token_ids": [5]})
+    list(oai.chat.completions.create(model=model, messages=messages, max_tokens=3, stream=True,
+                                     stream_options={"include_usage": True,
+                                                     "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    tokens = http_client.post(server.url + "/tokenize", json={"prompt": "hello"}).json()["tokens"]
+    http_client.post(server.url + "/tokenize", json={"messages": messages})
+    http_client.post(server.url + "/detokenize", json={"tokens": tokens})
+    http_client.post(server.url + "/detokenize", json={"tokens": [10**7]})
     http_client.close()
     statuses = {(method, path): set() for method, path, _ in conformance.seen}
     for method, path, status in conformance.seen:

@@ -126,3 +126,31 @@ def test_chat_template_errors_are_400(served: Served) -> None:
                                               max_tokens=2)
     assert "chat template" in str(err.value)
     assert_baseline(served.server.metrics())
+
+
+def test_tokenize_is_the_checkpoints_tokenizer_and_detokenize_round_trips(served: Served) -> None:
+    with served.server.client() as c:
+        def tokenize(**body: Any) -> list[int]:
+            r = c.post("/tokenize", json=body)
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == 1024
+            return list(answer["tokens"])
+
+        assert tokenize(prompt=PROMPT) == served.ref.encode(PROMPT)
+        assert tokenize(prompt=PROMPT, add_special_tokens=False) == served.ref.encode(
+            PROMPT, add_special_tokens=False)
+        bare = served.ref.encode(PROMPT, add_special_tokens=False)
+        back = c.post("/detokenize", json={"tokens": tokenize(prompt=PROMPT)}).json()["prompt"]
+        assert back == served.ref.decode(served.ref.encode(PROMPT), skip_special_tokens=True)
+        assert c.post("/detokenize", json={"tokens": bare}).json()["prompt"] == served.ref.decode(
+            bare)
+        if served.ref.chat_template is None:
+            r = c.post("/tokenize", json={"messages": MESSAGES})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "messages")
+            return
+        messages = MESSAGES if served.name != "gemma" else MESSAGES[1:]
+        for generation in (True, False):
+            expected = served.ref.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                      add_generation_prompt=generation)
+            assert tokenize(messages=messages, add_generation_prompt=generation) == expected

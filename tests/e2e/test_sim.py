@@ -58,3 +58,25 @@ def test_a_bad_sim_spec_stops_the_daemon_naming_it(tmp_path: Path) -> None:
          "--log-format", "text"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "sim:<milliseconds per tick>" in proc.stderr
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 20000}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 32600}]}),
+    ("/v1/completions", {"prompt": "x" * 32600}),
+    ("/v1/responses", {"input": "x" * 20000}),
+])
+def test_a_long_prompt_without_max_tokens_is_never_refused(sim: Server, path: str,
+                                                           body: dict[str, object]) -> None:
+    """A 20k-token prompt, and one that leaves fewer tokens than any fixed default would (the
+    context is 32768): both answered, streaming until the client has what it wants."""
+    with sim.client() as c, c.stream("POST", path, json={**body, "stream": True}) as s:
+        assert s.status_code == 200, s.read()[:300]
+        events = []
+        for event in map(sse_json, s.iter_lines()):
+            if event is not None:
+                events.append(event)
+            if len(events) >= 5:
+                break
+    assert not any("error" in e for e in events), events
+    assert any(e.get("choices") or e.get("type") == "response.output_text.delta" for e in events)

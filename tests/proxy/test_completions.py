@@ -13,10 +13,11 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from ipc.records import RequestKind, TokenLogprob
 from proxy.app import create_app
+from proxy.collected import collected_bytes
 from proxy.completions import CHAT, COMPLETION
 from proxy.options import ProxyOptions
 from tests.proxy.conftest import running_app
-from tests.support.peer import MODEL, Peer
+from tests.support.peer import MODEL, ROOM, Peer
 from tests.support.raw_http import sse_events
 from tests.support.wait import wait_until
 
@@ -280,3 +281,27 @@ async def test_what_a_collected_answer_could_hold_is_bounded_up_front(
             assert r.status_code == 200
             r = await c.post("/v1/completions", json={**big, "logprobs": None})
             assert r.status_code == 200 and len(r.json()["choices"]) == 8
+
+
+async def test_without_max_tokens_the_budget_counts_what_comes(options: ProxyOptions,
+                                                               peer: Peer) -> None:
+    """An omitted max_tokens is the rest of the context: never refused up front for a bound the
+    client did not set, only once what it collects passes --max-collected-bytes."""
+    limit = collected_bytes(1, 20, None)  # the scripted daemon's answers are 16 tokens each
+    options = dataclasses.replace(options, max_collected_bytes=limit)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    async with running_app(options) as app:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://p") as c:
+            r = await c.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == ROOM
+            assert peer.submits[-1].sampling.max_tokens is None
+            r = await c.post("/v1/chat/completions", json={**chat, "max_tokens": 100})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "output_too_large"
+            r = await c.post("/v1/chat/completions", json={**chat, "n": 2})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["param"], error["code"]) == ("max_tokens", "output_too_large")
+            assert "stream" in error["message"]
+    peer.wait_for(lambda p: any(a.rid == peer.submits[-1].rid for a in p.aborts))

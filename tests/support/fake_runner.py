@@ -47,8 +47,9 @@ class FakeRunner:
             for i, tok in enumerate(c.token_ids):
                 pos = c.start_pos + i
                 self.cache[c.block_table[pos // bs]][pos % bs] = tok
-            if c.needs_logits:
-                rows.append(self.logits(self.context(c)))
+            ctx = self.context(c)
+            end = len(ctx)
+            rows += [self.logits(ctx[: end - back]) for back in range(c.num_logit_rows - 1, -1, -1)]
         if not rows:
             return torch.empty(0, self.vocab)
         return torch.stack(rows)

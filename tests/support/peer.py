@@ -2,8 +2,10 @@
 
 `Peer` is the daemon's side of the real `ipc.pipes.DaemonPipes`, run in a thread: it answers
 Hello with Welcome, plays every Submit as a fixed script (one token per sequence per step,
-"tok<k> " with logprob -0.25 when asked, until max_tokens; a prompt "echo:<text>" makes every
-token "<text>"), applies Aborts, Pauses and Resumes, and sends Stats. Prompts containing
+"tok<k> " with logprob -0.25 when asked, until max_tokens, or ROOM tokens when it is None; a
+prompt "echo:<text>" makes every token "<text>"), answers a tokenize Submit with the prompt's
+UTF-8 bytes as ids and a detokenize one with its ids as bytes, applies Aborts, Pauses and
+Resumes, and sends Stats. Prompts containing
 "TOO LONG" are rejected with a context-length Error record, as the real daemon does. A
 ResponseOp is answered 404: it is read after every control record written before it, so a test
 can use one as a barrier.
@@ -50,6 +52,7 @@ MODEL = "test-model"
 MAX_MODEL_LEN = 4096
 PROMPT_TOKENS = 3
 CACHED_TOKENS = 2  # what the scripted daemon says its prefix cache held of each prompt
+ROOM = 16  # what it plays for a request without max_tokens (the rest of its "context")
 
 
 @dataclass
@@ -153,6 +156,8 @@ class Peer:
             text = " ".join(record.prompts) + " ".join(m.content for m in record.messages)
             if record.response is not None:
                 text += " ".join(m.content for m in record.response.input)
+            if record.kind is RequestKind.TOKENIZE or record.kind is RequestKind.DETOKENIZE:
+                return self._tokenize(record, text)
             if "TOO LONG" in text:
                 return [Error(record.rid, f"the prompt is longer than {MAX_MODEL_LEN} tokens",
                               status=400, param="messages" if record.messages else "prompt",
@@ -176,7 +181,7 @@ class Peer:
                     TokenLogprob(text.encode(), -0.25, [(text.encode(), -0.25), (b"alt", -1.5)][:n])]
                 out.append(Delta(rid, index, text, [k], logprobs))
                 session.produced[index] = k + 1
-                if k + 1 >= session.submit.sampling.max_tokens:
+                if k + 1 >= (session.submit.sampling.max_tokens or ROOM):
                     session.unfinished.discard(index)
                     out.append(Finish(rid, index, FinishReason.LENGTH,
                                       Usage(PROMPT_TOKENS, k + 1, CACHED_TOKENS)))
@@ -184,6 +189,19 @@ class Peer:
                 del self._sessions[rid]
                 self.finished.append(rid)
         return out
+
+    @staticmethod
+    def _tokenize(record: Submit, text: str) -> list[ToProxy]:
+        if record.kind is RequestKind.DETOKENIZE:
+            ids = record.prompt_ids[0]
+            if any(i > 255 for i in ids):
+                return [Error(record.rid, "tokens holds token ids outside the vocabulary",
+                              param="tokens")]
+            delta = Delta(record.rid, 0, bytes(ids).decode(errors="replace"), [])
+        else:
+            ids = list(text.encode())
+            delta = Delta(record.rid, 0, "", ids)
+        return [delta, Finish(record.rid, 0, FinishReason.STOP, Usage(len(ids), 0))]
 
     def _stats(self, now: float) -> Stats:
         causes: dict[str, int] = {}

@@ -1,9 +1,10 @@
 """What rank 0 and the other ranks say on the control group: the ops, a batch, a rank's figures.
 
 A batch crosses as one int64 tensor:
-``[RUN, chunks, copies, (src, dst) * copies, (start_pos, needs_logits, tokens, blocks,
-token ids..., block ids...) * chunks]``. Copy-on-write block copies ride with the next batch:
-the other ranks only need them done before their next forward pass.
+``[RUN, chunks, copies, (src, dst) * copies, (start_pos, logits, tokens, blocks,
+token ids..., block ids...) * chunks]`` (logits: 1 for needs_logits, plus 2 for all_logits).
+Copy-on-write block copies ride with the next batch: the other ranks only need them done before
+their next forward pass.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def encode_run(chunks: Sequence[ScheduledChunk], copies: Sequence[tuple[int, int
     for src, dst in copies:
         out += (src, dst)
     for c in chunks:
-        out += (c.start_pos, int(c.needs_logits), len(c.token_ids), len(c.block_table))
+        out += (c.start_pos, int(c.needs_logits) + 2 * c.all_logits, len(c.token_ids),
+                len(c.block_table))
         out += c.token_ids
         out += c.block_table
     return torch.tensor(out, dtype=torch.long)
@@ -43,7 +45,7 @@ def decode_run(message: Tensor) -> tuple[list[ScheduledChunk], list[tuple[int, i
         tokens = values[at : at + n_tokens]
         blocks = values[at + n_tokens : at + n_tokens + n_blocks]
         at += n_tokens + n_blocks
-        chunks.append(ScheduledChunk(tokens, start, blocks, bool(logits)))
+        chunks.append(ScheduledChunk(tokens, start, blocks, bool(logits & 1), bool(logits & 2)))
     return chunks, copies
 
 
