@@ -9,12 +9,13 @@ response's history before them and stores the items, as validated, for listing.
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
 from ipc.records import Message, NonNegInt, RequestKind, ResponseFields, SamplingParams, Submit
 from proxy.errors import ApiError
+from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, no_op, refused
 from proxy.input_items import (
     NonEmptyItems,
     explain_unsupported,
@@ -39,7 +40,17 @@ Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
 # Any id this server hands out: a longer one cannot name a stored response.
 ResponseId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN)]
 
-class CreateResponse(msgspec.Struct):
+_NO_TOOLS = "tools are not served on this endpoint yet"
+
+
+class ResponseStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_obfuscation: Annotated[bool | None, no_op(
+        "events are never padded here", False)] = None
+
+
+class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
+    """The marks: see proxy/fields.py."""
+
     input: str | NonEmptyItems
     model: str | None = None
     instructions: str | None = None
@@ -53,9 +64,40 @@ class CreateResponse(msgspec.Struct):
     # Extensions (vLLM's names): generate past EOS, or at least this many tokens.
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
-    # Accepted for compatibility, not acted on.
-    user: str | None = None
-    metadata: Metadata | None = None
+    user: Annotated[str | None, no_op(END_USER,
+                                      "user-1")] = None
+    metadata: Annotated[Metadata | None, no_op("not yet stored with the response",
+                                               {"k": "v"})] = None
+    stream_options: ResponseStreamOptions | None = None
+    prompt_cache_key: Annotated[str | None, no_op(CACHE_HINT, "k")] = None
+    prompt_cache_retention: Annotated[str | None, no_op(CACHE_HINT, "24h")] = None
+    prompt_cache_options: Annotated[dict[str, Any] | None, no_op(CACHE_HINT, {})] = None
+    safety_identifier: Annotated[str | None, no_op(
+        END_USER, "u-1")] = None
+    service_tier: Annotated[str | None, no_op(LATENCY_HINT, "auto")] = None
+    tools: Annotated[Any, refused(_NO_TOOLS, [{"type": "function", "name": "f"}], ([],))] = None
+    tool_choice: Annotated[Any, refused(_NO_TOOLS, "required", ("none", "auto"))] = None
+    parallel_tool_calls: Annotated[bool | None, no_op("only matters with tools", True)] = None
+    max_tool_calls: Annotated[int | None, no_op("only matters with tools", 3)] = None
+    text: Annotated[Any, refused("structured outputs are not served yet",
+                                 {"format": {"type": "json_object"}},
+                                 ({"format": {"type": "text"}},))] = None
+    include: Annotated[Any, refused("nothing more can be included", ["reasoning.encrypted_content"],
+                                    ([],))] = None
+    reasoning: Annotated[Any, refused("no model served here reasons", {"effort": "high"},
+                                      ({}, {"effort": "none"}))] = None
+    truncation: Annotated[Any, refused("an input longer than the context is refused, not cut",
+                                       "auto", ("disabled",))] = None
+    top_logprobs: Annotated[Any, refused("log-probabilities are not returned here", 5,
+                                         (0,))] = None
+    conversation: Annotated[Any, refused("the Conversations API is not served yet",
+                                         "conv_1")] = None
+    prompt: Annotated[Any, refused("stored prompt templates are not served", {"id": "p"})] = None
+    context_management: Annotated[Any, refused("the context is not compacted", [{}])] = None
+    background_options: Annotated[Any, refused("not served", {})] = None
+    access_programs: Annotated[Any, refused("not served", [])] = None
+    image: Annotated[Any, refused("only text is generated", {})] = None
+    moderation: Annotated[Any, refused("no moderation is run", {})] = None
 
 
 def decode_request(body: bytes, served: tuple[str, ...]) -> tuple[CreateResponse, list[Message]]:

@@ -14,6 +14,7 @@ import msgspec
 
 from ipc.records import MAX_LOGPROBS, Message, SamplingParams
 from proxy.errors import ApiError
+from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, check_refused, no_op, refused
 
 T = TypeVar("T")
 
@@ -41,13 +42,14 @@ BadWords = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=2
                      msgspec.Meta(max_length=MAX_BAD_WORDS)]
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
-    """Fields shared by completions and chat; None means "the default"."""
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by completions and chat; None means "the default". The marks: see
+    proxy/fields.py."""
 
     model: str | None = None
     n: N = 1
@@ -62,7 +64,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     # vLLM's extension: each choice also carries its token ids, so a client can count tokens.
     return_token_ids: bool = False
-    user: str | None = None
+    user: Annotated[str | None, no_op(END_USER,
+                                      "user-1")] = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
@@ -88,8 +91,8 @@ class CompletionRequest(_Sampling, kw_only=True):
     max_tokens: PositiveInt | None = None
     echo: bool = False
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Annotated[Any, refused("no model served here fills in a middle", "}", ("",))] = None
+    best_of: Annotated[Any, refused("only 1 candidate per choice is generated", 2, (1,))] = None
 
     @property
     def prompts(self) -> list[str]:
@@ -134,7 +137,40 @@ class ChatRequest(_Sampling, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[Any, refused("tool calling is not served yet", [{"type": "function"}],
+                                  ([],))] = None
+    tool_choice: Annotated[Any, refused("tool calling is not served yet", "required",
+                                        ("none", "auto"))] = None
+    parallel_tool_calls: Annotated[bool | None, no_op("only matters with tools", True)] = None
+    response_format: Annotated[Any, refused("structured outputs are not served yet",
+                                            {"type": "json_object"},
+                                            ({"type": "text"},))] = None
+    metadata: Annotated[dict[str, str] | None, no_op(
+        "kept by OpenAI only for stored completions, which are not offered",
+        {"k": "v"})] = None
+    store: Annotated[Any, refused("stored chat completions are not offered", True,
+                                  (False,))] = None
+    prompt_cache_key: Annotated[str | None, no_op(CACHE_HINT, "k")] = None
+    prompt_cache_retention: Annotated[str | None, no_op(CACHE_HINT, "24h")] = None
+    prompt_cache_options: Annotated[dict[str, Any] | None, no_op(CACHE_HINT, {})] = None
+    safety_identifier: Annotated[str | None, no_op(
+        END_USER, "u-1")] = None
+    service_tier: Annotated[str | None, no_op(LATENCY_HINT, "auto")] = None
+    prediction: Annotated[dict[str, Any] | None, no_op(
+        "predicted outputs only make an answer faster", {"type": "content", "content": "x"})] \
+        = None
+    modalities: Annotated[Any, refused("only text is generated", ["text", "audio"],
+                                       (["text"],))] = None
+    audio: Annotated[Any, refused("only text is generated", {"voice": "alloy"})] = None
+    functions: Annotated[Any, refused("the deprecated functions API is not served",
+                                      [{"name": "f"}])] = None
+    function_call: Annotated[Any, refused("the deprecated functions API is not served",
+                                          "auto")] = None
+    reasoning_effort: Annotated[Any, refused("no model served here reasons", "high",
+                                             ("none",))] = None
+    verbosity: Annotated[Any, refused("the answer's length is not steered", "low")] = None
+    web_search_options: Annotated[Any, refused("no search is run", {})] = None
+    moderation: Annotated[Any, refused("no moderation is run", {})] = None
 
 
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
@@ -149,7 +185,7 @@ def decode_body(body: bytes, struct_type: type[T]) -> T:
     if decoder is None:
         decoder = _decoders[struct_type] = msgspec.json.Decoder(struct_type)
     try:
-        return decoder.decode(body)  # type: ignore[no-any-return]
+        request = decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:
@@ -157,6 +193,9 @@ def decode_body(body: bytes, struct_type: type[T]) -> T:
                        code="invalid_json") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
+    if isinstance(request, msgspec.Struct):
+        check_refused(request)
+    return request  # type: ignore[no-any-return]
 
 
 def validation_error(text: str) -> ApiError:
@@ -200,10 +239,6 @@ def _check_unsupported(req: _Sampling) -> None:
 def check_completion(req: CompletionRequest) -> None:
     _check_unsupported(req)
     check_prompt(req.prompt)
-    if req.suffix:
-        raise _refuse("suffix", "is not supported")
-    if req.best_of not in (None, 1):
-        raise _refuse("best_of", "is not supported (only 1)")
 
 
 def check_prompt(prompt: str | list[str | int | list[int]]) -> None:
@@ -236,8 +271,6 @@ def check_chat(req: ChatRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs",
                        code="invalid_value")
-    if req.tools:
-        raise _refuse("tools", "is not supported")
 
 
 def check_max_tokens(max_tokens: int | None, min_tokens: int, param: str,
