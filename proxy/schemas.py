@@ -12,8 +12,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from ipc.records import MAX_LOGPROBS, Message, SamplingParams
+from ipc.records import MAX_LOGPROBS, Message, SamplingParams, ToolCall
 from proxy.errors import ApiError
+from proxy.tool_requests import ChatTool, ChatToolChoice
 
 T = TypeVar("T")
 
@@ -84,15 +85,47 @@ class TextPart(msgspec.Struct):
     text: str
 
 
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ChatToolCall(msgspec.Struct):
+    id: str
+    function: CalledFunction
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Null or left out only where an assistant message calls tools (check_chat).
+    content: str | list[TextPart] | msgspec.UnsetType | None = msgspec.UNSET
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+
+    def __post_init__(self) -> None:
+        # What the role needs (msgspec reports these at the message's path, like its own).
+        if self.role != "assistant" or not self.tool_calls:
+            if self.content is msgspec.UNSET:
+                raise ValueError("Object missing required field `content`")
+            if self.content is None:
+                raise ValueError(f"a {self.role} message's content must not be null")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("Object missing required field `tool_call_id`")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message may have tool_calls")
 
     def to_record(self) -> Message:
-        text = self.content if isinstance(self.content, str) else "\n".join(
-            part.text for part in self.content)
-        return Message("system" if self.role == "developer" else self.role, text)
+        content = self.content
+        if isinstance(content, list):
+            text: str | None = "\n".join(part.text for part in content)
+        else:
+            text = None if content is msgspec.UNSET else content
+        calls = [ToolCall(c.id, c.function.name, c.function.arguments)
+                 for c in self.tool_calls or ()]
+        return Message("system" if self.role == "developer" else self.role, text, calls,
+                       self.tool_call_id)
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -101,7 +134,9 @@ class ChatRequest(_Sampling, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ChatToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
@@ -189,8 +224,6 @@ def check_chat(req: ChatRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs",
                        code="invalid_value")
-    if req.tools:
-        raise _refuse("tools", "is not supported")
 
 
 def sampling_params(req: _Sampling, max_tokens: int | None, param: str,

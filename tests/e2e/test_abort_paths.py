@@ -34,9 +34,18 @@ def server(abort_server: Server) -> Server:
     return abort_server
 
 
+# A forced tool call whose arguments take over a thousand tokens: a stream of argument pieces
+# (its grammar, a session's state, goes with the session).
+TOOL_CALL = {"messages": CHAT["messages"], "max_tokens": 1200, "temperature": 0,
+             "tool_choice": "required", "tools": [{"type": "function", "function": {
+                 "name": "write", "parameters": {"type": "object", "properties": {
+                     "text": {"type": "string", "minLength": 1000}}, "required": ["text"]}}}]}
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {**CHAT, "stream": True}),
     ("/v1/completions", {"prompt": "once upon a time", "stream": True, **LONG}),
+    ("/v1/chat/completions", {**TOOL_CALL, "stream": True}),
 ])
 def test_streaming_disconnect_evicts_session(server: Server, path: str,
                                              body: dict[str, Any]) -> None:
