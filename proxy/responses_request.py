@@ -13,14 +13,17 @@ from typing import Annotated
 
 import msgspec
 
-from ipc.records import Message, NonNegInt, RequestKind, ResponseFields, SamplingParams, Submit
-from proxy.errors import ApiError
-from proxy.input_items import (
-    NonEmptyItems,
-    explain_unsupported,
-    stored_items,
-    to_messages,
+from ipc.records import (
+    Message,
+    NonNegInt,
+    RequestKind,
+    ResponseFields,
+    SamplingParams,
+    Submit,
+    ToolCallFormat,
 )
+from proxy.errors import ApiError
+from proxy.input_items import NonEmptyRaws, decode_items, stored_items, to_messages
 from proxy.responses_events import ResponseParams
 from proxy.schemas import (
     DEFAULT_MAX_TOKENS,
@@ -31,6 +34,8 @@ from proxy.schemas import (
     check_model,
     decode_body,
 )
+from proxy.tool_calls import ToolUse
+from proxy.tool_requests import ResponsesTool, ResponsesToolChoice, responses_tool_use, tool_guide
 
 # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
 Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
@@ -40,7 +45,7 @@ Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
 ResponseId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN)]
 
 class CreateResponse(msgspec.Struct):
-    input: str | NonEmptyItems
+    input: str | NonEmptyRaws  # each item decoded on its own (proxy/input_items.py)
     model: str | None = None
     instructions: str | None = None
     previous_response_id: ResponseId | None = None
@@ -53,23 +58,29 @@ class CreateResponse(msgspec.Struct):
     # Extensions (vLLM's names): generate past EOS, or at least this many tokens.
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
+    tools: list[ResponsesTool] | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Accepted for compatibility, not acted on.
     user: str | None = None
     metadata: Metadata | None = None
 
 
-def decode_request(body: bytes, served: tuple[str, ...]) -> tuple[CreateResponse, list[Message]]:
-    """The validated body and its input as chat messages; ApiError(400) naming the offending
-    field otherwise."""
-    try:
-        req = decode_body(body, CreateResponse)
-    except ApiError as exc:
-        raise explain_unsupported(exc) from None
+def decode_request(body: bytes,
+                   served: tuple[str, ...]) -> tuple[CreateResponse, list[Message], str]:
+    """The validated body, its input as chat messages and its items as stored; ApiError(400)
+    naming the offending field otherwise."""
+    req = decode_body(body, CreateResponse)
+    items = req.input if isinstance(req.input, str) else decode_items(req.input)
     check_model(req.model, served)
     if req.background and not req.store:
         raise ApiError(400, "'background' requires 'store' to be true: a background response "
                        "is fetched from the store", param="background", code="invalid_value")
-    return req, to_messages(req.input)
+    return req, to_messages(items), stored_items(items)
+
+
+def tool_use(req: CreateResponse) -> ToolUse | None:
+    return responses_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 def response_params(req: CreateResponse, rid: str, model: str,
@@ -102,14 +113,20 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
                           ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
 
 
-def build_submit(req: CreateResponse, messages: list[Message], params: ResponseParams,
-                 sampling: SamplingParams, t_submit: float,
-                 client_id: str | None = None) -> Submit:
+def build_submit(req: CreateResponse, messages: list[Message], input_items: str,
+                 params: ResponseParams, sampling: SamplingParams, t_submit: float,
+                 client_id: str | None = None, use: ToolUse | None = None,
+                 fmt: ToolCallFormat = ToolCallFormat.HERMES) -> Submit:
+    """The Submit; `use` the request's tools, `fmt` how the model writes its calls."""
+    if use is not None:
+        sampling = msgspec.structs.replace(sampling, guide=tool_guide(use, fmt, sampling.guide))
     fields = ResponseFields(store=req.store, background=req.background,
                             previous_response_id=req.previous_response_id,
                             instructions=req.instructions, input=messages,
-                            input_items=stored_items(req.input),
-                            created_at=params.created_at, model=params.model)
+                            input_items=input_items, created_at=params.created_at,
+                            model=params.model,
+                            tool_call_format=fmt if use is not None and use.parsed else None)
     return Submit(rid=params.id, kind=RequestKind.RESPONSE, sampling=sampling,
-                  n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id)
+                  n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id,
+                  tools=list(use.tools) if use is not None else [])
 

@@ -105,3 +105,51 @@ def tool_guide(use: ToolUse, fmt: ToolCallFormat, content: Guide | None) -> Guid
     except ToolGrammarError as e:
         raise ApiError(400, f"'tools' cannot be used here: {e}", param="tools",
                        code="invalid_value") from None
+
+
+class ResponsesTool(msgspec.Struct):
+    """A Responses tool: only ``function`` tools are served (the type is checked by
+    `responses_tool_use`, so that any other is refused by its name)."""
+
+    type: str
+    name: FunctionName | None = None
+    description: str | None = None
+    parameters: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    strict: bool | None = None
+
+
+class ResponsesNamedChoice(msgspec.Struct):
+    type: str
+    name: str | None = None
+
+
+ResponsesToolChoice = ChoiceWord | ResponsesNamedChoice
+
+
+def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolChoice | None,
+                       parallel: bool | None) -> ToolUse | None:
+    functions = []
+    for i, tool in enumerate(tools or []):
+        if tool.type != "function":
+            raise _unsupported_type(tool.type, f"tools[{i}].type")
+        if tool.name is None:
+            raise ApiError(400, f"missing required field 'tools[{i}].name'",
+                           param=f"tools[{i}].name", code="missing_required_parameter")
+        functions.append(tool_function(tool.name, tool.description, tool.parameters,
+                                       f"tools[{i}].parameters"))
+    named = None
+    if isinstance(choice, ResponsesNamedChoice):
+        if choice.type != "function":
+            raise _unsupported_type(choice.type, "tool_choice.type")
+        if choice.name is None:
+            raise ApiError(400, "missing required field 'tool_choice.name'",
+                           param="tool_choice.name", code="missing_required_parameter")
+        named = choice.name
+    word = None if isinstance(choice, ResponsesNamedChoice) else choice
+    return resolve(functions, word, named, parallel, "tools")
+
+
+def _unsupported_type(kind: str, param: str) -> ApiError:
+    kind = kind if len(kind) <= 64 else kind[:64] + "..."
+    return ApiError(400, f"tool type '{kind}' is not supported: only 'function' tools are",
+                    param=param, code="invalid_value")

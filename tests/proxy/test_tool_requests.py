@@ -1,4 +1,4 @@
-"""tools, tool_choice and parallel_tool_calls in chat bodies: checked as OpenAI checks them,
+"""tools, tool_choice and parallel_tool_calls in chat and Responses bodies: checked as OpenAI checks them,
 resolved into what the output may be."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 
 from ipc.records import ToolFunction
 from proxy.errors import ApiError
+from proxy.responses_request import decode_request, tool_use
 from proxy.schemas import ChatRequest, decode_body
 from proxy.tool_requests import chat_tool_use
 
@@ -69,3 +70,43 @@ def test_messages_with_tool_calls_and_tool_answers() -> None:
     records = [m.to_record() for m in req.messages]
     assert records[1].content is None and records[1].tool_calls[0].name == "get"
     assert records[2].tool_call_id == "c1" and records[2].content == "42"
+
+
+# --- the Responses API's spelling -------------------------------------------------------------
+
+R_GET = {"type": "function", "name": "get", "parameters": GET["function"]["parameters"],
+         "strict": True}
+
+
+def responses_use_of(**body: Any) -> Any:
+    req, _, _ = decode_request(orjson.dumps({"input": "hi", **body}), ("m",))
+    return tool_use(req)
+
+
+def test_responses_function_tools_resolve_as_chat_tools_do() -> None:
+    use = responses_use_of(tools=[R_GET, {"type": "function", "name": "put"}],
+                           tool_choice={"type": "function", "name": "put"})
+    assert [f.name for f in use.forced] == ["put"] and not use.parallel
+    assert use.tools[0] == ToolFunction("get", None, orjson.dumps(R_GET["parameters"]).decode())
+    assert responses_use_of(tools=[R_GET], parallel_tool_calls=False).parallel is False
+    assert responses_use_of(tools=[R_GET], tool_choice="required").forced == use.tools[:1]
+    assert responses_use_of() is None
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search'"),
+    ({"tools": [R_GET, {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[1].type",
+     "'file_search'"),
+    ({"tools": [R_GET], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type",
+     "'web_search_preview'"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name", "missing"),
+    ({"tools": [R_GET], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
+     "'nope'"),
+    ({"tool_choice": "required"}, "tool_choice", "only allowed"),
+])
+def test_responses_tools_other_than_functions_are_refused_by_their_type(
+        body: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(ApiError) as info:
+        responses_use_of(**body)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert words in info.value.message
