@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING
 from daemon.engine.core import Engine, Runner
 from daemon.engine.grammar import Grammars
 from daemon.engine.guided import Guidance
+from daemon.model.chat_template import TOOL_CALL_TOKENS, tool_call_format
 from daemon.model.tokenizer import Tokenizer
 from daemon.options import DaemonOptions, ModelOptions
 from daemon.responses.store import ResponseStore, StoreError
 from daemon.server import DaemonServer, Notify
 from ipc.pipes import DaemonPipes, EpochCounter, PipeError, inherited_fifos
+from ipc.records import ToolCallFormat
 
 if TYPE_CHECKING:
     from daemon.model.parallel.group import Ranks
@@ -79,7 +81,9 @@ def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: No
              "on" if options.prefix_caching else "off", options.runtime_dir)
     epoch_file = options.runtime_dir / "epoch" if options.runtime_dir.is_dir() else None
     server = DaemonServer(engine, pipes, store, options.drain_timeout_s, notify,
-                          epochs=EpochCounter(epoch_file), tensor_parallel_size=size)
+                          epochs=EpochCounter(epoch_file), tensor_parallel_size=size,
+                          tool_call_format=_tool_call_format(options.tool_call_parser,
+                                                             tokenizer))
     if ranks is not None:
         ranks.watch(server.fail)
     previous = _install_signals(server)
@@ -90,6 +94,18 @@ def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: No
             signal.signal(signum, handler)
         pipes.close()
         store.close()
+
+
+def _tool_call_format(parser: str, tokenizer: Tokenizer) -> ToolCallFormat:
+    """--tool-call-parser, or the format the chat template teaches (Hermes' when it names
+    none, as tether's own template does); its special tokens decode as the text it is parsed
+    from."""
+    found = tool_call_format(tokenizer.chat_template)
+    name = parser if parser != "auto" else found or ToolCallFormat.HERMES.value
+    log.info("tool calls in the %s format (%s)", name, "--tool-call-parser" if parser != "auto"
+             else "the chat template's" if found else "no format in the chat template")
+    tokenizer.show_in_text(TOOL_CALL_TOKENS.get(name, ()))
+    return ToolCallFormat(name)
 
 
 Built = tuple[Runner, Tokenizer, str, int]  # runner, tokenizer, model name, max model length

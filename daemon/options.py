@@ -58,3 +58,4 @@ class DaemonOptions:
     max_seqs_per_request: int  # prompts x n, checked again here whatever the proxy checked
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_bytes: int = 64 << 20
+    tool_call_parser: str = "auto"  # a ToolCallFormat's value, or auto: the chat template's

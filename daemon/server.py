@@ -49,6 +49,7 @@ from ipc.records import (
     ResponseReply,
     Resume,
     Submit,
+    ToolCallFormat,
     ToProxy,
     Welcome,
 )
@@ -73,7 +74,8 @@ class DaemonServer:
     def __init__(self, engine: Engine, pipes: DaemonPipes, store: ResponseStore,
                  drain_timeout_s: float, notify: Notify | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 epochs: EpochCounter | None = None, tensor_parallel_size: int = 1) -> None:
+                 epochs: EpochCounter | None = None, tensor_parallel_size: int = 1,
+                 tool_call_format: ToolCallFormat = ToolCallFormat.HERMES) -> None:
         self.engine = engine
         self.pipes = pipes
         self.store = store
@@ -81,7 +83,8 @@ class DaemonServer:
         self.notify = notify or (lambda _msg: None)
         self.clock = clock
         self.connection = DaemonConnection(
-            pipes, ModelInfo(engine.model_name, engine.max_model_len, tensor_parallel_size), epochs)
+            pipes, ModelInfo(engine.model_name, engine.max_model_len, tensor_parallel_size,
+                             tool_call_format), epochs)
         self.stop_deadline: float | None = None
         # Set (from any thread) when the daemon cannot go on, e.g. a tensor-parallel rank died.
         self.failure: str | None = None

@@ -27,7 +27,9 @@ import msgspec
 # 8: SamplingParams.guide (constrained decoding), Stats.grammar_*
 # 9: sampling parity (penalties, min_p, logit_bias, bad_words, echo), max_tokens None, token-id
 # prompts (Submit.prompt_ids), tokenize/detokenize Submits, Delta.prompt
-PROTOCOL_VERSION = 9
+# 10: tools (Submit.tools, Message.tool_calls / tool_call_id, Welcome.tool_call_format,
+# ResponseFields.tool_call_format, StoredResponse.tool_call_format)
+PROTOCOL_VERSION = 10
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -118,9 +120,36 @@ MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows
 ECHO_TOKENS = 512  # prompt log-probabilities per Delta: a frame stays far below its limit
 
 
-class Message(msgspec.Struct, frozen=True):
+class ToolCall(msgspec.Struct, frozen=True):
+    """A function call an assistant turn made, as a later turn's history carries it."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class Message(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # None: an assistant turn that only calls tools
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class ToolFunction(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A function the model may call, as the chat template is given it."""
+
+    name: str
+    description: str | None = None
+    parameters: str | None = None  # the JSON schema of its arguments, as JSON text
+
+
+class ToolCallFormat(enum.StrEnum):
+    """How a chat template has the model write its tool calls (the parsers' names as vLLM's
+    --tool-call-parser spells them)."""
+
+    HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen, Hermes)
+    LLAMA3_JSON = "llama3_json"  # {"name": ..., "parameters": ...} (Llama 3.1 to 3.3)
+    MISTRAL = "mistral"  # [TOOL_CALLS][{"name": ..., "arguments": ...}]
 
 
 class GuideKind(enum.StrEnum):
@@ -191,6 +220,8 @@ class ResponseFields(msgspec.Struct, frozen=True):
     # Echoed into the stored response object.
     created_at: int = 0
     model: str = ""
+    # The request offered tools: its output is text in this format, to be parsed for calls.
+    tool_call_format: ToolCallFormat | None = None
 
 
 # --- proxy -> daemon: requests pipe -------------------------------------------------------------
@@ -218,6 +249,7 @@ class Submit(msgspec.Struct, tag=Kind.SUBMIT.value, tag_field="k"):
     messages: list[Message] = []
     response: ResponseFields | None = None
     t_submit: float = 0.0  # proxy monotonic time when the HTTP request arrived
+    tools: list[ToolFunction] = []  # offered to the model through the chat template
     client_id: str | None = None  # the client's X-Request-Id: logged, never a key
     # TOKENIZE: the special tokens the tokenizer adds (None: for a prompt yes, after a chat
     # template, which writes its own, no) and whether messages end with the assistant's turn.
@@ -306,6 +338,7 @@ class Welcome(msgspec.Struct, tag=Kind.WELCOME.value, tag_field="k"):
     epoch: int  # the epoch this daemon assigned to the connection
     nonce: int = 0  # the Hello's, so the proxy knows the Welcome is for this connection
     tensor_parallel_size: int = 1  # ranks the model runs on
+    tool_call_format: ToolCallFormat = ToolCallFormat.HERMES  # how the model writes tool calls
 
 
 class Admitted(msgspec.Struct, tag=Kind.ADMITTED.value, tag_field="k"):
@@ -422,6 +455,7 @@ class StoredResponse(msgspec.Struct, frozen=True):
     temperature: float | None = None
     top_p: float | None = None
     max_output_tokens: int | None = None
+    tool_call_format: ToolCallFormat | None = None  # the output holds tool calls in this format
 
 
 class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):

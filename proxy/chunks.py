@@ -74,14 +74,25 @@ class StreamChunks:
                                          record.usage.completion_tokens]
         return self._render(record, reason)
 
+    def started(self, index: int) -> bool:
+        """Whether choice `index` had its first event."""
+        return index in self._started
+
+    def event(self, record: Delta | Finish, choice: dict[str, Any]) -> bytes:
+        """The event of `record` with a choice the caller rendered (a chat choice with tool
+        calls), its token ids and log-probabilities added."""
+        self._started.add(record.index)
+        return self._framed(record, choice)
+
     def _render(self, record: Delta | Finish, finish: str | None) -> bytes:
+        first = record.index not in self._started
+        self._started.add(record.index)
+        text = record.text if isinstance(record, Delta) else ""
+        return self._framed(record, self._shape.chunk_choice(record.index, text, finish, first))
+
+    def _framed(self, record: Delta | Finish, choice: dict[str, Any]) -> bytes:
         index = record.index
         delta = record if isinstance(record, Delta) else None
-        first = index not in self._started
-        if first:
-            self._started.add(index)
-        choice = self._shape.chunk_choice(index, "" if delta is None else delta.text, finish,
-                                          first)
         if self._token_ids and delta is not None:
             choice["token_ids"] = [] if delta.prompt else delta.token_ids
             if delta.prompt and delta.token_ids:

@@ -11,6 +11,7 @@ import math
 import time
 from typing import Any, NamedTuple
 
+import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,9 +25,11 @@ from ipc.records import (
     SamplingParams,
     Submit,
     TokenLogprob,
+    ToolCallFormat,
     Usage,
 )
 from proxy.batching import Batch
+from proxy.chat_tools import ChatToolCalls
 from proxy.chunks import StreamChunks
 from proxy.collected import (
     Choice,
@@ -55,6 +58,8 @@ from proxy.schemas import (
     sampling_params,
 )
 from proxy.sse import DONE, sse_event
+from proxy.tool_calls import ToolUse
+from proxy.tool_requests import chat_tool_use, tool_guide
 
 # A choice's text: a stream's piece, or a collected answer's text already in JSON.
 Text = str | orjson.Fragment
@@ -188,8 +193,8 @@ class CompletionAnswer:
     a time), the ending, or the error that ends the stream."""
 
     __slots__ = ("budget", "choices", "chunks", "continuous_usage", "finishes", "head",
-                 "include_usage", "num_sequences", "ok", "rid", "shape", "submit_n", "usages",
-                 "wants_logprobs", "wants_token_ids")
+                 "include_usage", "num_sequences", "ok", "rid", "shape", "submit_n", "tools",
+                 "usages", "wants_logprobs", "wants_token_ids")
 
     def __init__(self, submit: Submit, shape: Shape, model: str, wants: Wants,
                  budget: CollectedBudget | None = None) -> None:
@@ -210,6 +215,8 @@ class CompletionAnswer:
         self.choices: dict[int, Choice] = {}
         self.wants_logprobs = submit.sampling.logprobs is not None
         self.finishes: dict[int, str] = {}
+        use = wants.tool_use
+        self.tools = ChatToolCalls(use, wants.tool_format) if use and use.parsed else None
 
     def _on_finish(self, record: Finish) -> str:
         """Accounts one sequence's end; returns its finish reason."""
@@ -230,7 +237,10 @@ class CompletionAnswer:
         events: list[bytes] = []
         try:
             for record in batch:
-                if isinstance(record, Delta):
+                if self.tools is not None:
+                    reason = None if isinstance(record, Delta) else self._on_finish(record)
+                    events.append(self.tools.event(chunks, record, reason, self.wants_token_ids))
+                elif isinstance(record, Delta):
                     null_first_logprob(record)
                     events.append(chunks.delta(record))
                 else:
@@ -275,8 +285,12 @@ class CompletionAnswer:
         choices = []
         for i in sorted(self.finishes):
             got = self.choices.pop(i, empty)  # let each go once it is rendered
-            choice = self.shape.choice(i, orjson.Fragment(json_string(got.text)),
-                                       self.finishes[i])
+            if self.tools is not None:
+                choice = {"index": i, "message": self.tools.message(i, got.text), "logprobs": None,
+                          "finish_reason": self.tools.finish_reason(i, self.finishes[i])}
+            else:
+                choice = self.shape.choice(i, orjson.Fragment(json_string(got.text)),
+                                           self.finishes[i])
             if got.token_ids is not None:
                 choice["token_ids"] = orjson.Fragment(json_array(got.token_ids))
             if got.prompt_token_ids:  # echo, in vLLM's field
@@ -325,6 +339,8 @@ class Wants(NamedTuple):
     token_ids: bool
     continuous_usage: bool = False  # usage in every chunk (vLLM's continuous_usage_stats)
     max_tokens_param: str = "max_tokens"  # the field that bounds the output, named in errors
+    tool_use: ToolUse | None = None  # the output may hold calls, in tool_format
+    tool_format: ToolCallFormat = ToolCallFormat.HERMES
 
 
 def _begin(request: Request, shape: Shape) -> Begun:
@@ -369,12 +385,17 @@ def _chat(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wants]:
     if max_tokens is None:
         max_tokens, param = req.max_tokens, "max_tokens"
     sampling = sampling_params(req, max_tokens, param, engine.max_model_len)
+    use = chat_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
+    fmt = engine.tool_call_format
+    if use is not None:
+        sampling = msgspec.structs.replace(sampling, guide=tool_guide(use, fmt, sampling.guide))
     _check_size(request, req, 1, sampling, param)
     submit = Submit(rid=begun.rid, kind=RequestKind.CHAT, sampling=sampling,
                     n=req.n, messages=[m.to_record() for m in req.messages],
-                    t_submit=begun.t_start, client_id=begun.client_id)
+                    t_submit=begun.t_start, client_id=begun.client_id,
+                    tools=list(use.tools) if use is not None else [])
     return submit, Wants(req.stream, req.include_usage, req.return_token_ids,
-                         req.continuous_usage, param)
+                         req.continuous_usage, param, use, fmt)
 
 
 def _check_size(request: Request, req: CompletionRequest | ChatRequest, num_prompts: int,

@@ -35,6 +35,7 @@ from ipc.records import (
     ResponseReply,
     Stats,
     Submit,
+    ToolCallFormat,
     ToProxy,
 )
 from proxy.batching import Batch
@@ -126,6 +127,12 @@ class EngineClient:
     def tensor_parallel_size(self) -> int | None:
         welcome = self._connection.welcome
         return None if welcome is None else welcome.tensor_parallel_size
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat:
+        """How the model writes tool calls (Hermes' until a Welcome says)."""
+        welcome = self._connection.welcome
+        return ToolCallFormat.HERMES if welcome is None else welcome.tool_call_format
 
     @property
     def aborts_sent(self) -> dict[AbortCause, int]:

@@ -1,4 +1,5 @@
-"""The Responses API's input items: typed and bounded on the way in, listed on the way out.
+"""The Responses API's input items: typed and bounded on the way in, turned into chat messages,
+listed on the way out.
 
 An item is decoded by msgspec, in C, into the types below, or refused with a 400 naming the
 field: every field is bounded as OpenAI bounds it (an item's ``id`` at most 64 characters, its
@@ -8,10 +9,13 @@ role and its parts' types one of a few words) and a field the server does not kn
 not fit without building it, however large or nested the rest: no request's validation walks
 a body in Python.
 
-`MessageItem` is the one item type served. Other types (function_call, function_call_output,
-reasoning, ...) join as Structs tagged on "type" in a union; a msgspec union needs the tag in
-every item, while OpenAI's "easy" message leaves ``type`` out, so the union's decoder must then
-be given items whose missing ``type`` reads "message".
+The items are a union tagged on ``type``, which OpenAI's easy message leaves out: a msgspec
+union needs the tag, so the body's items arrive as raw JSON, each decoded by the union, or, with
+no ``type`` of its own, as a message.
+
+Turned into the conversation: messages as they are; a function call joins the assistant turn
+before it as a tool call, its output is a tool turn; a reasoning item is kept and listed but
+left out of the prompt (no model served here reasons in a form it could be given back).
 """
 
 from __future__ import annotations
@@ -21,13 +25,18 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ipc.records import Message
+from ipc.records import Message, ToolCall
 from proxy.errors import ApiError
+from proxy.schemas import validation_error
+from proxy.tool_requests import FunctionName
 
 MAX_ITEM_ID = 64  # OpenAI's bound on input[].id
+MAX_CALL_ID = 256
 
 ItemId = Annotated[str, msgspec.Meta(max_length=MAX_ITEM_ID)]
+CallId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CALL_ID)]
 Role = Literal["user", "assistant", "system", "developer"]
+Status = Literal["in_progress", "completed", "incomplete"]
 # Chat templates rarely know "developer"; it plays the same part as "system".
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
@@ -45,7 +54,15 @@ class OutputText(msgspec.Struct, tag="output_text", tag_field="type", forbid_unk
     logprobs: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
-ContentPart = InputText | OutputText
+class Refusal(msgspec.Struct, tag="refusal", tag_field="type", forbid_unknown_fields=True):
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+ContentPart = InputText | OutputText | Refusal
 
 
 def _has_extras(part: ContentPart) -> bool:
@@ -53,18 +70,17 @@ def _has_extras(part: ContentPart) -> bool:
         part.annotations is msgspec.UNSET and part.logprobs is msgspec.UNSET)
 
 
+def _joined(content: str | list[InputText] | list[ContentPart]) -> str:
+    # Parts are pieces of one message: joined, the text is exactly what the client sent.
+    return content if isinstance(content, str) else "".join([p.text for p in content])
+
+
 class MessageItem(msgspec.Struct, tag="message", tag_field="type", forbid_unknown_fields=True,
                   omit_defaults=True):
     role: Role
     content: str | list[ContentPart]
     id: ItemId | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-    def to_message(self) -> Message:
-        content = self.content
-        # Parts are pieces of one message: joined, the text is exactly what the client sent.
-        text = content if isinstance(content, str) else "".join([p.text for p in content])
-        return Message(_ROLES[self.role], text)
+    status: Status | None = None
 
     def kept(self) -> MessageItem:
         """The item as stored: what is neither rendered nor bounded is left out."""
@@ -76,20 +92,101 @@ class MessageItem(msgspec.Struct, tag="message", tag_field="type", forbid_unknow
         return MessageItem(self.role, parts, self.id, self.status)
 
 
-InputItem = MessageItem
-NonEmptyItems = Annotated[list[InputItem], msgspec.Meta(min_length=1)]
+class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type",
+                       forbid_unknown_fields=True, omit_defaults=True):
+    call_id: CallId
+    name: FunctionName
+    arguments: str
+    id: ItemId | None = None
+    status: Status | None = None
+
+
+class FunctionCallOutputItem(msgspec.Struct, tag="function_call_output", tag_field="type",
+                             forbid_unknown_fields=True, omit_defaults=True):
+    call_id: CallId
+    output: str | list[InputText]
+    id: ItemId | None = None
+    status: Status | None = None
+
+
+class SummaryText(msgspec.Struct, tag="summary_text", tag_field="type",
+                  forbid_unknown_fields=True):
+    text: str
+
+
+class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type",
+                    forbid_unknown_fields=True):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, tag="reasoning", tag_field="type",
+                    forbid_unknown_fields=True, omit_defaults=True):
+    """Kept and listed, never rendered; ``encrypted_content`` is another server's to read."""
+
+    summary: list[SummaryText]
+    id: ItemId | None = None
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: Status | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+NonEmptyRaws = Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1)]
+
+_item = msgspec.json.Decoder(InputItem)
+_message = msgspec.json.Decoder(MessageItem)
+_NO_TYPE = "Object missing required field `type`"
+
+
+def decode_items(raws: list[msgspec.Raw]) -> list[InputItem]:
+    """Each raw item decoded, in C; ApiError(400) naming ``input[i]`` and the field."""
+    return [_decode_item(raw, i) for i, raw in enumerate(raws)]
+
+
+def _decode_item(raw: msgspec.Raw, index: int) -> InputItem:
+    try:
+        if b'"type"' in bytes(raw):  # (one in its parts only: the union says so at once)
+            try:
+                return _item.decode(raw)  # type: ignore[no-any-return]
+            except msgspec.ValidationError as exc:
+                if str(exc) != _NO_TYPE:
+                    raise
+        return _message.decode(raw)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        at = " - at `$"
+        text = (text.replace(at, f"{at}.input[{index}]", 1) if at in text
+                else f"{text}{at}.input[{index}]`")
+        raise explain_unsupported(validation_error(text)) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
 
 
 def to_messages(input: str | list[InputItem]) -> list[Message]:
+    """The conversation the items say."""
     if isinstance(input, str):
         return [Message("user", input)]
-    return [item.to_message() for item in input]
+    out: list[Message] = []
+    for item in input:
+        if isinstance(item, MessageItem):
+            out.append(Message(_ROLES[item.role], _joined(item.content)))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCall(item.call_id, item.name, item.arguments)
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant":
+                out[-1] = Message("assistant", last.content, [*last.tool_calls, call])
+            else:
+                out.append(Message("assistant", None, [call]))
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append(Message("tool", _joined(item.output), tool_call_id=item.call_id))
+    return out
 
 
 def stored_items(input: str | list[InputItem]) -> str:
     """The items as the store keeps them (JSON text): a string input is one user message."""
     items = [MessageItem("user", input)] if isinstance(input, str) else [
-        item.kept() for item in input]
+        item.kept() if isinstance(item, MessageItem) else item for item in input]
     return msgspec.json.encode(items).decode()
 
 
@@ -106,24 +203,29 @@ def explain_unsupported(error: ApiError) -> ApiError:
     kind = invalid.group("kind")
     kind = kind if len(kind) <= MAX_ITEM_ID else kind[:MAX_ITEM_ID] + "..."
     if typed.group("part"):
-        what = (f"unsupported content part '{kind}'; only 'input_text' and 'output_text' are "
-                "accepted")
+        what = (f"unsupported content part '{kind}'; only 'input_text', 'output_text' and "
+                "'refusal' are accepted")
     else:
-        what = f"unsupported item type '{kind}'; only 'message' items are accepted"
+        served = ", ".join(f"'{t}'" for t in ITEM_TYPES)
+        what = f"unsupported item type '{kind}'; the types accepted are {served}"
     return ApiError(400, f"Invalid '{error.param}': {what}", param=error.param,
                     code="invalid_value")
 
 
 def input_item_objects(items: str, ids: list[str]) -> list[dict[str, Any]]:
     """A page of stored input items (JSON text, as the daemon sent it, and the id each is listed
-    under) as the API lists them: messages with typed parts. Rows stored by earlier releases
-    hold items as their client sent them, so each is read leniently."""
+    under) as the API lists them: messages with typed parts, other items as stored. Rows stored
+    by earlier releases hold messages as their client sent them, so each is read leniently."""
     out = []
     for item_id, item in zip(ids, msgspec.json.decode(items), strict=True):
+        kind = item.get("type", "message")
+        if kind != "message":
+            out.append({**item, "id": item_id, "status": item.get("status", "completed")})
+            continue
         content = item.get("content")
         if isinstance(content, str):
-            kind = "output_text" if item.get("role") == "assistant" else "input_text"
-            content = [{"type": kind, "text": content}]
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = [{"type": part, "text": content}]
         out.append({"id": item_id, "type": "message", "role": item.get("role"),
                     "status": item.get("status", "completed"), "content": content})
     return out

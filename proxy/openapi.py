@@ -67,16 +67,31 @@ class Completion(msgspec.Struct):
     usage: Usage
 
 
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null: the message only calls tools
+    tool_calls: list[ToolCall] | None = None
+
+
+ChatFinish = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     logprobs: JSON | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: ChatFinish
     token_ids: list[int] | None = None
 
 
@@ -110,16 +125,32 @@ class CompletionChunk(msgspec.Struct):
     usage: Usage | None = None
 
 
+class CalledFunctionPiece(msgspec.Struct):
+    name: str | None = None  # in a call's first piece
+    arguments: str | None = None  # the arguments' next piece of text
+
+
+class ToolCallPiece(msgspec.Struct):
+    """A streamed call: its first piece says the id, type and name, the others only add to its
+    arguments."""
+
+    index: int
+    function: CalledFunctionPiece
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
 class ChatDelta(msgspec.Struct):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallPiece] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     logprobs: JSON | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: ChatFinish | None
     token_ids: list[int] | None = None
 
 

@@ -27,17 +27,20 @@ def _usage_object(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _output_message(msg_id: str, status: ResponseStatus, text: str) -> dict[str, Any]:
+def item_status(status: ResponseStatus) -> str:
+    """The status of an output item that is still open when the response is in `status`."""
     if status in (ResponseStatus.COMPLETED, ResponseStatus.INCOMPLETE):
-        item_status = status.value
-    elif status in PLACEHOLDER_STATUSES:
-        item_status = "in_progress"
-    else:  # cancelled or failed part-way: the text stops short
-        item_status = "incomplete"
+        return status.value
+    if status in PLACEHOLDER_STATUSES:
+        return "in_progress"
+    return "incomplete"  # cancelled or failed part-way: the item stops short
+
+
+def output_message(msg_id: str, status: ResponseStatus, text: str) -> dict[str, Any]:
     return {
         "type": "message",
         "id": msg_id,
-        "status": item_status,
+        "status": item_status(status),
         "role": "assistant",
         "content": [{"type": "output_text", "text": text, "annotations": []}],
     }
@@ -62,12 +65,15 @@ def build_response(
     top_p: float | None = None,
     max_output_tokens: int | None = None,
     completed_at: float | None = None,
+    output: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The wire object; ``output_text`` None means no output item (queued, in progress)."""
+    """The wire object; ``output_text`` None means no output item (queued, in progress), and
+    ``output`` (the items) is the output in its place."""
     status = ResponseStatus(status)
-    output = []
-    if output_text is not None:
-        output.append(_output_message(output_id or message_id(id), status, output_text))
+    if output is None:
+        output = []
+        if output_text is not None:
+            output.append(output_message(output_id or message_id(id), status, output_text))
     incomplete_details = None
     if status is ResponseStatus.INCOMPLETE:
         incomplete_details = {"reason": incomplete_reason or "max_output_tokens"}

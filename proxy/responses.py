@@ -41,9 +41,11 @@ from proxy.responses_request import (
     decode_request,
     response_params,
     sampling_params,
+    tool_use,
 )
 from proxy.schemas import check_response_id, client_request_id, new_id
 from proxy.sse import SSEResponse, sse_event
+from proxy.tool_calls import call_ids
 
 
 def background_registry(app: Starlette) -> BackgroundRegistry:
@@ -81,15 +83,18 @@ async def create_response(request: Request) -> Response:
     t_submit = time.monotonic()
     client_id = client_request_id(request.headers.get("x-request-id"))
     rid = request.state.request_id = new_id("resp_")  # response ids are the server's own
-    req, messages = decode_request(await request.body(), served_models(request))
+    req, messages, input_items = decode_request(await request.body(), served_models(request))
+    use = tool_use(req)
     engine = _engine(request)
     if not engine.up:
         raise unavailable(engine.down_reason)
     registry = background_registry(request.app)
     sampling = sampling_params(req, engine.max_model_len)
     params = response_params(req, rid, served_model(request), sampling)
-    submit = build_submit(req, messages, params, sampling, t_submit, client_id)
-    events = ResponseEvents(params)
+    fmt = engine.tool_call_format
+    submit = build_submit(req, messages, input_items, params, sampling, t_submit, client_id,
+                          use, fmt)
+    events = ResponseEvents(params, use.parser(fmt, call_ids(fmt, rid)) if use else None)
     timer = RequestTimer(request.app.state.metrics, "responses", t_submit)
     if not req.background:
         return await exchange(request, submit, ResponseAnswer(events), req.stream, timer)

@@ -8,6 +8,12 @@ OpenAI event sequence, numbering every event with ``sequence_number``:
     response.content_part.done, response.output_item.done,
     response.completed | response.incomplete | response.cancelled | response.failed
 
+A response offered tools has its text parsed for calls by its format's parser (the chat path's,
+proxy/tool_calls/): its content, if any, is the message, opened when the first content comes,
+and each call is a ``function_call`` item after it: response.output_item.added,
+response.function_call_arguments.delta ..., response.function_call_arguments.done,
+response.output_item.done.
+
 It also answers "what does the response look like now" (`snapshot`) for non-stream replies
 and for a GET of a background response the daemon has not stored yet, and ends a stream that
 lost sight of the engine with what the store recorded (`settle`).
@@ -28,7 +34,15 @@ from ipc.records import (
     StoredResponse,
     Usage,
 )
-from proxy.response_object import build_response, message_id, stored_response_object
+from proxy.response_object import (
+    build_response,
+    item_status,
+    message_id,
+    output_message,
+    stored_response_object,
+)
+from proxy.tool_calls.parser import CallStart, Content, FormatParser
+from proxy.tool_calls.parser import Event as Parsed
 
 Event = dict[str, Any]
 
@@ -89,15 +103,20 @@ def apply_record(events: ResponseEvents, record: Delta | Finish) -> list[Event]:
 class ResponseEvents:
     """The event sequence of one response; every method returns the events to send next."""
 
-    def __init__(self, params: ResponseParams) -> None:
+    def __init__(self, params: ResponseParams, calls: FormatParser | None = None) -> None:
         self.params = params
         self.item_id = message_id(params.id)
         self.status = ResponseStatus.QUEUED if params.background else ResponseStatus.IN_PROGRESS
-        self.text_parts: list[str] = []
+        self.text_parts: list[str] = []  # the message's
+        self.raw_parts: list[str] = []  # the output's, as it came (calls included)
         self.outcome: Outcome | None = None
         self.num_events = 0
         self.completed_at: float | None = None
-        self._item_open = False
+        self.calls = calls  # the output may hold tool calls, parsed by it
+        self.call_items: list[dict[str, Any]] = []  # the function_call items, in order
+        self._started = False
+        self._item_open = False  # the message is in the output
+        self._message_done = False
 
     @property
     def text(self) -> str:
@@ -110,12 +129,19 @@ class ResponseEvents:
     def snapshot(self) -> dict[str, Any]:
         """The response object as it stands (queued / in progress / final)."""
         p, out = self.params, self.outcome
+        output = []
+        if self._item_open:
+            done = self._message_done and self.call_items  # closed by the first call
+            output.append(output_message(self.item_id, ResponseStatus.COMPLETED if done
+                                         else self.status, self.text))
+        output += [item if item["status"] != "in_progress" else
+                   {**item, "status": item_status(self.status)} for item in self.call_items]
         return build_response(
             id=p.id, status=self.status, created_at=p.created_at, model=p.model,
-            output_text=self.text if self._item_open else None,
+            output_text=None, output=output,
             usage=out.usage if out else None, instructions=p.instructions,
             previous_response_id=p.previous_response_id, background=p.background, store=p.store,
-            error=out.error if out else None, output_id=self.item_id,
+            error=out.error if out else None,
             temperature=p.temperature, top_p=p.top_p, max_output_tokens=p.max_output_tokens,
             completed_at=self.completed_at,
         )
@@ -127,26 +153,92 @@ class ResponseEvents:
         return events
 
     def in_progress(self) -> list[Event]:
-        """The engine started: in_progress, then the (single) output message and text part."""
-        if self._item_open or self.finished:
+        """The engine started: in_progress, then the output message and its text part (with
+        tools, the message waits for its first content)."""
+        if self._started or self.finished:
             return []
         self.status = ResponseStatus.IN_PROGRESS
-        self._item_open = True
-        item = {"id": self.item_id, "type": "message", "status": "in_progress",
-                "role": "assistant", "content": []}
-        return [
-            self._event("response.in_progress", response=self.snapshot()),
-            self._event("response.output_item.added", output_index=0, item=item),
-            self._event("response.content_part.added", **self._where(), part=self._part("")),
-        ]
+        self._started = True
+        events = [self._event("response.in_progress", response=self.snapshot())]
+        return events if self.calls is not None else events + self._open_message()
 
     def delta(self, text: str) -> list[Event]:
         events = self.in_progress()
         if text and not self.finished:
-            self.text_parts.append(text)
-            events.append(self._event("response.output_text.delta", **self._where(), delta=text,
-                                      logprobs=[]))
+            self.raw_parts.append(text)
+            events += self._text(text) if self.calls is None else self._parsed(
+                self.calls.feed(text))
         return events
+
+    def _open_message(self) -> list[Event]:
+        self._item_open = True
+        item = {"id": self.item_id, "type": "message", "status": "in_progress",
+                "role": "assistant", "content": []}
+        return [
+            self._event("response.output_item.added", output_index=0, item=item),
+            self._event("response.content_part.added", **self._where(), part=self._part("")),
+        ]
+
+    def _text(self, text: str) -> list[Event]:
+        self.text_parts.append(text)
+        return [self._event("response.output_text.delta", **self._where(), delta=text,
+                            logprobs=[])]
+
+    def _parsed(self, parsed: list[Parsed]) -> list[Event]:
+        """The events of what the parser read: content (before any call), calls begun, and
+        their arguments (the last call's: calls come one after another)."""
+        events: list[Event] = []
+        for piece in parsed:
+            if isinstance(piece, Content):
+                events += ([] if self._item_open else self._open_message()) + self._text(
+                    piece.text)
+            elif isinstance(piece, CallStart):
+                events += self._close_open(ResponseStatus.COMPLETED)
+                item = {"type": "function_call", "id": self._call_item_id(piece.index),
+                        "call_id": piece.call_id, "name": piece.name, "arguments": "",
+                        "status": "in_progress"}
+                self.call_items.append(item)
+                events.append(self._event("response.output_item.added",
+                                          output_index=self._call_index(), item=dict(item)))
+            else:
+                item = self.call_items[-1]
+                item["arguments"] += piece.text
+                events.append(self._event("response.function_call_arguments.delta",
+                                          item_id=item["id"], output_index=self._call_index(),
+                                          delta=piece.text))
+        return events
+
+    def _call_item_id(self, index: int) -> str:
+        return f"fc_{self.params.id.removeprefix('resp_')}_{index}"
+
+    def _call_index(self) -> int:
+        """The output index of the last call (after the message, if there is one)."""
+        return int(self._item_open) + len(self.call_items) - 1
+
+    def _close_open(self, status: ResponseStatus) -> list[Event]:
+        """The closing events of the item still open: the last call, else the message."""
+        if self.call_items:
+            item = self.call_items[-1]
+            if item["status"] != "in_progress":
+                return []
+            item["status"] = status.value
+            where = {"item_id": item["id"], "output_index": self._call_index()}
+            return [self._event("response.function_call_arguments.done", **where,
+                                arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=where["output_index"],
+                                item=dict(item))]
+        if not self._item_open or self._message_done:
+            return []
+        self._message_done = True
+        return self._close_item(status)
+
+    def _ending(self, status: ResponseStatus) -> list[Event]:
+        """What the parser still held, then the open item closed: an output with nothing in it
+        still has its (empty) message."""
+        events = [] if self.calls is None else self._parsed(self.calls.end())
+        if not (self._item_open or self.call_items):
+            events += self._open_message()
+        return events + self._close_open(status)
 
     def finish(self, outcome: Outcome) -> list[Event]:
         """Close the open text part and item, then the terminal event. Idempotent."""
@@ -154,7 +246,7 @@ class ResponseEvents:
             return []
         events = []
         if outcome.status in (ResponseStatus.COMPLETED, ResponseStatus.INCOMPLETE):
-            events += self.in_progress() + self._close_item(outcome.status)
+            events += self.in_progress() + self._ending(outcome.status)
         self.outcome = outcome
         self.status = outcome.status
         if outcome.status is ResponseStatus.COMPLETED:
@@ -170,13 +262,13 @@ class ResponseEvents:
             return []
         events: list[Event] = []
         if stored.status in (ResponseStatus.COMPLETED, ResponseStatus.INCOMPLETE):
-            text = stored.output_text or ""
-            if text.startswith(self.text):
-                events += self.delta(text[len(self.text):])
+            text, sent = stored.output_text or "", "".join(self.raw_parts)
+            if text.startswith(sent):
+                events += self.delta(text[len(sent):])
             else:  # not what was streamed: the closing events carry the stored text whole
                 events += self.in_progress()
                 self.text_parts = [text]
-            events += self._close_item(stored.status)
+            events += self._ending(stored.status)
         self.outcome = Outcome(stored.status, stored.usage, stored.error)
         self.status = stored.status
         self.completed_at = stored.completed_at

@@ -13,15 +13,18 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ipc.records import Message, NonNegInt, RequestKind, ResponseFields, SamplingParams, Submit
+from ipc.records import (
+    Message,
+    NonNegInt,
+    RequestKind,
+    ResponseFields,
+    SamplingParams,
+    Submit,
+    ToolCallFormat,
+)
 from proxy.errors import ApiError
 from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, no_op, refused
-from proxy.input_items import (
-    NonEmptyItems,
-    explain_unsupported,
-    stored_items,
-    to_messages,
-)
+from proxy.input_items import NonEmptyRaws, decode_items, stored_items, to_messages
 from proxy.responses_events import ResponseParams
 from proxy.schemas import (
     REQUEST_ID_PATTERN,
@@ -32,6 +35,8 @@ from proxy.schemas import (
     check_model,
     decode_body,
 )
+from proxy.tool_calls import ToolUse
+from proxy.tool_requests import ResponsesTool, ResponsesToolChoice, responses_tool_use, tool_guide
 
 # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
 Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
@@ -39,9 +44,6 @@ Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
                      msgspec.Meta(max_length=16)]
 # Any id this server hands out: a longer one cannot name a stored response.
 ResponseId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN)]
-
-_NO_TOOLS = "tools are not served on this endpoint yet"
-
 
 class ResponseStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: Annotated[bool | None, no_op(
@@ -51,7 +53,7 @@ class ResponseStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     """The marks: see proxy/fields.py."""
 
-    input: str | NonEmptyItems
+    input: str | NonEmptyRaws  # each item decoded on its own (proxy/input_items.py)
     model: str | None = None
     instructions: str | None = None
     previous_response_id: ResponseId | None = None
@@ -75,10 +77,10 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     safety_identifier: Annotated[str | None, no_op(
         END_USER, "u-1")] = None
     service_tier: Annotated[str | None, no_op(LATENCY_HINT, "auto")] = None
-    tools: Annotated[Any, refused(_NO_TOOLS, [{"type": "function", "name": "f"}], ([],))] = None
-    tool_choice: Annotated[Any, refused(_NO_TOOLS, "required", ("none", "auto"))] = None
-    parallel_tool_calls: Annotated[bool | None, no_op("only matters with tools", True)] = None
-    max_tool_calls: Annotated[int | None, no_op("only matters with tools", 3)] = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: Annotated[Any, refused("the number of calls is not capped", 3)] = None
     text: Annotated[Any, refused("structured outputs are not served yet",
                                  {"format": {"type": "json_object"}},
                                  ({"format": {"type": "text"}},))] = None
@@ -100,18 +102,21 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     moderation: Annotated[Any, refused("no moderation is run", {})] = None
 
 
-def decode_request(body: bytes, served: tuple[str, ...]) -> tuple[CreateResponse, list[Message]]:
-    """The validated body and its input as chat messages; ApiError(400) naming the offending
-    field otherwise."""
-    try:
-        req = decode_body(body, CreateResponse)
-    except ApiError as exc:
-        raise explain_unsupported(exc) from None
+def decode_request(body: bytes,
+                   served: tuple[str, ...]) -> tuple[CreateResponse, list[Message], str]:
+    """The validated body, its input as chat messages and its items as stored; ApiError(400)
+    naming the offending field otherwise."""
+    req = decode_body(body, CreateResponse)
+    items = req.input if isinstance(req.input, str) else decode_items(req.input)
     check_model(req.model, served)
     if req.background and not req.store:
         raise ApiError(400, "'background' requires 'store' to be true: a background response "
                        "is fetched from the store", param="background", code="invalid_value")
-    return req, to_messages(req.input)
+    return req, to_messages(items), stored_items(items)
+
+
+def tool_use(req: CreateResponse) -> ToolUse | None:
+    return responses_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 def response_params(req: CreateResponse, rid: str, model: str,
@@ -134,14 +139,20 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
                           ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
 
 
-def build_submit(req: CreateResponse, messages: list[Message], params: ResponseParams,
-                 sampling: SamplingParams, t_submit: float,
-                 client_id: str | None = None) -> Submit:
+def build_submit(req: CreateResponse, messages: list[Message], input_items: str,
+                 params: ResponseParams, sampling: SamplingParams, t_submit: float,
+                 client_id: str | None = None, use: ToolUse | None = None,
+                 fmt: ToolCallFormat = ToolCallFormat.HERMES) -> Submit:
+    """The Submit; `use` the request's tools, `fmt` how the model writes its calls."""
+    if use is not None:
+        sampling = msgspec.structs.replace(sampling, guide=tool_guide(use, fmt, sampling.guide))
     fields = ResponseFields(store=req.store, background=req.background,
                             previous_response_id=req.previous_response_id,
                             instructions=req.instructions, input=messages,
-                            input_items=stored_items(req.input),
-                            created_at=params.created_at, model=params.model)
+                            input_items=input_items, created_at=params.created_at,
+                            model=params.model,
+                            tool_call_format=fmt if use is not None and use.parsed else None)
     return Submit(rid=params.id, kind=RequestKind.RESPONSE, sampling=sampling,
-                  n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id)
+                  n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id,
+                  tools=list(use.tools) if use is not None else [])
 

@@ -12,9 +12,10 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from ipc.records import MAX_LOGPROBS, Message, SamplingParams
+from ipc.records import MAX_LOGPROBS, Message, SamplingParams, ToolCall
 from proxy.errors import ApiError
 from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, check_refused, no_op, refused
+from proxy.tool_requests import ChatTool, ChatToolChoice
 
 T = TypeVar("T")
 
@@ -120,15 +121,47 @@ class TextPart(msgspec.Struct):
     text: str
 
 
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ChatToolCall(msgspec.Struct):
+    id: str
+    function: CalledFunction
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Null or left out only where an assistant message calls tools (check_chat).
+    content: str | list[TextPart] | msgspec.UnsetType | None = msgspec.UNSET
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+
+    def __post_init__(self) -> None:
+        # What the role needs (msgspec reports these at the message's path, like its own).
+        if self.role != "assistant" or not self.tool_calls:
+            if self.content is msgspec.UNSET:
+                raise ValueError("Object missing required field `content`")
+            if self.content is None:
+                raise ValueError(f"a {self.role} message's content must not be null")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("Object missing required field `tool_call_id`")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message may have tool_calls")
 
     def to_record(self) -> Message:
-        text = self.content if isinstance(self.content, str) else "\n".join(
-            part.text for part in self.content)
-        return Message("system" if self.role == "developer" else self.role, text)
+        content = self.content
+        if isinstance(content, list):
+            text: str | None = "\n".join(part.text for part in content)
+        else:
+            text = None if content is msgspec.UNSET else content
+        calls = [ToolCall(c.id, c.function.name, c.function.arguments)
+                 for c in self.tool_calls or ()]
+        return Message("system" if self.role == "developer" else self.role, text, calls,
+                       self.tool_call_id)
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -137,11 +170,9 @@ class ChatRequest(_Sampling, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: Annotated[Any, refused("tool calling is not served yet", [{"type": "function"}],
-                                  ([],))] = None
-    tool_choice: Annotated[Any, refused("tool calling is not served yet", "required",
-                                        ("none", "auto"))] = None
-    parallel_tool_calls: Annotated[bool | None, no_op("only matters with tools", True)] = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ChatToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: Annotated[Any, refused("structured outputs are not served yet",
                                             {"type": "json_object"},
                                             ({"type": "text"},))] = None

@@ -43,6 +43,7 @@ def daemon_options(s: Settings) -> DaemonOptions:
         prefix_caching=s.prefix_caching, drain_timeout_s=s.drain_timeout_s,
         grammar_compile_timeout_s=s.grammar_compile_timeout_s,
         grammar_cache_bytes=s.grammar_cache_mib << 20,
+        tool_call_parser=s.tool_call_parser,
         max_seqs_per_request=s.max_seqs_per_request)
 
 

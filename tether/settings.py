@@ -12,6 +12,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from ipc.records import ToolCallFormat
+
 
 def default_runtime_dir() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
@@ -24,6 +26,9 @@ def default_state_dir() -> Path:
     xdg = os.environ.get("XDG_STATE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".local" / "state"
     return base / "tether"
+
+
+TOOL_CALL_PARSERS = ("auto", *(f.value for f in ToolCallFormat))
 
 
 @dataclasses.dataclass(slots=True)
@@ -59,6 +64,7 @@ class Settings:
     prefix_caching: bool = True
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_mib: int = 64
+    tool_call_parser: str = "auto"
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
     max_collected_bytes: int = 64 * 1024 * 1024
@@ -127,6 +133,8 @@ _HELP: dict[str, str] = {
     "grammar_compile_timeout_s": "a structured-output grammar (JSON schema, regex, ...) not "
     "compiled within this many seconds fails its request with a 400",
     "grammar_cache_mib": "compiled grammars kept for reuse, in MiB (least recently used go)",
+    "tool_call_parser": "how the model writes tool calls: auto (from the chat template; hermes "
+    "when it says nothing) | hermes | llama3_json | mistral",
     "prefix_caching": "reuse the KV of full blocks of earlier prompts with the same start "
     "(--no-prefix-caching turns it off)",
     "max_waiting": "most requests waiting in the proxy before it answers 429",
@@ -278,5 +286,8 @@ def _check(s: Settings) -> None:
         raise ValueError(f"--kernels must be auto or torch, got {s.kernels!r}")
     if s.quantization not in ("none", "int8"):
         raise ValueError(f"--quantization must be none or int8, got {s.quantization!r}")
+    if s.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                         f"got {s.tool_call_parser!r}")
     if s.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {s.device!r}")

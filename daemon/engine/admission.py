@@ -6,9 +6,11 @@ answer the client without knowing anything about tokens.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from daemon.engine.block_manager import BlockManager
 from daemon.engine.echo import make_echoes
@@ -18,7 +20,7 @@ from daemon.engine.sequence import Detokenizer, Sequence
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import Tokenizer
 from daemon.rejected import Rejected
-from ipc.records import AbortCause, Message, RequestKind, Submit
+from ipc.records import AbortCause, Message, RequestKind, Submit, ToolFunction
 
 
 def render_prompts(submit: Submit, tokenizer: Tokenizer,
@@ -37,11 +39,11 @@ def render_prompts(submit: Submit, tokenizer: Tokenizer,
         if submit.kind is RequestKind.CHAT:
             if not submit.messages:
                 raise Rejected("messages must contain at least one message", param="messages")
-            text = chat_text(tokenizer, submit.messages)
+            text = chat_text(tokenizer, submit.messages, submit.tools)
         else:
             if history is None or submit.response is None:
                 raise Rejected("the Responses API needs the response store", status=500)
-            text = chat_text(tokenizer, history(submit))
+            text = chat_text(tokenizer, history(submit), submit.tools)
         # The template writes its own special tokens (BOS included).
         prompts = [tokenizer.encode(text, add_special_tokens=False)]
     if any(not ids for ids in prompts):
@@ -49,14 +51,51 @@ def render_prompts(submit: Submit, tokenizer: Tokenizer,
     return prompts
 
 
-def chat_text(tokenizer: Tokenizer, messages: list[Message],
+def chat_text(tokenizer: Tokenizer, messages: list[Message], tools: list[ToolFunction],
               add_generation_prompt: bool = True) -> str:
-    rows = [{"role": m.role, "content": m.content} for m in messages]
+    rows = [template_message(m) for m in messages]
     try:
-        return tokenizer.apply_chat_template(rows, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(rows, add_generation_prompt=add_generation_prompt,
+                                             tools=[template_tool(t) for t in tools] or None)
     except Exception as e:  # a template may raise anything (jinja2's raise_exception, ...)
         raise Rejected(f"messages cannot be rendered by the chat template: {e}",
                        param="messages") from None
+
+
+def template_message(message: Message) -> dict[str, Any]:
+    """A message as a chat template reads it: OpenAI's chat shape, with each call's arguments
+    as an object, which is what templates expect (transformers' documentation; vLLM does the
+    same). Keys a message does not have are left out, and so is a null content, as transformers
+    drops them: templates test `'tool_calls' in m`, and would print "None"."""
+    row: dict[str, Any] = {"role": message.role}
+    if message.content is not None:
+        row["content"] = message.content
+    if message.tool_calls:
+        row["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.name,
+                                           "arguments": _arguments(call.arguments)}}
+                             for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        row["tool_call_id"] = message.tool_call_id
+    return row
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text  # not JSON: as the client sent it
+    return value if isinstance(value, dict) else text
+
+
+def template_tool(tool: ToolFunction) -> dict[str, Any]:
+    """A tool as transformers' apply_chat_template takes a JSON-schema one."""
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    if tool.parameters is not None:
+        function["parameters"] = json.loads(tool.parameters)
+    return {"type": "function", "function": function}
 
 
 def check_sequences(submit: Submit, max_num_seqs: int, max_seqs_per_request: int | None) -> None:
@@ -158,7 +197,7 @@ def _too_long(submit: Submit, max_model_len: int) -> tuple[str, str, str]:
     if fields is not None and fields.previous_response_id is not None:
         # No token is shorter than a byte, so an input of fewer bytes than the context fits
         # by itself: the conversation it continues is what fills the context.
-        own = sum(len(m.content.encode()) for m in fields.input)
+        own = sum(len((m.content or "").encode()) for m in fields.input)
         own += len(fields.instructions.encode()) if fields.instructions else 0
         if own < max_model_len:
             return ("previous_response_id", "the conversation (previous_response_id's history "

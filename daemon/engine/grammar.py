@@ -349,6 +349,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     words = bitmask.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[-1] < vocab:  # a head wider than the tokenizer: those ids are never text
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]), value=False)
     index = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, index)
     logits.index_copy_(0, index, sub.masked_fill(~allowed, float("-inf")))

@@ -27,7 +27,7 @@ def _encode(submit: Submit, tokenizer: Tokenizer) -> list[int]:
     """vLLM's defaults: a prompt gets the tokenizer's special tokens, a chat template's text
     none (the template writes its own)."""
     if submit.messages:
-        text = chat_text(tokenizer, submit.messages, submit.add_generation_prompt)
+        text = chat_text(tokenizer, submit.messages, submit.tools, submit.add_generation_prompt)
         return tokenizer.encode(text, add_special_tokens=bool(submit.add_special_tokens))
     special = True if submit.add_special_tokens is None else submit.add_special_tokens
     return tokenizer.encode(submit.prompts[0] if submit.prompts else "", add_special_tokens=special)

@@ -1,4 +1,5 @@
-"""Tokenizers: a built-in byte tokenizer and Hugging Face tokenizer.json; chat templates.
+"""Tokenizers: a built-in byte tokenizer and Hugging Face tokenizer.json (their chat templates
+are rendered by daemon/model/chat_template.py).
 
 Both implement `Tokenizer`. `IncrementalDetokenizer` turns a stream of sampled ids into text
 pieces without ever splitting a multi-byte character (works for any `Tokenizer`).
@@ -6,28 +7,22 @@ pieces without ever splitting a multi-byte character (works for any `Tokenizer`)
 
 from __future__ import annotations
 
-import datetime
-import functools
 import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from daemon.model.chat_template import BYTE_CHAT_TEMPLATE, ChatTemplateError, render_chat_template
+
+__all__ = ["ByteTokenizer", "ChatTemplateError", "HFTokenizer", "IncrementalDetokenizer",
+           "Tokenizer", "TokenizerLoadError"]
 
 
 class TokenizerLoadError(ValueError):
     """A tokenizer file is missing or unreadable; the message names the file."""
-
-
-class ChatTemplateError(ValueError):
-    """No chat template, or the template failed on these messages."""
 
 
 class Tokenizer(Protocol):
@@ -35,6 +30,7 @@ class Tokenizer(Protocol):
     eos_token_ids: list[int]
     vocab_size: int  # ids >= this never come out of encode and decode to nothing
     special_token_ids: list[int]  # control tokens (BOS, EOS, chat markers): never text
+    chat_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """add_special_tokens=False for text from apply_chat_template (it has its own BOS)."""
@@ -54,76 +50,21 @@ class Tokenizer(Protocol):
         trailing unfinished character (see IncrementalDetokenizer)."""
         ...
 
+    def show_in_text(self, tokens: Sequence[str]) -> None:
+        """These special tokens decode as their text, where special tokens are skipped: the
+        markers a tool-call format writes (Mistral's [TOOL_CALLS])."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str: ...
-
-
-# ---- chat templates
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # jinja2's own tojson HTML-escapes, which would corrupt prompts.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks
-    (transformers' return_assistant_tokens_mask); for serving it renders its body as is."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-@functools.lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
-    # Sandboxed: a checkpoint's template is untrusted code. The same extensions as transformers'
-    # apply_chat_template, so every template it renders renders here.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template does not compile: {e}") from e
-
-
-def render_chat_template(source: str, messages: list[dict[str, Any]],
-                         add_generation_prompt: bool, **special: str | None) -> str:
-    # tools and documents are defined (as None) exactly as transformers and vLLM define them
-    # when a request has none: templates test `tools is not none` as often as `is defined`.
-    try:
-        return _compile(source).render(messages=messages, tools=None, documents=None,
-                                       add_generation_prompt=add_generation_prompt, **special)
-    except Exception as e:  # template code can fail in any way: None is not iterable, ...
-        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """`tools` as transformers' apply_chat_template takes them: JSON-schema dicts."""
+        ...
 
 
 # ---- built-in byte tokenizer
 
 BYTE_SPECIALS = ("<bos>", "<eos>", "<|im_start|>", "<|im_end|>")
-BYTE_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 class ByteTokenizer:
     """Ids 0..255 are bytes, then <bos>, <eos>, <|im_start|>, <|im_end|> (ChatML-style chat)."""
 
@@ -133,6 +74,7 @@ class ByteTokenizer:
         self.eos_token_ids = [self.special_ids["<eos>"], self.special_ids["<|im_end|>"]]
         self.vocab_size = 256 + len(BYTE_SPECIALS)
         self.special_token_ids = sorted(self.special_ids.values())
+        self.chat_template: str | None = BYTE_CHAT_TEMPLATE
         self._split = re.compile("(" + "|".join(re.escape(s) for s in BYTE_SPECIALS) + ")")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -158,9 +100,13 @@ class ByteTokenizer:
     def tail_is_open(self, ids: Sequence[int]) -> bool:
         return False
 
+    def show_in_text(self, tokens: Sequence[str]) -> None:
+        pass  # its specials are BOS, EOS and the turn markers
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        return render_chat_template(BYTE_CHAT_TEMPLATE, messages, add_generation_prompt,
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        return render_chat_template(BYTE_CHAT_TEMPLATE, messages, add_generation_prompt, tools,
                                     bos_token="<bos>", eos_token="<eos>")
 
 
@@ -189,6 +135,7 @@ class HFTokenizer:
         self._added_ids = frozenset(added)
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self.special_token_ids = sorted(self._special_ids)
+        self._shown: frozenset[int] = frozenset()  # special ids decoded as text all the same
         self._byte_piece_ids = _byte_fallback_pieces(tokenizer)
         self._byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
         # Decoding after a plain token keeps the leading space that SentencePiece's decoder
@@ -217,6 +164,9 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._shown:  # what skip_special_tokens does, sparing the shown ones
+            kept = [i for i in ids if i not in self._special_ids or i in self._shown]
+            return self._tok.decode(kept, skip_special_tokens=False)
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -236,16 +186,21 @@ class HFTokenizer:
         # Byte pieces decode as a group (valid UTF-8 as a whole, or U+FFFD for every one), and
         # skipped special tokens do not end a group.
         for token_id in reversed(ids):
-            if token_id not in self._special_ids:
+            if token_id not in self._special_ids or token_id in self._shown:
                 return token_id in self._byte_piece_ids
         return False
 
+    def show_in_text(self, tokens: Sequence[str]) -> None:
+        ids = {self._tok.token_to_id(token) for token in tokens}
+        self._shown = self._shown | {i for i in ids if i in self._special_ids}
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template (no chat_template.jinja, "
                                     "no chat_template in tokenizer_config.json)")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, tools,
                                     **self.template_tokens)
 
 

@@ -34,6 +34,7 @@ from ipc.records import (
     ResponseOp,
     Resume,
     Submit,
+    ToolCallFormat,
     Welcome,
     version_mismatch,
 )
@@ -48,6 +49,7 @@ class ModelInfo:
     name: str
     max_model_len: int
     tensor_parallel_size: int = 1
+    tool_call_format: ToolCallFormat = ToolCallFormat.HERMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +132,7 @@ class DaemonConnection:
             out.append(Connected(epoch))
         model = self.model
         out.append(Welcome(PROTOCOL_VERSION, os.getpid(), model.name, model.max_model_len,
-                           epoch, rec.nonce, model.tensor_parallel_size))
+                           epoch, rec.nonce, model.tensor_parallel_size, model.tool_call_format))
         return out
 
     def _goodbye(self, rec: Goodbye) -> list[Goodbye]:

@@ -34,6 +34,14 @@ def server(abort_server: Server) -> Server:
     return abort_server
 
 
+# A forced tool call whose arguments take over a thousand tokens: a stream of argument pieces
+# (its grammar, a session's state, goes with the session).
+TOOL_CALL = {"messages": CHAT["messages"], "max_tokens": 1200, "temperature": 0,
+             "tool_choice": "required", "tools": [{"type": "function", "function": {
+                 "name": "write", "parameters": {"type": "object", "properties": {
+                     "text": {"type": "string", "minLength": 1000}}, "required": ["text"]}}}]}
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {**CHAT, "stream": True}),
     ("/v1/completions", {"prompt": "once upon a time", "stream": True, **LONG}),
@@ -43,7 +51,8 @@ def server(abort_server: Server) -> Server:
     ("/v1/completions", {"prompt": "once upon a time", "stream": True, **LONG,
                          "logit_bias": {"101": 5, "32": -3}, "bad_words": ["the"],
                          "min_p": 0.05}),
-], ids=["chat", "completion", "penalised", "biased"])
+    ("/v1/chat/completions", {**TOOL_CALL, "stream": True}),
+], ids=["chat", "completion", "penalised", "biased", "tool_call"])
 def test_streaming_disconnect_evicts_session(server: Server, path: str,
                                              body: dict[str, Any]) -> None:
     before = server.metrics()

@@ -4,10 +4,12 @@ what the text, the token ids, the logprob tokens and the chat prompt must be."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 
@@ -154,3 +156,33 @@ def test_tokenize_is_the_checkpoints_tokenizer_and_detokenize_round_trips(served
             expected = served.ref.apply_chat_template(messages, tokenize=True, return_dict=False,
                                                       add_generation_prompt=generation)
             assert tokenize(messages=messages, add_generation_prompt=generation) == expected
+
+
+WEATHER_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+        "required": ["city"], "additionalProperties": False}}}
+# How each family's template has the model begin a call (Hermes' when it teaches none).
+CALL_STARTS = {"llama3": '{"name": ', "spm": "[TOOL_CALLS]["}
+
+
+def test_forced_tool_calls_in_the_familys_format(served: Served) -> None:
+    """The tools offered through the family's template, as transformers renders them, and a
+    forced call written in the format that template teaches (the daemon's Welcome says which),
+    its arguments valid under the real vocabulary's tokens."""
+    if served.ref.chat_template is None:
+        pytest.skip(f"{served.name} ships no chat template")
+    messages: Any = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt_ids = served.ref.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=True,
+                                                add_generation_prompt=True, return_dict=False)
+    r = served.client.chat.completions.create(
+        model=served.model, messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
+        max_tokens=120, seed=1, extra_body={"return_token_ids": True})
+    assert r.usage is not None and r.usage.prompt_tokens == len(prompt_ids)
+    [choice] = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+        jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
+    written = served.ref.decode(token_ids(choice), skip_special_tokens=True)
+    assert written.startswith(CALL_STARTS.get(served.name, "<tool_call>\n")), written

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from ipc.records import Message
+from ipc.records import Message, ToolCall
 from proxy.errors import ApiError
 from proxy.input_items import MAX_ITEM_ID, input_item_objects, stored_items
 from proxy.responses_request import decode_request
@@ -59,7 +59,14 @@ def test_message_items_with_string_and_part_content() -> None:
         ([{"role": "tool", "content": "x"}], "input[0].role"),
         ([{"role": ["user"], "content": "x"}], "input[0].role"),
         ([{"role": "user", "content": "x"}, "hello"], "input[1]"),
-        ([{"type": "function_call", "name": "f"}], "input[0].type"),
+        ([{"type": "web_search_call", "id": "ws_1"}], "input[0].type"),
+        ([{"type": "function_call", "name": "f"}], "input[0].call_id"),
+        ([{"type": "function_call", "call_id": "c", "name": "no such", "arguments": "{}"}],
+         "input[0].name"),
+        ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
+        ([{"type": "function_call_output", "call_id": "c", "output": 3}], "input[0].output"),
+        ([{"role": "user", "content": "x"}, {"type": "reasoning", "id": "rs_1"}],
+         "input[1].summary"),
         ([{"role": "user", "content": 7}], "input[0].content"),
         ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}],
          "input[0].content[0].type"),
@@ -75,11 +82,62 @@ def test_invalid_input_names_the_item_and_field(items: Any, param: str) -> None:
 
 
 def test_unsupported_types_say_what_is_served() -> None:
-    item = _refused({"input": [{"type": "function_call", "name": "f"}]})
-    assert "unsupported item type 'function_call'" in item.message
+    item = _refused({"input": [{"type": "web_search_call", "id": "ws_1"}]})
+    assert "unsupported item type 'web_search_call'" in item.message
+    assert "'function_call_output'" in item.message
     part = _refused({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})
     assert "unsupported content part 'input_image'" in part.message
-    assert "'input_text' and 'output_text'" in part.message
+    assert "'input_text', 'output_text' and 'refusal'" in part.message
+
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+        "arguments": '{"city": "Paris"}', "id": "fc_1", "status": "completed"}
+CALL_2 = {**CALL, "call_id": "call_2", "id": "fc_2", "arguments": '{"city": "Oslo"}'}
+TOOL_TURN = [
+    {"role": "user", "content": "Weather in Paris and Oslo?"},
+    {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+    CALL, CALL_2,
+    {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    {"type": "function_call_output", "call_id": "call_2",
+     "output": [{"type": "input_text", "text": "ra"}, {"type": "input_text", "text": "in"}]},
+]
+
+
+def test_function_calls_and_their_outputs_are_tool_turns() -> None:
+    """Calls in a row are one assistant turn; a reasoning item is not rendered."""
+    calls = [ToolCall("call_1", "get_weather", '{"city": "Paris"}'),
+             ToolCall("call_2", "get_weather", '{"city": "Oslo"}')]
+    assert _decode({"input": TOOL_TURN}) == [
+        Message("user", "Weather in Paris and Oslo?"),
+        Message("assistant", None, calls),
+        Message("tool", "sunny", tool_call_id="call_1"),
+        Message("tool", "rain", tool_call_id="call_2"),
+    ]
+
+
+def test_a_call_joins_the_assistant_message_before_it() -> None:
+    items = [{"role": "user", "content": "hi"},
+             {"type": "message", "role": "assistant", "content": [
+                 {"type": "output_text", "text": "Let me look."}]}, CALL,
+             {"type": "message", "role": "assistant", "content": [
+                 {"type": "refusal", "refusal": "no"}]}]
+    assert _decode({"input": items})[1:] == [
+        Message("assistant", "Let me look.",
+                [ToolCall("call_1", "get_weather", '{"city": "Paris"}')]),
+        Message("assistant", "no")]
+
+
+def test_tool_items_are_stored_and_listed_as_sent() -> None:
+    _, _, stored = decode_request(msgspec.json.encode({"input": TOOL_TURN}), SERVED)
+    assert msgspec.json.decode(stored)[1:4] == [TOOL_TURN[1], CALL, CALL_2]
+    listed = input_item_objects(stored, [f"item_{i}" for i in range(len(TOOL_TURN))])
+    assert [i["type"] for i in listed] == [
+        "message", "reasoning", "function_call", "function_call", "function_call_output",
+        "function_call_output"]
+    assert listed[2] == {**CALL, "id": "item_2"}
+    assert listed[4] == {"type": "function_call_output", "call_id": "call_1", "output": "sunny",
+                         "id": "item_4", "status": "completed"}
+    assert listed[1]["encrypted_content"] == "opaque"
 
 
 @pytest.mark.parametrize(("item", "param"), [
@@ -112,8 +170,8 @@ def test_the_largest_allowed_id_is_kept_and_what_is_not_rendered_is_not() -> Non
     item = {"type": "message", "role": "assistant", "id": "i" * MAX_ITEM_ID, "content": [
         {"type": "output_text", "text": "c", "annotations": [{"type": "url_citation"}],
          "logprobs": [[[[]]]]}]}
-    req, _ = decode_request(msgspec.json.encode({"input": [item]}), SERVED)
-    assert msgspec.json.decode(stored_items(req.input)) == [
+    _, _, stored = decode_request(msgspec.json.encode({"input": [item]}), SERVED)
+    assert msgspec.json.decode(stored) == [
         {"type": "message", "role": "assistant", "id": "i" * MAX_ITEM_ID,
          "content": [{"type": "output_text", "text": "c"}]}]
 

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import weakref
 
 import orjson
 import pytest
-from openai.types.responses import ResponseStreamEvent
+from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from ipc.records import AbortCause, FinishReason, ResponseStatus, StoredResponse, Usage
+from ipc.records import (
+    AbortCause,
+    FinishReason,
+    ResponseStatus,
+    StoredResponse,
+    ToolCallFormat,
+    Usage,
+)
 from proxy.errors import ApiError
 from proxy.response_object import stored_response_object
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
 from proxy.responses_events import Outcome, ResponseEvents, ResponseParams, finish_outcome
+from proxy.tool_calls import call_ids
+from proxy.tool_calls.hermes import HermesParser
 
 STREAM_EVENTS = TypeAdapter(ResponseStreamEvent)
 
@@ -235,3 +245,61 @@ def test_a_live_run_asked_past_its_end_ends_with_its_last_event() -> None:
         return [e["type"] for e in await reading]
 
     assert asyncio.run(scenario()) == ["response.cancelled"]
+
+
+def _with_calls(rid: str = "resp_t") -> ResponseEvents:
+    names = frozenset({"get_weather"})
+    return ResponseEvents(params_for(rid, background=False),
+                          HermesParser(names, call_ids(ToolCallFormat.HERMES, rid)))
+
+
+CALLS_TEXT = ('Looking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+              '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+              '</tool_call>')
+
+
+@pytest.mark.parametrize("cut", [1, 7, len(CALLS_TEXT)])
+def test_tool_calls_are_function_call_items_after_the_message(cut: int) -> None:
+    events = _with_calls()
+    sent = events.created()
+    for i in range(0, len(CALLS_TEXT), cut):
+        sent += events.delta(CALLS_TEXT[i:i + cut])
+    sent += events.finish(finish_outcome(FinishReason.STOP, Usage(3, 20), None, None))
+    for event in sent:
+        STREAM_EVENTS.validate_python(event)
+    kinds = [e["type"] for e in sent if not e["type"].endswith(".delta")]
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.done",
+        "response.output_item.done", "response.output_item.added",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    final = Response.model_validate(sent[-1]["response"])
+    assert final.output_text == "Looking."
+    calls = final.output[1:]
+    assert [(c.type, c.name, json.loads(c.arguments), c.status) for c in calls] == [
+        ("function_call", "get_weather", {"city": "Paris"}, "completed"),
+        ("function_call", "get_weather", {"city": "Oslo"}, "completed")]
+    assert [c.call_id for c in calls] == ["call_t_0", "call_t_1"]
+    args = "".join(e["delta"] for e in sent if e["type"].endswith("arguments.delta")
+                   and e["output_index"] == 1)
+    assert json.loads(args) == {"city": "Paris"}
+    assert sent[-1]["response"] == events.snapshot()
+
+
+def test_a_call_alone_has_no_message_and_a_cut_call_is_incomplete() -> None:
+    events = _with_calls()
+    sent = events.delta('<tool_call>{"name": "get_weather", "arguments": {"ci')
+    assert [e["type"] for e in sent][:2] == ["response.in_progress", "response.output_item.added"]
+    assert events.snapshot()["output"][0]["status"] == "in_progress"
+    sent = events.finish(finish_outcome(FinishReason.LENGTH, Usage(3, 9), None, None))
+    final = sent[-1]["response"]
+    assert [(i["type"], i["status"]) for i in final["output"]] == [("function_call", "incomplete")]
+
+
+def test_with_tools_an_empty_output_still_has_its_message() -> None:
+    events = _with_calls()
+    sent = events.finish(finish_outcome(FinishReason.STOP, Usage(3, 0), None, None))
+    assert [i["type"] for i in sent[-1]["response"]["output"]] == ["message"]

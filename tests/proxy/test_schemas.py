@@ -30,7 +30,7 @@ def test_limit_violation_names_the_field_and_the_limit() -> None:
 
 
 def test_nested_path_becomes_the_param() -> None:
-    exc = error_of(b'{"messages": [{"role": "tool", "content": "x"}]}', ChatRequest)
+    exc = error_of(b'{"messages": [{"role": "robot", "content": "x"}]}', ChatRequest)
     assert exc.param == "messages[0].role"
     exc = error_of(b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
                    ChatRequest)

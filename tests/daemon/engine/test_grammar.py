@@ -150,3 +150,14 @@ def test_every_output_validates_within_its_budget(grammars: Grammars, schema: di
     assert ended, f"ran out of its {max_tokens} tokens: {text!r}"
     jsonschema.validate(json.loads(text), schema)
     assert len(text.encode()) < max_tokens  # byte tokens; the end of sequence took one
+
+
+def test_a_head_wider_than_the_vocabulary_masks_the_ids_past_it(grammars: Grammars) -> None:
+    """builtin:small's head has 49,152 rows for the byte tokenizer's 260 ids (real checkpoints
+    pad theirs too): the ids past the tokenizer are never allowed."""
+    matcher = grammars.compile(Guide(GuideKind.REGEX, "a")).result()
+    bitmask = grammars.new_bitmask(1)
+    Constraint(grammars, matcher).fill(bitmask, 0)
+    logits = torch.zeros(1, 49152)
+    apply_bitmask(logits, [0], bitmask)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ord("a")]

@@ -192,16 +192,18 @@ def test_stop_strings_straddling_tokens(pair: Pair, text: str) -> None:
 # ---- chat templates
 
 
-def ours_or_error(pair: Pair, messages: list[dict[str, Any]], agp: bool) -> str | type:
+def ours_or_error(pair: Pair, messages: list[dict[str, Any]], agp: bool,
+                  tools: list[dict[str, Any]] | None = None) -> str | type:
     try:
-        return pair.ours.apply_chat_template(messages, add_generation_prompt=agp)
+        return pair.ours.apply_chat_template(messages, add_generation_prompt=agp, tools=tools)
     except ChatTemplateError:
         return ChatTemplateError
 
 
-def theirs_or_error(pair: Pair, messages: list[dict[str, Any]], agp: bool) -> str | type:
+def theirs_or_error(pair: Pair, messages: list[dict[str, Any]], agp: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str | type:
     try:
-        text: str = pair.ref.apply_chat_template(messages, tokenize=False,
+        text: str = pair.ref.apply_chat_template(messages, tokenize=False, tools=tools,
                                                  add_generation_prompt=agp)
         return text
     except (jinja2.TemplateError, ValueError):
@@ -247,3 +249,69 @@ def test_every_llama_cpp_template_renders_as_transformers() -> None:
             if mine != theirs:
                 mismatched[name] = (messages, mine, theirs)
     assert not mismatched, mismatched
+
+
+# ---- tools: offered, called and answered, rendered as transformers renders them
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city, now.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "e.g. Paris"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}}}},
+]
+
+
+def _tool_conversations() -> list[list[dict[str, Any]]]:
+    """Chat messages as the daemon hands them to a template (daemon/engine/admission.py)."""
+    from daemon.engine.admission import template_message
+    from ipc.records import Message, ToolCall
+
+    ask = [Message("system", "You help."), Message("user", "Weather in Paris and the time?")]
+    one = ToolCall("call00001", "get_weather", '{"city": "Paris", "unit": "celsius"}')
+    two = ToolCall("call00002", "get_time", '{"zone": "CET"}')
+    answered = [*ask, Message("assistant", None, [one]),
+                Message("tool", '{"temperature": 21}', tool_call_id="call00001")]
+    parallel = [*ask, Message("assistant", None, [one, two]),
+                Message("tool", '{"temperature": 21}', tool_call_id="call00001"),
+                Message("tool", '"14:00"', tool_call_id="call00002"),
+                Message("assistant", "21 degrees, and it is two."), Message("user", "Thanks!")]
+    return [[template_message(m) for m in conversation]
+            for conversation in (ask, answered, parallel)]
+
+
+def test_tools_render_as_transformers_in_every_llama_cpp_template() -> None:
+    """The seventy templates with tools offered, called and answered: each renders as
+    transformers' apply_chat_template(tools=...) renders it (or both refuse)."""
+    pair = load("qwen2")
+    mismatched = {}
+    rendered_tools = 0
+    for name, source in chat_templates().items():
+        ours = HFTokenizer(pair.ours._tok, source, **pair.ours.template_tokens)
+        for messages in _tool_conversations():
+            try:
+                mine: str | type = ours.apply_chat_template(messages, tools=TOOLS)
+            except ChatTemplateError:
+                mine = ChatTemplateError
+            try:
+                theirs: str | type = pair.ref.apply_chat_template(
+                    messages, tools=TOOLS, chat_template=source, tokenize=False,
+                    add_generation_prompt=True)
+            except Exception:
+                theirs = ChatTemplateError
+            if mine != theirs:
+                mismatched[name] = (messages, mine, theirs)
+            rendered_tools += isinstance(mine, str) and "get_weather" in mine
+    assert not mismatched, mismatched
+    assert rendered_tools > 60  # most real templates offer the tools; a few refuse the turns
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama3", "spm", "qwen3", "smollm3", "granite"])
+def test_tools_render_as_transformers_in_the_families(name: str) -> None:
+    pair = load(name)
+    for messages in _tool_conversations():
+        assert ours_or_error(pair, messages, True, TOOLS) == theirs_or_error(
+            pair, messages, True, TOOLS), (name, messages)

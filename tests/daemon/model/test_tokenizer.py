@@ -9,6 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from daemon.model.chat_template import tool_call_format
 from daemon.model.tokenizer import (
     BYTE_SPECIALS,
     ByteTokenizer,
@@ -156,3 +157,46 @@ def test_incremental_detok_over_a_long_generation(hf: HFTokenizer) -> None:
     text = "".join(CORPUS) * 20  # long enough for the id window to be trimmed many times
     pieces = stream(hf, hf.encode(text, add_special_tokens=False))
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+# ---- tools
+
+TOOL = {"type": "function", "function": {"name": "get", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}
+
+
+def test_byte_chat_template_offers_tools_and_writes_calls_as_hermes() -> None:
+    calls = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "get", "arguments": {"q": "x"}}},
+                 {"id": "c2", "type": "function", "function": {"name": "get", "arguments": {}}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    text = BYTES.apply_chat_template([MESSAGES[0], *calls], tools=[TOOL])
+    assert text.startswith("<bos><|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '\n<tools>\n{"type": "function", "function": {"name": "get"' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get", "arguments": {"q": "x"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get", "arguments": {}}\n</tool_call><|im_end|>'
+            '\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n') in text
+    assert text.count("<|im_start|>system") == 1  # the system turn is the tools' turn
+    assert BYTES.apply_chat_template(MESSAGES, tools=None) == BYTES.apply_chat_template(MESSAGES)
+
+
+def test_tool_call_format_follows_the_template() -> None:
+    assert tool_call_format(BYTES.chat_template) == "hermes"
+    assert tool_call_format("{{ '[TOOL_CALLS][' }}") == "mistral"
+    assert tool_call_format('Respond in the format {"name": function name, "parameters": '
+                            'dictionary of argument name and its value}') == "llama3_json"
+    assert tool_call_format(CHAT_TEMPLATE) is None and tool_call_format(None) is None
+
+
+def test_special_tokens_shown_in_text_decode_as_text(hf: HFTokenizer) -> None:
+    special = next(i for i in hf.special_token_ids if i not in hf.eos_token_ids)
+    name = hf._tok.id_to_token(special)
+    ids = [special, *hf.encode("hi", add_special_tokens=False)]
+    assert hf.decode(ids) == "hi"
+    shown = HFTokenizer(hf._tok, hf.chat_template, hf.bos_token, hf.eos_token)
+    shown.show_in_text([name, "<not a token>"])
+    assert shown.decode(ids) == name + "hi"
+    assert "".join(stream(shown, ids)) == name + "hi"
+    assert shown.decode([*hf.eos_token_ids, *ids[1:]]) == "hi"  # the others are still skipped

@@ -1,0 +1,155 @@
+"""What requests say about tools, as the chat and Responses bodies spell it, and the `ToolUse` it
+resolves to (proxy/tool_calls/): the functions offered, ``tool_choice`` and
+``parallel_tool_calls``, checked as OpenAI checks them.
+
+A function's ``parameters`` stay the JSON text the client sent (msgspec.Raw: never built into
+Python objects here); they travel to the daemon as that text, which renders them in the chat
+template, and into the grammar of a forced call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import msgspec
+
+from ipc.records import Guide, ToolCallFormat, ToolFunction
+from proxy.errors import ApiError
+from proxy.tool_calls import ToolGrammarError, ToolUse
+
+# OpenAI's rule for function names (and so a safe word in a grammar).
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(msgspec.Struct):
+    name: FunctionName
+    description: str | None = None
+    parameters: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class FunctionChoice(msgspec.Struct):
+    name: str
+
+
+class ChatNamedChoice(msgspec.Struct):
+    function: FunctionChoice
+    type: Literal["function"] = "function"
+
+
+ChoiceWord = Literal["none", "auto", "required"]
+ChatToolChoice = ChoiceWord | ChatNamedChoice
+
+
+def tool_function(name: str, description: str | None, parameters: msgspec.Raw | msgspec.UnsetType,
+                  param: str) -> ToolFunction:
+    """The record of one function; `param` names its ``parameters`` in errors."""
+    if parameters is msgspec.UNSET:
+        return ToolFunction(name, description)
+    text = bytes(parameters).decode()
+    if text.strip() == "null":
+        return ToolFunction(name, description)
+    if not text.lstrip().startswith("{"):
+        raise ApiError(400, f"'{param}' must be a JSON schema object", param=param,
+                       code="invalid_value")
+    return ToolFunction(name, description, text)
+
+
+def resolve(functions: Sequence[ToolFunction], choice: ChoiceWord | None, named: str | None,
+            parallel: bool | None, param: str) -> ToolUse | None:
+    """The request's ToolUse (None: no tools); `named` is a named choice's function, `param`
+    names ``tools`` as the endpoint spells its functions' place."""
+    names = [f.name for f in functions]
+    duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if duplicate is not None:
+        raise ApiError(400, f"'{param}' names the function '{duplicate}' twice", param=param,
+                       code="invalid_value")
+    if not functions:
+        if named is not None or choice == "required":
+            raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified",
+                           param="tool_choice", code="invalid_value")
+        return None
+    tools = tuple(functions)
+    if named is not None:
+        forced = tuple(f for f in functions if f.name == named)
+        if not forced:
+            raise ApiError(400, f"'tool_choice' names the function '{named}', which is not in "
+                           f"'{param}'", param="tool_choice", code="invalid_value")
+        return ToolUse(tools, "required", forced, parallel=False)
+    word = choice or "auto"
+    return ToolUse(tools, word, tools if word == "required" else (),
+                   True if parallel is None else parallel)
+
+
+def chat_tool_use(tools: list[ChatTool] | None, choice: ChatToolChoice | None,
+                  parallel: bool | None) -> ToolUse | None:
+    functions = [tool_function(t.function.name, t.function.description, t.function.parameters,
+                               f"tools[{i}].function.parameters")
+                 for i, t in enumerate(tools or [])]
+    named = choice.function.name if isinstance(choice, ChatNamedChoice) else None
+    word = None if isinstance(choice, ChatNamedChoice) else choice
+    return resolve(functions, word, named, parallel, "tools")
+
+
+def tool_guide(use: ToolUse, fmt: ToolCallFormat, content: Guide | None) -> Guide | None:
+    """The output's constraint: forced calls, calls or `content` (a response format's), or
+    `content` alone; a 400 naming ``tools`` when they cannot be combined."""
+    try:
+        return use.guide(fmt, content)
+    except ToolGrammarError as e:
+        raise ApiError(400, f"'tools' cannot be used here: {e}", param="tools",
+                       code="invalid_value") from None
+
+
+class ResponsesTool(msgspec.Struct):
+    """A Responses tool: only ``function`` tools are served (the type is checked by
+    `responses_tool_use`, so that any other is refused by its name)."""
+
+    type: str
+    name: FunctionName | None = None
+    description: str | None = None
+    parameters: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    strict: bool | None = None
+
+
+class ResponsesNamedChoice(msgspec.Struct):
+    type: str
+    name: str | None = None
+
+
+ResponsesToolChoice = ChoiceWord | ResponsesNamedChoice
+
+
+def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolChoice | None,
+                       parallel: bool | None) -> ToolUse | None:
+    functions = []
+    for i, tool in enumerate(tools or []):
+        if tool.type != "function":
+            raise _unsupported_type(tool.type, f"tools[{i}].type")
+        if tool.name is None:
+            raise ApiError(400, f"missing required field 'tools[{i}].name'",
+                           param=f"tools[{i}].name", code="missing_required_parameter")
+        functions.append(tool_function(tool.name, tool.description, tool.parameters,
+                                       f"tools[{i}].parameters"))
+    named = None
+    if isinstance(choice, ResponsesNamedChoice):
+        if choice.type != "function":
+            raise _unsupported_type(choice.type, "tool_choice.type")
+        if choice.name is None:
+            raise ApiError(400, "missing required field 'tool_choice.name'",
+                           param="tool_choice.name", code="missing_required_parameter")
+        named = choice.name
+    word = None if isinstance(choice, ResponsesNamedChoice) else choice
+    return resolve(functions, word, named, parallel, "tools")
+
+
+def _unsupported_type(kind: str, param: str) -> ApiError:
+    kind = kind if len(kind) <= 64 else kind[:64] + "..."
+    return ApiError(400, f"tool type '{kind}' is not supported: only 'function' tools are",
+                    param=param, code="invalid_value")

@@ -1,0 +1,108 @@
+"""Function tools on /v1/responses with the official openai client against the real pair: forced
+calls are function_call items whose arguments validate, streamed as OpenAI streams them; their
+outputs come back as function_call_output items, in a stateless history or after
+previous_response_id, and are listed with the input; hosted tools are refused by their type."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.e2e.test_chat_tools import MODEL, SCHEMAS, TIME, WEATHER
+from tests.support.pair import Server
+
+pytestmark = pytest.mark.timeout(240)
+
+TOOLS: list[Any] = [
+    {"type": "function", "name": "get_weather", "description": "Weather now.",
+     "parameters": WEATHER, "strict": True},
+    {"type": "function", "name": "get_time", "parameters": TIME, "strict": False},
+]
+ASK = "What is the weather in Paris?"
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _calls(response: Any) -> list[Any]:
+    calls = [item for item in response.output if item.type == "function_call"]
+    for call in calls:
+        assert call.id and call.call_id and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    return calls
+
+
+def _answers(calls: list[Any]) -> list[Any]:
+    return [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21C"}
+            for c in calls]
+
+
+def test_a_required_call_then_its_output_in_a_stateless_history(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice="required",
+                                    max_output_tokens=200, store=False)
+    assert first.status == "completed"
+    calls = _calls(first)
+    assert calls and first.output_text == ""
+    history: list[Any] = [{"role": "user", "content": ASK}, *first.output, *_answers(calls)]
+    second = client.responses.create(model=MODEL, input=history, tools=TOOLS,
+                                     tool_choice="none", max_output_tokens=8, store=False)
+    assert second.status in ("completed", "incomplete")
+    assert [item.type for item in second.output] == ["message"]
+
+
+def test_a_named_call_answered_after_previous_response_id(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, max_output_tokens=200,
+                                    tool_choice={"type": "function", "name": "get_time"})
+    calls = _calls(first)
+    assert [c.name for c in calls] == ["get_time"]
+    assert client.responses.retrieve(first.id).status == "completed"
+    second = client.responses.create(model=MODEL, previous_response_id=first.id,
+                                     input=_answers(calls), tools=TOOLS, max_output_tokens=8)
+    assert second.status in ("completed", "incomplete")
+    listed = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [(i.type, i.call_id) for i in listed] == [("function_call_output", calls[0].call_id)]
+
+
+def test_parallel_false_is_one_call(client: openai.OpenAI) -> None:
+    for _ in range(3):
+        r = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=300,
+                                    temperature=1.0, store=False)
+        assert len(_calls(r)) == 1
+
+
+def test_streamed_calls_are_the_items_of_the_response(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(model=MODEL, input=ASK, tools=TOOLS, stream=True,
+                                          tool_choice="required", max_output_tokens=200))
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    calls = _calls(final)
+    for index, call in enumerate(final.output):
+        added = [e for e in events if e.type == "response.output_item.added"
+                 and e.output_index == index]
+        assert len(added) == 1 and added[0].item.call_id == call.call_id
+        deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments"
+                         ".delta" and e.output_index == index)
+        done = [e for e in events if e.type == "response.function_call_arguments.done"
+                and e.output_index == index]
+        assert deltas == done[0].arguments == call.arguments
+        item_done = [e.item for e in events if e.type == "response.output_item.done"
+                     and e.output_index == index]
+        assert item_done == [call]
+    assert len(calls) == len(final.output)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_hosted_tools_are_refused_by_their_type(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=ASK, tools=[{"type": "web_search"}])
+    assert "web_search" in info.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input=[{"type": "function_call_output",
+                                                     "output": "x"}])

@@ -1,0 +1,112 @@
+"""tools, tool_choice and parallel_tool_calls in chat and Responses bodies: checked as OpenAI checks them,
+resolved into what the output may be."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from ipc.records import ToolFunction
+from proxy.errors import ApiError
+from proxy.responses_request import decode_request, tool_use
+from proxy.schemas import ChatRequest, decode_body
+from proxy.tool_requests import chat_tool_use
+
+ASK = [{"role": "user", "content": "hi"}]
+GET = {"type": "function", "function": {"name": "get", "description": "d", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}
+PUT = {"type": "function", "function": {"name": "put"}}
+
+
+def use_of(**body: Any) -> Any:
+    req = decode_body(orjson.dumps({"messages": ASK, **body}), ChatRequest)
+    return chat_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+def refused(**body: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        use_of(**body)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_tools_resolve_to_what_the_output_may_be() -> None:
+    auto = use_of(tools=[GET, PUT])
+    assert auto.choice == "auto" and auto.parallel and not auto.forced
+    # The parameters are the JSON text the client sent.
+    assert auto.tools == (ToolFunction("get", "d", '{"type":"object","properties":'
+                                                   '{"q":{"type":"string"}}}'),
+                          ToolFunction("put"))
+    required = use_of(tools=[GET, PUT], tool_choice="required", parallel_tool_calls=False)
+    assert required.forced == required.tools and not required.parallel
+    named = use_of(tools=[GET, PUT], tool_choice={"type": "function", "function": {"name": "put"}})
+    assert [t.name for t in named.forced] == ["put"] and named.choice == "required"
+    assert use_of(tools=[GET], tool_choice="none").parsed is False
+    assert use_of() is None and use_of(tools=[], tool_choice="none") is None
+
+
+def test_what_openai_refuses_is_a_400_naming_the_field() -> None:
+    assert refused(tool_choice="required").param == "tool_choice"
+    assert refused(tools=[GET], tool_choice={"type": "function",
+                                             "function": {"name": "nope"}}).param == "tool_choice"
+    assert refused(tools=[GET, GET]).param == "tools"
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": [1]}}
+    assert refused(tools=[bad_schema]).param == "tools[0].function.parameters"
+    bad_name = {"type": "function", "function": {"name": "has space"}}
+    assert refused(tools=[bad_name]).param == "tools[0].function.name"
+    assert refused(tools=[{"type": "web_search"}]).param == "tools[0].type"
+    assert refused(tools=[GET], tool_choice="sometimes").param == "tool_choice"
+
+
+def test_messages_with_tool_calls_and_tool_answers() -> None:
+    body = {"messages": [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}]}]}
+    req = decode_body(orjson.dumps(body), ChatRequest)
+    records = [m.to_record() for m in req.messages]
+    assert records[1].content is None and records[1].tool_calls[0].name == "get"
+    assert records[2].tool_call_id == "c1" and records[2].content == "42"
+
+
+# --- the Responses API's spelling -------------------------------------------------------------
+
+R_GET = {"type": "function", "name": "get", "parameters": GET["function"]["parameters"],
+         "strict": True}
+
+
+def responses_use_of(**body: Any) -> Any:
+    req, _, _ = decode_request(orjson.dumps({"input": "hi", **body}), ("m",))
+    return tool_use(req)
+
+
+def test_responses_function_tools_resolve_as_chat_tools_do() -> None:
+    use = responses_use_of(tools=[R_GET, {"type": "function", "name": "put"}],
+                           tool_choice={"type": "function", "name": "put"})
+    assert [f.name for f in use.forced] == ["put"] and not use.parallel
+    assert use.tools[0] == ToolFunction("get", None, orjson.dumps(R_GET["parameters"]).decode())
+    assert responses_use_of(tools=[R_GET], parallel_tool_calls=False).parallel is False
+    assert responses_use_of(tools=[R_GET], tool_choice="required").forced == use.tools[:1]
+    assert responses_use_of() is None
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search'"),
+    ({"tools": [R_GET, {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[1].type",
+     "'file_search'"),
+    ({"tools": [R_GET], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type",
+     "'web_search_preview'"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name", "missing"),
+    ({"tools": [R_GET], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
+     "'nope'"),
+    ({"tool_choice": "required"}, "tool_choice", "only allowed"),
+])
+def test_responses_tools_other_than_functions_are_refused_by_their_type(
+        body: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(ApiError) as info:
+        responses_use_of(**body)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert words in info.value.message
