@@ -65,13 +65,15 @@ class Vocabulary(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    @property
+    def tokenizer_json(self) -> str | None: ...
 
 
 class _Wrapped:
     """A tokenizer as llguidance's TokenizerWrapper reads one."""
 
-    def __init__(self, vocab: Vocabulary, special: Sequence[int]) -> None:
-        self.tokens = [vocab.token_bytes(i) for i in range(vocab.vocab_size)]
+    def __init__(self, vocab: Vocabulary, special: Sequence[int], tokens: list[bytes]) -> None:
+        self.tokens = tokens
         self.eos_token_id = vocab.eos_token_ids[0]
         self.bos_token_id = None
         self.special_token_ids = list(special)
@@ -81,6 +83,19 @@ class _Wrapped:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._vocab.encode(text, add_special_tokens=False)
+
+
+def _guidance_tokenizer(vocab: Vocabulary, special: Sequence[int],
+                        tokens: list[bytes]) -> llguidance.LLTokenizer:
+    """llguidance's view of the vocabulary. A Hugging Face tokenizer is read from its own
+    tokenizer.json (llguidance runs the same Rust tokenizers): through the wrapper, a
+    SentencePiece tokenizer would spell a forced "{" as "▁{" and break the grammar."""
+    serialized = vocab.tokenizer_json
+    if serialized is None:
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(
+            _Wrapped(vocab, special, tokens)))
+    return llguidance.LLTokenizer(serialized, n_vocab=vocab.vocab_size,
+                                  eos_token=list(vocab.eos_token_ids))
 
 
 def grammar_text(guide: Guide) -> str:
@@ -121,13 +136,13 @@ class Grammars:
     def __init__(self, vocab: Vocabulary, special_token_ids: Sequence[int] = (), *,
                  cache_bytes: int = DEFAULT_CACHE_BYTES,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        wrapped = _Wrapped(vocab, special_token_ids)
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapped))
+        tokens = [vocab.token_bytes(i) for i in range(vocab.vocab_size)]
+        self.tokenizer = _guidance_tokenizer(vocab, special_token_ids, tokens)
         self.vocab_size = vocab.vocab_size
         self.eos_token_ids = list(vocab.eos_token_ids)
         # A token per byte where the vocabulary has one: what a closing is spelled in.
         self.byte_tokens: dict[int, int] = {}
-        for token_id, raw in enumerate(wrapped.tokens):
+        for token_id, raw in enumerate(tokens):
             if len(raw) == 1 and token_id not in special_token_ids:
                 self.byte_tokens.setdefault(raw[0], token_id)
         self.cache_bytes = cache_bytes
@@ -349,6 +364,9 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     words = bitmask.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:  # a head padded past the tokenizer: those ids never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros((len(rows), vocab - allowed.shape[1]))],
+                            dim=1)
     index = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, index)
     logits.index_copy_(0, index, sub.masked_fill(~allowed, float("-inf")))

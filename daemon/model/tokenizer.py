@@ -57,6 +57,12 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str: ...
 
+    @property
+    def tokenizer_json(self) -> str | None:
+        """The Hugging Face tokenizer.json this tokenizer runs, None for the built-in one (the
+        grammar engine reads a vocabulary from it: daemon/engine/grammar.py)."""
+        ...
+
 
 # ---- chat templates
 
@@ -126,6 +132,8 @@ BYTE_CHAT_TEMPLATE = (
 
 class ByteTokenizer:
     """Ids 0..255 are bytes, then <bos>, <eos>, <|im_start|>, <|im_end|> (ChatML-style chat)."""
+
+    tokenizer_json: str | None = None
 
     def __init__(self) -> None:
         self.special_ids = {name: 256 + i for i, name in enumerate(BYTE_SPECIALS)}
@@ -212,6 +220,10 @@ class HFTokenizer:
                     else _pick_template(cfg.get("chat_template")))
         named = {name: _token_text(cfg.get(name)) for name in TEMPLATE_TOKENS}
         return cls(tok, template, extra_eos_ids=extra_eos_ids, **named)
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        return str(self._tok.to_str())
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

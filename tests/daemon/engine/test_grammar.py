@@ -150,3 +150,47 @@ def test_every_output_validates_within_its_budget(grammars: Grammars, schema: di
     assert ended, f"ran out of its {max_tokens} tokens: {text!r}"
     jsonschema.validate(json.loads(text), schema)
     assert len(text.encode()) < max_tokens  # byte tokens; the end of sequence took one
+
+
+def test_a_head_wider_than_the_vocabulary_never_allows_the_padding() -> None:
+    logits = torch.zeros(2, 100)  # a model's head padded past a 64-id vocabulary
+    apply_bitmask(logits, [1], torch.full((1, 2), -1, dtype=torch.int32))
+    assert torch.all(logits[1, :64] == 0) and torch.all(logits[1, 64:] == float("-inf"))
+    assert torch.all(logits[0] == 0)
+
+
+@pytest.mark.parametrize("family", ["spm", "llama3"])
+def test_real_vocabularies_keep_the_model_s_choice(family: str) -> None:
+    """SentencePiece (a leading "▁" on the first piece of a string) and byte-level BPE: the
+    grammar reads the tokenizer's own tokenizer.json, so a forced "{" is the "{" token and the
+    outputs are sampled, not the bare closing every time."""
+    from daemon.model.tokenizer import HFTokenizer
+    from tests.support.real_tokenizers import tokenizer_dir
+
+    tok = HFTokenizer.from_dir(tokenizer_dir(family))
+    real = Grammars(tok, tok.special_token_ids)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    guide = schema_guide(schema)
+    outputs = set()
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed)
+        constraint = Constraint(real, real.compile(guide).result())
+        ids: list[int] = []
+        for step in range(48):
+            logits = torch.randn(1, tok.vocab_size, generator=gen) * 4
+            bitmask = real.new_bitmask(1)
+            constraint.fill(bitmask, 0)
+            apply_bitmask(logits, [0], bitmask)
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+            token = constraint.accept(token, 48 - step)
+            if token in tok.eos_token_ids:
+                break
+            ids.append(token)
+        else:
+            raise AssertionError(f"ran out of tokens: {tok.decode(ids)!r}")
+        text = tok.decode(ids)
+        jsonschema.validate(json.loads(text), schema)
+        outputs.add(text)
+    assert len(outputs) >= 6, outputs
