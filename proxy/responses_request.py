@@ -15,6 +15,7 @@ import msgspec
 
 from ipc.records import Message, NonNegInt, RequestKind, ResponseFields, SamplingParams, Submit
 from proxy.errors import ApiError
+from proxy.guides import TextConfig, text_echo, text_guide
 from proxy.input_items import (
     NonEmptyItems,
     explain_unsupported,
@@ -53,6 +54,7 @@ class CreateResponse(msgspec.Struct):
     # Extensions (vLLM's names): generate past EOS, or at least this many tokens.
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
+    text: TextConfig | None = None  # the output's format (proxy/guides.py)
     # Accepted for compatibility, not acted on.
     user: str | None = None
     metadata: Metadata | None = None
@@ -78,7 +80,7 @@ def response_params(req: CreateResponse, rid: str, model: str,
         id=rid, created_at=int(time.time()), model=model, instructions=req.instructions,
         previous_response_id=req.previous_response_id, background=req.background,
         store=req.store, temperature=sampling.temperature, top_p=sampling.top_p,
-        max_output_tokens=req.max_output_tokens,
+        max_output_tokens=req.max_output_tokens, text=text_echo(req.text),
     )
 
 
@@ -99,7 +101,8 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
     return SamplingParams(max_tokens=max_tokens,
                           temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p,
-                          ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+                          ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                          guide=text_guide(req.text))
 
 
 def build_submit(req: CreateResponse, messages: list[Message], params: ResponseParams,

@@ -14,6 +14,7 @@ import msgspec
 
 from ipc.records import MAX_LOGPROBS, Message, SamplingParams
 from proxy.errors import ApiError
+from proxy.guides import GuidedFields, request_guide
 
 T = TypeVar("T")
 
@@ -38,8 +39,9 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
-    """Fields shared by completions and chat; None means "the default"."""
+class _Sampling(GuidedFields, kw_only=True):
+    """Fields shared by completions and chat (and the guides: proxy/guides.py); None means
+    "the default"."""
 
     model: str | None = None
     n: N = 1
@@ -222,6 +224,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        guide=request_guide(req),
     )
 
 

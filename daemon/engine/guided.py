@@ -20,7 +20,7 @@ import torch
 from daemon.engine.grammar import Constraint, GrammarError, Grammars, apply_bitmask
 from daemon.engine.sequence import Sequence, Session
 from daemon.rejected import Rejected
-from ipc.records import Guide, Submit
+from ipc.records import Guide, RequestKind, Submit
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
@@ -94,8 +94,10 @@ class Guidance:
         first = seqs[0]
         left = _tokens_left(first, first.params.max_tokens)
         if not first.constraint.feasible(left):  # type: ignore[union-attr]
-            raise Rejected(f"max_tokens ({left}) is too small for the shortest output the "
-                           f"{pending.guide.kind.value} allows", param="max_tokens",
+            name = ("max_output_tokens" if pending.session.kind is RequestKind.RESPONSE
+                    else "max_tokens")
+            raise Rejected(f"{name} ({left}) is too small for the shortest output the "
+                           f"{pending.guide.kind.value} allows", param=name,
                            code="max_tokens_too_small")
 
     # --- one tick -------------------------------------------------------------------------------

@@ -86,6 +86,13 @@ def test_a_budget_too_small_for_the_schema_is_a_400_naming_max_tokens():
     engine.submit(completion("tiny", max_tokens=5, guide=GUIDE))
     [error] = run(engine)
     assert isinstance(error, Error) and error.param == "max_tokens"
+    # A response names its own field.
+    engine, _ = make_engine(guidance=guidance(), store=ResponseStore(None, 100, 3600.0))
+    fields = ResponseFields(input=[Message("user", "hi")], model="fake")
+    engine.submit(Submit("resp_tiny", RequestKind.RESPONSE,
+                         SamplingParams(max_tokens=5, guide=GUIDE), response=fields, epoch=1))
+    [error] = run(engine)
+    assert isinstance(error, Error) and error.param == "max_output_tokens"
 
 
 def test_guides_that_need_the_end_of_sequence_refuse_ignore_eos_and_min_tokens():
