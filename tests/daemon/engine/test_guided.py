@@ -118,3 +118,23 @@ def test_a_refused_guided_response_leaves_no_stored_row():
     [error] = run(engine)
     assert isinstance(error, Error) and error.param == "text.format"
     assert store.num_placeholders() == 0 and store.num_stored() == 0
+
+
+def test_masks_computed_on_the_mask_thread_are_those_computed_inline(monkeypatch):
+    """Many rows of a large vocabulary go to the mask thread during the forward pass: the same
+    rows, the same masks, whichever way a tick takes (siblings forked from one prompt and a
+    free request in the same batch)."""
+
+    def outputs() -> dict[str, dict[int, str]]:
+        engine, _ = make_engine(guidance=guidance())
+        engine.submit(completion("g", "go", n=3, max_tokens=40, temperature=0.0, guide=GUIDE))
+        engine.submit(completion("free", "go", max_tokens=12, temperature=0.0))
+        out = run(engine)
+        return {rid: texts(out, rid) for rid in ("g", "free")}
+
+    inline = outputs()
+    monkeypatch.setattr("daemon.engine.guided.MASK_THREAD_MIN_TOKENS", 0)
+    threaded = outputs()
+    assert threaded == inline
+    for text in threaded["g"].values():
+        jsonschema.validate(json.loads(text), SCHEMA)
