@@ -66,9 +66,11 @@ def build_response(
     max_output_tokens: int | None = None,
     completed_at: float | None = None,
     output: list[dict[str, Any]] | None = None,
+    text: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The wire object; ``output_text`` None means no output item (queued, in progress), and
-    ``output`` (the items) is the output in its place."""
+    ``output`` (the items) is the output in its place; ``text`` is the request's text config as
+    echoed (free text when None)."""
     status = ResponseStatus(status)
     if output is None:
         output = []
@@ -96,7 +98,7 @@ def build_response(
         "reasoning": {"effort": None, "summary": None},
         "store": store,
         "temperature": temperature,
-        "text": {"format": {"type": "text"}},
+        "text": text or {"format": {"type": "text"}},
         "tool_choice": "auto",
         "tools": [],
         "top_p": top_p,
@@ -106,15 +108,17 @@ def build_response(
     }
 
 
-def stored_response_object(stored: StoredResponse) -> dict[str, Any]:
-    """A stored response as GET and cancel answer with it."""
+def stored_response_object(stored: StoredResponse,
+                           text: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A stored response as GET and cancel answer with it (the store does not keep the
+    request's text config: ``text`` where the proxy still knows it)."""
     return build_response(
         id=stored.id, status=stored.status, created_at=stored.created_at, model=stored.model,
         output_text=stored.output_text, usage=stored.usage, instructions=stored.instructions,
         previous_response_id=stored.previous_response_id, background=stored.background,
         store=True, error=stored.error, incomplete_reason=stored.incomplete_reason,
         temperature=stored.temperature, top_p=stored.top_p,
-        max_output_tokens=stored.max_output_tokens, completed_at=stored.completed_at,
+        max_output_tokens=stored.max_output_tokens, completed_at=stored.completed_at, text=text,
     )
 
 

@@ -161,13 +161,15 @@ async def _sse(batches: AsyncGenerator[list[Event], None]) -> AsyncGenerator[byt
 # --- GET / DELETE / cancel ------------------------------------------------------------------
 
 
-def _reply(reply: ResponseReply, rid: str) -> Response:
-    """The daemon's answer about response `rid`: the stored response, its deletion or an error."""
+def _reply(reply: ResponseReply, rid: str, run: BackgroundRun | None = None) -> Response:
+    """The daemon's answer about response `rid`: the stored response (with the request's text
+    config where this proxy still holds its run), its deletion or an error."""
     if reply.status == 200 and reply.deleted:
         return JSONResponse(deleted_object(rid))
     if reply.status == 200:
         stored = reply.response
-        return JSONResponse(None if stored is None else stored_response_object(stored))
+        text = run.events.params.text if run is not None else None
+        return JSONResponse(None if stored is None else stored_response_object(stored, text))
     code = "not_found" if reply.status == 404 else None
     raise ApiError(reply.status, reply.message or f"response operation failed ({reply.status})",
                    param=reply.param, code=code)
@@ -197,7 +199,7 @@ async def get_response(request: Request) -> Response:
         return JSONResponse(run.events.snapshot())  # the daemon is down; this proxy knows
     if reply.status == 404 and run is not None:
         return JSONResponse(run.events.snapshot())
-    return _reply(reply, rid)
+    return _reply(reply, rid, run)
 
 
 async def delete_response(request: Request) -> Response:
@@ -229,7 +231,7 @@ async def cancel_response(request: Request) -> Response:
         run.end(Outcome(ResponseStatus.CANCELLED))
         if reply.status == 404:  # queued in the daemon, not admitted: no row to answer from
             return JSONResponse(run.events.snapshot())
-    return _reply(reply, rid)
+    return _reply(reply, rid, run)
 
 
 async def list_input_items(request: Request) -> Response:

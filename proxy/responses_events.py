@@ -68,6 +68,7 @@ class ResponseParams:
     temperature: float | None
     top_p: float | None
     max_output_tokens: int | None
+    text: dict[str, Any] | None = None  # the request's text config as echoed (proxy/guides.py)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -143,7 +144,7 @@ class ResponseEvents:
             previous_response_id=p.previous_response_id, background=p.background, store=p.store,
             error=out.error if out else None,
             temperature=p.temperature, top_p=p.top_p, max_output_tokens=p.max_output_tokens,
-            completed_at=self.completed_at,
+            completed_at=self.completed_at, text=p.text,
         )
 
     def created(self) -> list[Event]:
@@ -273,7 +274,7 @@ class ResponseEvents:
         self.status = stored.status
         self.completed_at = stored.completed_at
         events.append(self._event(TERMINAL_EVENTS[stored.status],
-                                  response=stored_response_object(stored)))
+                                  response=stored_response_object(stored, self.params.text)))
         return events
 
     def error(self, message: str, code: str | None, param: str | None) -> list[Event]:

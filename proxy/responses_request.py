@@ -24,6 +24,7 @@ from ipc.records import (
 )
 from proxy.errors import ApiError
 from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, no_op, refused
+from proxy.guides import TextConfig, text_echo, text_guide
 from proxy.input_items import NonEmptyRaws, decode_items, stored_items, to_messages
 from proxy.responses_events import ResponseParams
 from proxy.schemas import (
@@ -81,9 +82,7 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     tool_choice: ResponsesToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: Annotated[Any, refused("the number of calls is not capped", 3)] = None
-    text: Annotated[Any, refused("structured outputs are not served yet",
-                                 {"format": {"type": "json_object"}},
-                                 ({"format": {"type": "text"}},))] = None
+    text: TextConfig | None = None  # the output's format (proxy/guides.py)
     include: Annotated[Any, refused("nothing more can be included", ["reasoning.encrypted_content"],
                                     ([],))] = None
     reasoning: Annotated[Any, refused("no model served here reasons", {"effort": "high"},
@@ -125,7 +124,7 @@ def response_params(req: CreateResponse, rid: str, model: str,
         id=rid, created_at=int(time.time()), model=model, instructions=req.instructions,
         previous_response_id=req.previous_response_id, background=req.background,
         store=req.store, temperature=sampling.temperature, top_p=sampling.top_p,
-        max_output_tokens=req.max_output_tokens,
+        max_output_tokens=req.max_output_tokens, text=text_echo(req.text),
     )
 
 
@@ -136,7 +135,8 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
     return SamplingParams(max_tokens=max_tokens,
                           temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p,
-                          ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+                          ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                          guide=text_guide(req.text))
 
 
 def build_submit(req: CreateResponse, messages: list[Message], input_items: str,

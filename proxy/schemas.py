@@ -15,6 +15,7 @@ import msgspec
 from ipc.records import MAX_LOGPROBS, Message, SamplingParams, ToolCall
 from proxy.errors import ApiError
 from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, check_refused, no_op, refused
+from proxy.guides import GuidedFields, request_guide
 from proxy.tool_requests import ChatTool, ChatToolChoice
 
 T = TypeVar("T")
@@ -48,9 +49,9 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
-class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Fields shared by completions and chat; None means "the default". The marks: see
-    proxy/fields.py."""
+class _Sampling(GuidedFields, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by completions and chat (and the guides: proxy/guides.py); None means
+    "the default". The marks: see proxy/fields.py."""
 
     model: str | None = None
     n: N = 1
@@ -173,9 +174,6 @@ class ChatRequest(_Sampling, kw_only=True):
     tools: list[ChatTool] | None = None
     tool_choice: ChatToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: Annotated[Any, refused("structured outputs are not served yet",
-                                            {"type": "json_object"},
-                                            ({"type": "text"},))] = None
     metadata: Annotated[dict[str, str] | None, no_op(
         "kept by OpenAI only for stored completions, which are not offered",
         {"k": "v"})] = None
@@ -345,6 +343,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
         logit_bias=req.logit_bias or {},
         bad_words=req.bad_words or [],
         echo=isinstance(req, CompletionRequest) and req.echo,
+        guide=request_guide(req),
     )
 
 

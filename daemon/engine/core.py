@@ -243,6 +243,9 @@ class Engine:
         t_start = self.clock()
         rids = frozenset(s.rid for s in batch.seqs)
         self.figures.tick(t_start, rids, batch.num_prefill_tokens)
+        # The masks of this tick depend only on tokens already sampled: they are computed on a
+        # thread while the forward pass runs.
+        masks = self.guidance.start_masks(batch.sampled()) if self.guidance is not None else None
         logits = self.runner.run(batch.chunks)
         to_sample = self.scheduler.postprocess(batch)
         if any(chunk.all_logits for chunk in batch.chunks):
@@ -262,7 +265,7 @@ class Engine:
         if self.guidance is None:
             tokens = self.sampler(logits, seqs)
         else:
-            tokens = self.sampler(self.guidance.mask(logits, seqs), seqs)
+            tokens = self.sampler(self.guidance.mask(logits, masks), seqs)
             tokens = self.guidance.accept(seqs, tokens, self.max_model_len)
         self.sampler.count(seqs, tokens)
         return self._emit(seqs, tokens, sampled_logprobs(logits, seqs, tokens))

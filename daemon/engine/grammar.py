@@ -8,12 +8,13 @@ builds a grammar in about a millisecond rather than precompiling masks for the w
 and answers one mask in microseconds; its matcher copies cheaply, which the budget below uses.
 
 - `Grammars` compiles on a thread of its own (llguidance drops the GIL while it builds), keeps
-  compiled grammars in a cache bounded by bytes, and gives each sequence a copy of one.
+  compiled grammars in a cache bounded by bytes, and gives each sequence a copy of one. A
+  tick's masks are one batched call on a mask thread of its own, which drops the GIL too.
 - A sequence's `Constraint` owns its matcher: its row of the tick's bitmask, and the budget.
 - The budget: an output that runs out of ``max_tokens`` half-written is invalid, so every
-  constraint keeps the tokens it has left at least what closing it takes (the shortest way to
-  an accepting state that `closing` finds, tokenized), plus one for the end of sequence. When a
-  sampled token would break that, the constraint takes the closing instead, token by token.
+  constraint keeps the tokens it has left at least what closing it takes (a short way to an
+  accepting state that daemon/engine/closing.py finds), plus one for the end of sequence. When
+  a sampled token would break that, the constraint takes the closing instead, token by token.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import msgspec
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from daemon.engine.closing import Closing, closing, utf8_rest
 from ipc.records import Guide, GuideKind
 
 if TYPE_CHECKING:
@@ -44,13 +46,6 @@ log = logging.getLogger("tether.grammar")
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",",
                                      "key_separator": ":"}
 DEFAULT_CACHE_BYTES = 64 << 20
-# How often the budget is looked at while it is far (tokens), and what "near" means: a closing
-# can grow between two looks (a token that opens a structure), so near is generous.
-CHECK_EVERY = 8
-NEAR = 64
-# The closing search gives up beyond this many bytes (the budget then cannot be kept).
-MAX_CLOSING = 4096
-_PREFERRED = [ord(c) for c in '}]0"[{ntf,:']  # bytes that end a structure soonest, first
 
 
 class GrammarError(ValueError):
@@ -65,13 +60,15 @@ class Vocabulary(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    @property
+    def tokenizer_json(self) -> str | None: ...
 
 
 class _Wrapped:
     """A tokenizer as llguidance's TokenizerWrapper reads one."""
 
-    def __init__(self, vocab: Vocabulary, special: Sequence[int]) -> None:
-        self.tokens = [vocab.token_bytes(i) for i in range(vocab.vocab_size)]
+    def __init__(self, vocab: Vocabulary, special: Sequence[int], tokens: list[bytes]) -> None:
+        self.tokens = tokens
         self.eos_token_id = vocab.eos_token_ids[0]
         self.bos_token_id = None
         self.special_token_ids = list(special)
@@ -81,6 +78,19 @@ class _Wrapped:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._vocab.encode(text, add_special_tokens=False)
+
+
+def _guidance_tokenizer(vocab: Vocabulary, special: Sequence[int],
+                        tokens: list[bytes]) -> llguidance.LLTokenizer:
+    """llguidance's view of the vocabulary. A Hugging Face tokenizer is read from its own
+    tokenizer.json (llguidance runs the same Rust tokenizers): through the wrapper, a
+    SentencePiece tokenizer would spell a forced "{" as "▁{" and break the grammar."""
+    serialized = vocab.tokenizer_json
+    if serialized is None:
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(
+            _Wrapped(vocab, special, tokens)))
+    return llguidance.LLTokenizer(serialized, n_vocab=vocab.vocab_size,
+                                  eos_token=list(vocab.eos_token_ids))
 
 
 def grammar_text(guide: Guide) -> str:
@@ -121,13 +131,15 @@ class Grammars:
     def __init__(self, vocab: Vocabulary, special_token_ids: Sequence[int] = (), *,
                  cache_bytes: int = DEFAULT_CACHE_BYTES,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        wrapped = _Wrapped(vocab, special_token_ids)
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapped))
+        tokens = [vocab.token_bytes(i) for i in range(vocab.vocab_size)]
+        self.token_bytes = tokens
+        self.tokenizer = _guidance_tokenizer(vocab, special_token_ids, tokens)
         self.vocab_size = vocab.vocab_size
         self.eos_token_ids = list(vocab.eos_token_ids)
+        self.eos_ids = frozenset(self.eos_token_ids)
         # A token per byte where the vocabulary has one: what a closing is spelled in.
         self.byte_tokens: dict[int, int] = {}
-        for token_id, raw in enumerate(wrapped.tokens):
+        for token_id, raw in enumerate(tokens):
             if len(raw) == 1 and token_id not in special_token_ids:
                 self.byte_tokens.setdefault(raw[0], token_id)
         self.cache_bytes = cache_bytes
@@ -135,6 +147,9 @@ class Grammars:
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tether-grammar")
+        # The tick's masks: one call for the batch, which lets go of the GIL while it runs.
+        self._mask_executor = llguidance.LLExecutor(1)
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tether-masks")
         self._clock = clock
         self.num_hits = 0
         self.num_misses = 0
@@ -186,23 +201,59 @@ class Grammars:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_thread.shutdown(wait=False, cancel_futures=True)
+
+    # --- closings -------------------------------------------------------------------------------
+
+    def exact_closing(self, matcher: llguidance.LLMatcher) -> Closing | None:
+        """The closing `closing` finds from the matcher's state, its tokens counted; None when
+        none is found."""
+        text = closing(matcher, self.byte_tokens)
+        if text is None:
+            return None
+        return Closing(text, len(self.tokenizer.tokenize_bytes(text)) if text else 0)
+
+    def closes(self, matcher: llguidance.LLMatcher, text: bytes) -> bool:
+        """Whether `text` still takes the matcher's state to the end (one call, nothing moved)."""
+        tokens = [self.byte_tokens.get(b, -1) for b in text]
+        if -1 in tokens:
+            return False
+        tokens.append(self.eos_token_ids[0])
+        return bool(matcher.validate_tokens(tokens) == len(tokens))
 
     # --- the tick's masks -----------------------------------------------------------------------
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
         return torch.empty((rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
 
+    def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int]],
+                   bitmask: torch.Tensor) -> Future[None]:
+        """Each matcher's allowed tokens into its row of `bitmask`, on the mask thread."""
+        words = bitmask.shape[1]
+        return self._mask_thread.submit(self._mask_executor.unsafe_compute_mask_ptr, rows,
+                                        bitmask.data_ptr(), words * 4, bitmask.shape[0])
+
 
 class Constraint:
-    """One sequence's matcher and its budget; advanced once per sampled token."""
+    """One sequence's matcher and its budget; advanced once per sampled token.
 
-    __slots__ = ("_forced", "_grammars", "_last_check", "matcher")
+    The constraint always holds a closing that is valid from the matcher's state and fits in
+    the tokens left. Each sampled token is checked against it at the price of one call: when
+    the token spells the closing's first bytes the rest still closes; when the closing still
+    takes the new state to the end (a character inside a string, a digit) it is kept; only a
+    token that changes the structure (a key that opens a required object, an array item) makes
+    the constraint search for a closing again. A token that leaves no room for one is taken
+    back, and the output closes from where it was."""
 
-    def __init__(self, grammars: Grammars, matcher: llguidance.LLMatcher) -> None:
+    __slots__ = ("_closing", "_forced", "_grammars", "matcher")
+
+    def __init__(self, grammars: Grammars, matcher: llguidance.LLMatcher,
+                 start: Closing | None = None) -> None:
         self._grammars = grammars
         self.matcher = matcher
         self._forced: list[int] = []  # the closing being spelled, token by token
-        self._last_check: tuple[int, int] | None = None  # (tokens left then, closing then)
+        # From the matcher's state (`start`: the template's, shared by a request's sequences).
+        self._closing = start if start is not None else grammars.exact_closing(matcher)
 
     @property
     def forced(self) -> bool:
@@ -210,20 +261,18 @@ class Constraint:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes this tick's allowed tokens into `bitmask[row]` (a CPU int32 tensor)."""
-        target = bitmask[row]
         if self._forced:
+            target = bitmask[row]
             target.zero_()
             token = self._forced[0]
             target[token // 32] = _bit(token % 32)
             return
-        self.matcher.unsafe_compute_mask_ptr(target.data_ptr(),
-                                             target.numel() * target.element_size())
+        fill_row(self.matcher, bitmask, row)
 
     def feasible(self, left: int) -> bool:
         """Whether an output can still be closed in `left` tokens (a request whose budget
         cannot hold the shortest valid output is refused up front)."""
-        closing = self._closing_tokens(self.matcher)
-        return closing is not None and len(closing) + 1 <= left
+        return self._closing is not None and self._closing.cost + 1 <= left
 
     def accept(self, token: int, left: int) -> int:
         """The token to emit for `token` sampled with `left` tokens still allowed (this one
@@ -236,103 +285,66 @@ class Constraint:
         if self.matcher.validate_tokens([token]) != 1:
             # Only when every allowed token had no chance under the model (its logits all -inf
             # there): close instead.
-            return self._close(token)
-        if token in self._grammars.eos_token_ids or not self._due(left):
+            return self._close()
+        if token in self._grammars.eos_ids:
             self.matcher.consume_token(token)
             return token
         self.matcher.consume_token(token)
-        after = self._closing_tokens(self.matcher)
-        if after is not None and len(after) + 1 <= left - 1:
-            self._last_check = (left - 1, len(after))
+        after = self._follow(token, left - 1)
+        if after is not None:
+            self._closing = after
             return token
         # This token leaves no room to close: take it back and close from where we were.
         self.matcher.rollback(1)
-        return self._close(token)
+        return self._close()
 
-    def _close(self, token: int) -> int:
+    def _follow(self, token: int, room: int) -> Closing | None:
+        """A closing from the state after `token` that fits in `room` tokens (an end of sequence
+        included), or None."""
+        grammars, before = self._grammars, self._closing
+        if before is not None:
+            kept = _kept(grammars, self.matcher, before, grammars.token_bytes[token])
+            if kept is not None and kept.cost + 1 <= room:
+                return kept
+        found = grammars.exact_closing(self.matcher)  # a new structure, or a bound too loose
+        return found if found is not None and found.cost + 1 <= room else None
+
+    def _close(self) -> int:
         """The first token of the closing from here (an accepting state closes with the end of
         sequence); the rest are forced on the next ticks."""
-        tokens = self._closing_tokens(self.matcher)
-        if tokens is None:  # no closing found: nothing can keep this output within its budget
-            self.matcher.consume_token(token)
-            return token
-        tokens = tokens or [self._grammars.eos_token_ids[0]]
+        grammars = self._grammars
+        text = self._closing.text if self._closing is not None else b""
+        tokens = list(grammars.tokenizer.tokenize_bytes(text)) if text else []
+        tokens.append(grammars.eos_token_ids[0])
         self._forced = tokens[1:]
         self.matcher.consume_token(tokens[0])
         return tokens[0]
 
-    def _due(self, left: int) -> bool:
-        """Whether to look at the budget now: at every token near it, every CHECK_EVERY tokens
-        while the tokens left are far more than the last closing took."""
-        last = self._last_check
-        if last is None:
-            return True
-        then_left, closing = last
-        return left - 1 <= 2 * closing + NEAR or then_left - (left - 1) >= CHECK_EVERY
 
-    def _closing_tokens(self, matcher: llguidance.LLMatcher) -> list[int] | None:
-        text = closing(matcher, self._grammars.byte_tokens)
-        if text is None:
-            return None
-        if not text:
-            return []
-        return list(self._grammars.tokenizer.tokenize_bytes(text))
-
-
-def closing(matcher: llguidance.LLMatcher, byte_tokens: dict[int, int]) -> bytes | None:
-    """A short string of bytes that takes `matcher` to an accepting state (without touching it),
-    or None when none is found within MAX_CLOSING bytes.
-
-    Greedy over single bytes: the forced bytes first, then, where the grammar allows a wide set
-    (free text), the byte that closes a string, and elsewhere the bytes that end a structure
-    soonest (close, a one-character value, an empty container) before anything else."""
-    m = matcher.deep_copy()
-    out = bytearray()
-    while len(out) < MAX_CLOSING:
-        if m.is_accepting():
-            return bytes(out)
-        forced = m.compute_ff_bytes()
-        if forced:
-            if not _consume_bytes(m, forced, byte_tokens):
-                return None
-            out += forced
-            continue
-        choice = _next_byte(m, byte_tokens)
-        if choice is None:
-            return None
-        m.consume_token(byte_tokens[choice])
-        out.append(choice)
+def _kept(grammars: Grammars, matcher: llguidance.LLMatcher, before: Closing,
+          raw: bytes) -> Closing | None:
+    """The closing from before a token of bytes `raw`, as it still closes from after it: what
+    the token did not spell of it (the token was its start, or took the place of its first
+    bytes: a character of a fixed-length string, a digit), or all of it (a character of a free
+    string); None when the token changed what closing takes."""
+    text = before.text
+    rest = text[len(raw):]
+    if text.startswith(raw):
+        return Closing(rest, len(rest))
+    if grammars.closes(matcher, text):
+        return before
+    pad = utf8_rest(raw)  # the token began a character: its last bytes come first
+    tails = (rest, pad + rest, pad + text) if pad else (rest,)
+    for tail in tails:
+        if tail and grammars.closes(matcher, tail):
+            return Closing(tail, len(tail))
     return None
 
 
-def _consume_bytes(m: llguidance.LLMatcher, data: bytes, byte_tokens: dict[int, int]) -> bool:
-    for b in data:
-        token = byte_tokens.get(b)
-        if token is None or not m.consume_token(token):
-            return False
-    return True
-
-
-def _allowed(m: llguidance.LLMatcher, byte: int, byte_tokens: dict[int, int]) -> bool:
-    token = byte_tokens.get(byte)
-    return token is not None and m.validate_tokens([token]) == 1
-
-
-_PROBES = [ord(c) for c in "aQz7~ "]  # all allowed: free text (inside a string, a regex class)
-
-
-def _next_byte(m: llguidance.LLMatcher, byte_tokens: dict[int, int]) -> int | None:
-    if all(_allowed(m, b, byte_tokens) for b in _PROBES):
-        order = [ord('"'), *_PREFERRED]
-    else:
-        order = _PREFERRED
-    for b in order:
-        if _allowed(m, b, byte_tokens):
-            return b
-    for b in range(256):
-        if _allowed(m, b, byte_tokens):
-            return b
-    return None
+def fill_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """The matcher's allowed tokens into `bitmask[row]` (a contiguous CPU int32 tensor)."""
+    words = bitmask.shape[1]
+    matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + 4 * words * row, 4 * words)
 
 
 def _bit(index: int) -> int:
@@ -340,17 +352,31 @@ def _bit(index: int) -> int:
     return -(1 << 31) if index == 31 else 1 << index
 
 
+# The eight bits of a byte, per device: a bitmask is read a byte at a time.
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """Forbids, in place, every token a row's bitmask does not allow (`rows[i]` of `logits`
-    takes `bitmask[i]`); the mask crosses to the logits' device in one copy."""
+    """Forbids, in place, every token a row's bitmask does not allow (`rows[i]` of `logits`,
+    in increasing order, takes `bitmask[i]`); the mask crosses to the logits' device in one
+    copy."""
     if not rows:
         return
     vocab = logits.shape[-1]
     words = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    if allowed.shape[-1] < vocab:  # a head wider than the tokenizer: those ids are never text
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]), value=False)
+    bits = _BITS.get(logits.device)
+    if bits is None:
+        bits = _BITS[logits.device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
+                                                   device=logits.device)
+    # Token 32w + 8b + j is bit j of byte b of word w (little-endian words, as llguidance's).
+    allowed = (words.view(torch.uint8).unsqueeze(-1) & bits).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:  # a head padded past the tokenizer: those ids never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros((len(rows), vocab - allowed.shape[1]))],
+                            dim=1)
+    if len(rows) == logits.shape[0]:  # every row: no copy
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
     index = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, index)
     logits.index_copy_(0, index, sub.masked_fill(~allowed, float("-inf")))
+

@@ -17,12 +17,24 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from daemon.engine.grammar import Constraint, GrammarError, Grammars, apply_bitmask
+from daemon.engine.grammar import Constraint, GrammarError, Grammars, apply_bitmask, fill_row
 from daemon.engine.sequence import Sequence, Session
 from daemon.rejected import Rejected
-from ipc.records import Guide, Submit
+from ipc.records import Guide, RequestKind, Submit
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# Below this many token slots (rows x vocabulary) a tick's masks take less than the hop to the
+# mask thread and back (about 30 us here, what 64 rows of the byte vocabulary take inline).
+MASK_THREAD_MIN_TOKENS = 1 << 20
+
+
+@dataclass(slots=True)
+class Masks:
+    """A tick's masks: `bitmask[j]` is for sampled row `rows[j]`, once `future` is done."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+    future: Future[None] | None
 
 
 @dataclass(slots=True)
@@ -89,28 +101,53 @@ class Guidance:
             raise Rejected(f"invalid {pending.guide.kind.value}: {e}", param=param,
                            code="invalid_grammar") from None
         seqs = pending.session.sequences
-        for seq in seqs:
-            seq.constraint = Constraint(self.grammars, template.deep_copy())
         first = seqs[0]
         left = _tokens_left(first, first.max_tokens)
-        if not first.constraint.feasible(left):  # type: ignore[union-attr]
-            raise Rejected(f"max_tokens ({left}) is too small for the shortest output the "
-                           f"{pending.guide.kind.value} allows", param="max_tokens",
+        start = self.grammars.exact_closing(template)  # searched once for every sequence
+        if start is None or start.cost + 1 > left:
+            name = ("max_output_tokens" if pending.session.kind is RequestKind.RESPONSE
+                    else "max_tokens")
+            raise Rejected(f"{name} ({left}) is too small for the shortest output the "
+                           f"{pending.guide.kind.value} allows", param=name,
                            code="max_tokens_too_small")
+        for seq in seqs:
+            seq.constraint = Constraint(self.grammars, template.deep_copy(), start)
 
     # --- one tick -------------------------------------------------------------------------------
 
-    def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """`logits` with every token a constrained row forbids at -inf (a copy: the model's own
-        logits stay for the reported log-probabilities); the same tensor when none is."""
+    def start_masks(self, seqs: list[Sequence]) -> Masks | None:
+        """Starts computing the masks of the constrained ones among `seqs` (the tick's sampled
+        sequences, in order); None when none is constrained. Masks worth a thread (many rows
+        of a large vocabulary) are computed on the mask thread while the forward pass runs,
+        and until `mask` has waited for them their matchers are the thread's; the others at
+        once, since a hop to a thread and back costs more than they do."""
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
-            return logits
+            return None
         bitmask = self.grammars.new_bitmask(len(rows))
+        free: list[tuple[llguidance.LLMatcher, int]] = []
         for j, row in enumerate(rows):
-            seqs[row].constraint.fill(bitmask, j)  # type: ignore[union-attr]
+            constraint = seqs[row].constraint
+            assert constraint is not None
+            if constraint.forced:
+                constraint.fill(bitmask, j)
+            else:
+                free.append((constraint.matcher, j))
+        if not free or len(free) * self.grammars.vocab_size < MASK_THREAD_MIN_TOKENS:
+            for matcher, j in free:
+                fill_row(matcher, bitmask, j)
+            return Masks(rows, bitmask, None)
+        return Masks(rows, bitmask, self.grammars.fill_masks(free, bitmask))
+
+    def mask(self, logits: torch.Tensor, masks: Masks | None) -> torch.Tensor:
+        """`logits` with every token a constrained row forbids at -inf (a copy: the model's own
+        logits stay for the reported log-probabilities); the same tensor when none is."""
+        if masks is None:
+            return logits
+        if masks.future is not None:
+            masks.future.result()
         masked = logits.clone()
-        apply_bitmask(masked, rows, bitmask)
+        apply_bitmask(masked, masks.rows, masks.bitmask)
         return masked
 
     def accept(self, seqs: list[Sequence], tokens: list[int], max_model_len: int) -> list[int]:

@@ -43,6 +43,12 @@ class Batch:
     def __bool__(self) -> bool:
         return bool(self.chunks)
 
+    def sampled(self) -> list[Sequence]:
+        """The sequences this pass gives a token, in the order `Scheduler.postprocess` returns
+        them (a prompt's forked siblings after it), known before the pass runs."""
+        return [s for chunk, seq in zip(self.chunks, self.seqs, strict=True)
+                if chunk.needs_logits for s in (seq, *seq.fork_children)]
+
     def add(self, seq: Sequence, num_tokens: int) -> None:
         start = seq.num_computed
         end = start + num_tokens

@@ -61,12 +61,20 @@ class Tokenizer(Protocol):
         """`tools` as transformers' apply_chat_template takes them: JSON-schema dicts."""
         ...
 
+    @property
+    def tokenizer_json(self) -> str | None:
+        """The Hugging Face tokenizer.json this tokenizer runs, None for the built-in one (the
+        grammar engine reads a vocabulary from it: daemon/engine/grammar.py)."""
+        ...
+
 
 # ---- built-in byte tokenizer
 
 BYTE_SPECIALS = ("<bos>", "<eos>", "<|im_start|>", "<|im_end|>")
 class ByteTokenizer:
     """Ids 0..255 are bytes, then <bos>, <eos>, <|im_start|>, <|im_end|> (ChatML-style chat)."""
+
+    tokenizer_json: str | None = None
 
     def __init__(self) -> None:
         self.special_ids = {name: 256 + i for i, name in enumerate(BYTE_SPECIALS)}
@@ -159,6 +167,10 @@ class HFTokenizer:
                     else _pick_template(cfg.get("chat_template")))
         named = {name: _token_text(cfg.get(name)) for name in TEMPLATE_TOKENS}
         return cls(tok, template, extra_eos_ids=extra_eos_ids, **named)
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        return str(self._tok.to_str())
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.engine.grammar import Constraint, GrammarError, Grammars, apply_bitmask, closing
+from daemon.engine.closing import closing
+from daemon.engine.grammar import Constraint, GrammarError, Grammars, apply_bitmask
 from daemon.model.tokenizer import ByteTokenizer
 from ipc.records import Guide, GuideKind
 
@@ -161,3 +162,88 @@ def test_a_head_wider_than_the_vocabulary_masks_the_ids_past_it(grammars: Gramma
     logits = torch.zeros(1, 49152)
     apply_bitmask(logits, [0], bitmask)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ord("a")]
+
+
+def test_a_head_wider_than_the_vocabulary_never_allows_the_padding() -> None:
+    logits = torch.zeros(2, 100)  # a model's head padded past a 64-id vocabulary
+    apply_bitmask(logits, [1], torch.full((1, 2), -1, dtype=torch.int32))
+    assert torch.all(logits[1, :64] == 0) and torch.all(logits[1, 64:] == float("-inf"))
+    assert torch.all(logits[0] == 0)
+
+
+@pytest.mark.parametrize("family", ["spm", "llama3"])
+def test_real_vocabularies_keep_the_model_s_choice(family: str) -> None:
+    """SentencePiece (a leading "▁" on the first piece of a string) and byte-level BPE: the
+    grammar reads the tokenizer's own tokenizer.json, so a forced "{" is the "{" token and the
+    outputs are sampled, not the bare closing every time."""
+    from daemon.model.tokenizer import HFTokenizer
+    from tests.support.real_tokenizers import tokenizer_dir
+
+    tok = HFTokenizer.from_dir(tokenizer_dir(family))
+    real = Grammars(tok, tok.special_token_ids)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    guide = schema_guide(schema)
+    outputs = set()
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed)
+        constraint = Constraint(real, real.compile(guide).result())
+        ids: list[int] = []
+        for step in range(48):
+            logits = torch.randn(1, tok.vocab_size, generator=gen) * 4
+            bitmask = real.new_bitmask(1)
+            constraint.fill(bitmask, 0)
+            apply_bitmask(logits, [0], bitmask)
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+            token = constraint.accept(token, 48 - step)
+            if token in tok.eos_token_ids:
+                break
+            ids.append(token)
+        else:
+            raise AssertionError(f"ran out of tokens: {tok.decode(ids)!r}")
+        text = tok.decode(ids)
+        jsonschema.validate(json.loads(text), schema)
+        outputs.add(text)
+    assert len(outputs) >= 6, outputs
+
+
+def _longest_closing_token(grammars: Grammars, constraint: Constraint) -> int:
+    """Of the tokens the grammar allows now, the one after which the closing is longest."""
+    bitmask = grammars.new_bitmask(1)
+    constraint.fill(bitmask, 0)
+    bits = ((bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+    best, best_len = EOS, -1
+    for token in bits[:TOK.vocab_size].nonzero().flatten().tolist():
+        if token == EOS:
+            continue
+        m = constraint.matcher.deep_copy()
+        m.consume_token(token)
+        tail = closing(m, grammars.byte_tokens)
+        if tail is not None and len(tail) > best_len:
+            best, best_len = token, len(tail)
+    return best
+
+
+@pytest.mark.parametrize("max_tokens", [14, 100, 220])
+def test_a_sampler_that_always_grows_the_closing_still_ends_valid(grammars: Grammars,
+                                                                  max_tokens: int) -> None:
+    """One token can commit the output to a large required structure (a key whose object has
+    twelve required fields): each such token is checked, however far the budget still is."""
+    keys = "pqrstuvwxyzo"
+    deep = {"type": "object", "additionalProperties": False, "required": list(keys),
+            "properties": {k: {"type": "string", "minLength": 5} for k in keys}}
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"n": {"type": "integer"}, "big": deep,
+                             "list": {"type": "array", "items": deep}}}
+    constraint = Constraint(grammars, grammars.compile(schema_guide(schema)).result())
+    assert constraint.feasible(max_tokens)
+    out: list[int] = []
+    for step in range(max_tokens):
+        token = constraint.accept(_longest_closing_token(grammars, constraint), max_tokens - step)
+        if token == EOS:
+            break
+        out.append(token)
+    else:
+        raise AssertionError(f"ran out of its {max_tokens} tokens: {TOK.decode(out)!r}")
+    jsonschema.validate(json.loads(TOK.decode(out)), schema)

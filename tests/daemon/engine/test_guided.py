@@ -86,6 +86,13 @@ def test_a_budget_too_small_for_the_schema_is_a_400_naming_max_tokens():
     engine.submit(completion("tiny", max_tokens=5, guide=GUIDE))
     [error] = run(engine)
     assert isinstance(error, Error) and error.param == "max_tokens"
+    # A response names its own field.
+    engine, _ = make_engine(guidance=guidance(), store=ResponseStore(None, 100, 3600.0))
+    fields = ResponseFields(input=[Message("user", "hi")], model="fake")
+    engine.submit(Submit("resp_tiny", RequestKind.RESPONSE,
+                         SamplingParams(max_tokens=5, guide=GUIDE), response=fields, epoch=1))
+    [error] = run(engine)
+    assert isinstance(error, Error) and error.param == "max_output_tokens"
 
 
 def test_guides_that_need_the_end_of_sequence_refuse_ignore_eos_and_min_tokens():
@@ -111,3 +118,23 @@ def test_a_refused_guided_response_leaves_no_stored_row():
     [error] = run(engine)
     assert isinstance(error, Error) and error.param == "text.format"
     assert store.num_placeholders() == 0 and store.num_stored() == 0
+
+
+def test_masks_computed_on_the_mask_thread_are_those_computed_inline(monkeypatch):
+    """Many rows of a large vocabulary go to the mask thread during the forward pass: the same
+    rows, the same masks, whichever way a tick takes (siblings forked from one prompt and a
+    free request in the same batch)."""
+
+    def outputs() -> dict[str, dict[int, str]]:
+        engine, _ = make_engine(guidance=guidance())
+        engine.submit(completion("g", "go", n=3, max_tokens=40, temperature=0.0, guide=GUIDE))
+        engine.submit(completion("free", "go", max_tokens=12, temperature=0.0))
+        out = run(engine)
+        return {rid: texts(out, rid) for rid in ("g", "free")}
+
+    inline = outputs()
+    monkeypatch.setattr("daemon.engine.guided.MASK_THREAD_MIN_TOKENS", 0)
+    threaded = outputs()
+    assert threaded == inline
+    for text in threaded["g"].values():
+        jsonschema.validate(json.loads(text), SCHEMA)
