@@ -34,6 +34,8 @@ HONOURED = "honoured"
 CACHE_HINT = "the prefix cache is automatic and keyed by the prompt's tokens"
 LATENCY_HINT = "a latency hint: the answer is the same"
 END_USER = "an end-user id for the provider's abuse monitoring"
+# vLLM's `priority`, which routers (smg) send as 0 on every request.
+NO_PRIORITY = "requests are served fairly in arrival order, with no priorities"
 
 
 def no_op(why: str, example: Any) -> msgspec.Meta:

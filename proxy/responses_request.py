@@ -23,14 +23,17 @@ from ipc.records import (
     ToolCallFormat,
 )
 from proxy.errors import ApiError
-from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, no_op, refused
+from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, NO_PRIORITY, no_op, refused
 from proxy.guides import TextConfig, text_echo, text_guide
 from proxy.input_items import NonEmptyRaws, decode_items, stored_items, to_messages
 from proxy.responses_events import ResponseParams
 from proxy.schemas import (
     REQUEST_ID_PATTERN,
+    MinP,
     PositiveInt,
+    RepetitionPenalty,
     Temperature,
+    TopK,
     TopP,
     check_max_tokens,
     check_model,
@@ -67,6 +70,11 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     # Extensions (vLLM's names): generate past EOS, or at least this many tokens.
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
+    # vLLM's sampling extensions, which routers (smg) send on every request.
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    priority: Annotated[Any, refused(NO_PRIORITY, 1, (0,))] = None
     user: Annotated[str | None, no_op(END_USER,
                                       "user-1")] = None
     metadata: Annotated[Metadata | None, no_op("not yet stored with the response",
@@ -135,6 +143,10 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
     return SamplingParams(max_tokens=max_tokens,
                           temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p,
+                          top_k=-1 if req.top_k in (None, 0) else req.top_k,
+                          min_p=req.min_p or 0.0,
+                          repetition_penalty=(1.0 if req.repetition_penalty is None
+                                              else req.repetition_penalty),
                           ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                           guide=text_guide(req.text))
 

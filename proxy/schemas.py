@@ -14,7 +14,15 @@ import msgspec
 
 from ipc.records import MAX_LOGPROBS, Message, SamplingParams, ToolCall
 from proxy.errors import ApiError
-from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, check_refused, no_op, refused
+from proxy.fields import (
+    CACHE_HINT,
+    END_USER,
+    LATENCY_HINT,
+    NO_PRIORITY,
+    check_refused,
+    no_op,
+    refused,
+)
 from proxy.guides import GuidedFields, request_guide
 from proxy.tool_requests import ChatTool, ChatToolChoice
 
@@ -31,6 +39,8 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Seed = Annotated[int, msgspec.Meta(ge=-MAX_SEED, le=MAX_SEED)]
 Stop = str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP)]
 N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
@@ -72,10 +82,11 @@ class _Sampling(GuidedFields, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
     # vLLM's extensions.
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
-    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: MinP | None = None
     bad_words: BadWords | None = None
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP)] | None = None
+    priority: Annotated[Any, refused(NO_PRIORITY, 1, (0,))] = None
 
     @property
     def include_usage(self) -> bool:

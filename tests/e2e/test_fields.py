@@ -4,14 +4,28 @@ behind."""
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from typing import Any
 
 import openai
 import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+from openai.types.responses import response_create_params
 
 from proxy.fields import NO_OP, REFUSED, endpoints, table
 from tests.support.pair import Server, assert_baseline
+
+# What each route's call takes as keywords; the rest (vLLM's extensions) goes in extra_body.
+KEYWORDS = {route: set(typing.get_type_hints(params)) for route, params in [
+    ("/v1/completions", completion_create_params.CompletionCreateParamsBase),
+    ("/v1/chat/completions", chat_create_params.CompletionCreateParamsBase),
+    ("/v1/responses", response_create_params.ResponseCreateParamsBase)]}
+
+
+def _field(route: str, name: str, value: Any) -> dict[str, Any]:
+    return {name: value} if name in KEYWORDS[route] else {"extra_body": {name: value}}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +57,10 @@ def test_the_table_through_the_openai_client(server: Server, client: openai.Open
     send = _senders(client)[route]
     for row in table(endpoints()[route]):
         if row.status == NO_OP:
-            send(**{row.name: row.example})
+            send(**_field(route, row.name, row.example))
         elif row.status == REFUSED:
             with pytest.raises(openai.BadRequestError) as info:
-                send(**{row.name: row.example})
+                send(**_field(route, row.name, row.example))
             assert info.value.status_code == 400
             assert isinstance(info.value.body, dict) and info.value.body["param"] == row.name
     with pytest.raises(openai.BadRequestError) as info:
