@@ -62,6 +62,7 @@ def build_response(
     top_p: float | None = None,
     max_output_tokens: int | None = None,
     completed_at: float | None = None,
+    conversation: str | None = None,
 ) -> dict[str, Any]:
     """The wire object; ``output_text`` None means no output item (queued, in progress)."""
     status = ResponseStatus(status)
@@ -76,6 +77,7 @@ def build_response(
         "object": "response",
         "created_at": created_at,
         "completed_at": completed_at,
+        "conversation": None if conversation is None else {"id": conversation},
         "status": status.value,
         "background": background,
         "error": None if error is None else {"code": "server_error", "message": error},
@@ -109,6 +111,7 @@ def stored_response_object(stored: StoredResponse) -> dict[str, Any]:
         store=True, error=stored.error, incomplete_reason=stored.incomplete_reason,
         temperature=stored.temperature, top_p=stored.top_p,
         max_output_tokens=stored.max_output_tokens, completed_at=stored.completed_at,
+        conversation=stored.conversation,
     )
 
 

@@ -54,6 +54,7 @@ class ResponseParams:
     temperature: float | None
     top_p: float | None
     max_output_tokens: int | None
+    conversation: str | None = None  # the conversation it is a turn of
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -117,7 +118,7 @@ class ResponseEvents:
             previous_response_id=p.previous_response_id, background=p.background, store=p.store,
             error=out.error if out else None, output_id=self.item_id,
             temperature=p.temperature, top_p=p.top_p, max_output_tokens=p.max_output_tokens,
-            completed_at=self.completed_at,
+            completed_at=self.completed_at, conversation=p.conversation,
         )
 
     def created(self) -> list[Event]:

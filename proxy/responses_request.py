@@ -16,6 +16,7 @@ import msgspec
 from ipc.records import Message, NonNegInt, RequestKind, ResponseFields, SamplingParams, Submit
 from proxy.errors import ApiError
 from proxy.input_items import (
+    InputItem,
     NonEmptyItems,
     explain_unsupported,
     stored_items,
@@ -39,6 +40,10 @@ Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
 # Any id this server hands out: a longer one cannot name a stored response.
 ResponseId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN)]
 
+class ConversationRef(msgspec.Struct):
+    id: ResponseId
+
+
 class CreateResponse(msgspec.Struct):
     input: str | NonEmptyItems
     model: str | None = None
@@ -56,6 +61,13 @@ class CreateResponse(msgspec.Struct):
     # Accepted for compatibility, not acted on.
     user: str | None = None
     metadata: Metadata | None = None
+    # The conversation this is a turn of: its id, or {"id": ...}.
+    conversation: ResponseId | ConversationRef | None = None
+
+    @property
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c.id if isinstance(c, ConversationRef) else c
 
 
 def decode_request(body: bytes, served: tuple[str, ...]) -> tuple[CreateResponse, list[Message]]:
@@ -69,7 +81,28 @@ def decode_request(body: bytes, served: tuple[str, ...]) -> tuple[CreateResponse
     if req.background and not req.store:
         raise ApiError(400, "'background' requires 'store' to be true: a background response "
                        "is fetched from the store", param="background", code="invalid_value")
+    if req.conversation is not None:
+        check_conversation(req)
     return req, to_messages(req.input)
+
+
+def check_conversation(req: CreateResponse) -> None:
+    if req.previous_response_id is not None:
+        raise ApiError(400, "'conversation' and 'previous_response_id' cannot both be given: "
+                       "a conversation holds its own history", param="conversation",
+                       code="invalid_value")
+    if not req.store:
+        raise ApiError(400, "'conversation' requires 'store' to be true: a turn joins its "
+                       "conversation from the store", param="store", code="invalid_value")
+
+
+def conversation_input(input: str | list[InputItem]) -> tuple[list[Message], list[int]]:
+    """The input as messages, and how many of them each item renders as (a conversation keeps
+    each item with its own)."""
+    if isinstance(input, str):
+        return to_messages(input), [1]
+    groups = [to_messages([item]) for item in input]
+    return [m for group in groups for m in group], [len(group) for group in groups]
 
 
 def response_params(req: CreateResponse, rid: str, model: str,
@@ -78,7 +111,7 @@ def response_params(req: CreateResponse, rid: str, model: str,
         id=rid, created_at=int(time.time()), model=model, instructions=req.instructions,
         previous_response_id=req.previous_response_id, background=req.background,
         store=req.store, temperature=sampling.temperature, top_p=sampling.top_p,
-        max_output_tokens=req.max_output_tokens,
+        max_output_tokens=req.max_output_tokens, conversation=req.conversation_id,
     )
 
 
@@ -95,11 +128,15 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
 def build_submit(req: CreateResponse, messages: list[Message], params: ResponseParams,
                  sampling: SamplingParams, t_submit: float,
                  client_id: str | None = None) -> Submit:
+    spans: list[int] = []
+    if req.conversation is not None:
+        messages, spans = conversation_input(req.input)
     fields = ResponseFields(store=req.store, background=req.background,
                             previous_response_id=req.previous_response_id,
                             instructions=req.instructions, input=messages,
                             input_items=stored_items(req.input),
-                            created_at=params.created_at, model=params.model)
+                            created_at=params.created_at, model=params.model,
+                            conversation=req.conversation_id, input_spans=spans)
     return Submit(rid=params.id, kind=RequestKind.RESPONSE, sampling=sampling,
                   n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id)
 
