@@ -15,6 +15,7 @@ from daemon.engine.guided import Guidance
 from daemon.model.chat_template import TOOL_CALL_TOKENS, tool_call_format
 from daemon.model.tokenizer import Tokenizer
 from daemon.options import DaemonOptions, ModelOptions
+from daemon.responses.conversations import ConversationLimits
 from daemon.responses.store import ResponseStore, StoreError
 from daemon.server import DaemonServer, Notify
 from ipc.pipes import DaemonPipes, EpochCounter, PipeError, inherited_fifos
@@ -46,8 +47,10 @@ def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: No
     runner, tokenizer, name, max_model_len = built
     o = options.store
     try:
+        limits = ConversationLimits(o.max_conversations, o.conversation_max_age_s,
+                                    o.conversation_max_bytes, o.conversation_max_items)
         store = ResponseStore(o.location, o.max_responses, o.max_age_s, max_bytes=o.max_bytes,
-                              replica_id=o.replica_id, lease_s=o.lease_s)
+                              replica_id=o.replica_id, lease_s=o.lease_s, conversations=limits)
     except (StoreError, ValueError) as e:
         log.error("%s", e)
         return 1

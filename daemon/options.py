@@ -45,6 +45,10 @@ class StoreOptions:
     max_bytes: int
     replica_id: str
     lease_s: float
+    max_conversations: int = 10_000
+    conversation_max_age_s: float = 30 * 24 * 3600.0
+    conversation_max_bytes: int = 1 << 30
+    conversation_max_items: int = 10_000  # in one conversation
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

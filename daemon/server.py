@@ -152,6 +152,8 @@ class DaemonServer:
         for item in self.connection.read_requests():
             if isinstance(item, Stale):
                 self._out += self.engine.refuse(item.submit, AbortCause.PROXY_LOST)
+            elif isinstance(item, ResponseOp):  # a conversation's: answered as any other op
+                self._queue_op(item)
             else:
                 self._submit(item)
 

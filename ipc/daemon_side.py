@@ -73,7 +73,7 @@ MAX_READS_PER_CALL = 16
 
 _ALLOWED: dict[str, tuple[type, ...]] = {
     CONTROL: (Hello, Heartbeat, Goodbye, Abort, Pause, Resume, ResponseOp),
-    REQUESTS: (Submit,),
+    REQUESTS: (Submit, ResponseOp),  # a conversation's ops: their items can be big
 }
 
 

@@ -3,7 +3,7 @@
 Every record is a msgspec Struct tagged by its kind; the tag is the wire value of `Kind`.
 Which pipe carries which records:
 
-- ``requests`` (proxy -> daemon): Submit
+- ``requests`` (proxy -> daemon): Submit, ResponseOp of a conversation (its items can be big)
 - ``control``  (proxy -> daemon): Hello, Heartbeat, Goodbye, Abort, Pause, Resume, ResponseOp
 - ``tokens``   (daemon -> proxy): Welcome, Admitted, Delta, Finish, Error, Stats, Alive,
   ResponseReply
@@ -29,7 +29,8 @@ import msgspec
 # prompts (Submit.prompt_ids), tokenize/detokenize Submits, Delta.prompt
 # 10: tools (Submit.tools, Message.tool_calls / tool_call_id, Welcome.tool_call_format,
 # ResponseFields.tool_call_format, StoredResponse.tool_call_format)
-PROTOCOL_VERSION = 10
+# 11: conversations (ResponseOp CONVERSATION_* on the requests pipe, ResponseFields.conversation)
+PROTOCOL_VERSION = 11
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -112,6 +113,18 @@ class ResponseOpKind(enum.StrEnum):
     DELETE = "delete"
     CANCEL = "cancel"
     INPUT_ITEMS = "input_items"
+    # Conversations (`response_id` is then the conversation's id): on the requests pipe.
+    CONVERSATION_CREATE = "conv_create"
+    CONVERSATION_GET = "conv_get"
+    CONVERSATION_UPDATE = "conv_update"
+    CONVERSATION_DELETE = "conv_delete"
+    CONVERSATION_ITEMS = "conv_items"  # a page of them
+    CONVERSATION_ADD_ITEMS = "conv_add_items"
+    CONVERSATION_ITEM_GET = "conv_item_get"
+    CONVERSATION_ITEM_DELETE = "conv_item_delete"
+
+
+CONVERSATION_OPS = frozenset(k for k in ResponseOpKind if k.value.startswith("conv_"))
 
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -222,6 +235,10 @@ class ResponseFields(msgspec.Struct, frozen=True):
     model: str = ""
     # The request offered tools: its output is text in this format, to be parsed for calls.
     tool_call_format: ToolCallFormat | None = None
+    # A turn of this conversation: its items are the history, and on completion the input items
+    # and the output join it. `input_spans[i]`: how many of `input` input item i renders as.
+    conversation: str | None = None
+    input_spans: list[int] = []
 
 
 # --- proxy -> daemon: requests pipe -------------------------------------------------------------
@@ -316,15 +333,27 @@ class ItemsPage(msgspec.Struct, frozen=True):
     after: str | None = None
 
 
+class ConversationItems(msgspec.Struct, frozen=True):
+    """Items to add to a conversation: as the proxy validated them (JSON text of a list of
+    objects, stored as they are) and the messages each renders as in a prompt."""
+
+    items: str
+    messages: list[list[Message]]
+
+
 class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
-    """GET / DELETE / cancel of a stored response, or a page of its input items; answered by a
+    """GET / DELETE / cancel of a stored response, or a page of its input items; or an
+    operation on a conversation (CONVERSATION_*, on the requests pipe); answered by a
     ResponseReply with ``op_id``."""
 
     op_id: str
     op: ResponseOpKind
     response_id: str
     epoch: int = 0
-    page: ItemsPage | None = None  # INPUT_ITEMS only
+    page: ItemsPage | None = None  # INPUT_ITEMS, CONVERSATION_ITEMS
+    item_id: str | None = None  # CONVERSATION_ITEM_*
+    items: ConversationItems | None = None  # CONVERSATION_CREATE, CONVERSATION_ADD_ITEMS
+    metadata: dict[str, str] | None = None  # CONVERSATION_CREATE, CONVERSATION_UPDATE
 
 
 # --- daemon -> proxy: tokens pipe ---------------------------------------------------------------
@@ -435,6 +464,8 @@ class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
     grammar_cache_hits: int = 0
     grammar_cache_bytes: int = 0
     grammar_compile_obs: list[float] = []  # seconds per compile since the previous Stats
+    conversations: int = 0  # in the store (all replicas'), as last counted
+    conversation_items: int = 0
 
 
 class StoredResponse(msgspec.Struct, frozen=True):
@@ -456,16 +487,25 @@ class StoredResponse(msgspec.Struct, frozen=True):
     top_p: float | None = None
     max_output_tokens: int | None = None
     tool_call_format: ToolCallFormat | None = None  # the output holds tool calls in this format
+    conversation: str | None = None  # the conversation it is a turn of
+
+
+class StoredConversation(msgspec.Struct, frozen=True):
+    id: str
+    created_at: int
+    metadata: dict[str, str] = {}
 
 
 class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):
     """The answer to a ResponseOp: with status 200, the response (GET, CANCEL), one page of its
     input items (INPUT_ITEMS: the page's items as stored, JSON text of a list, with the id each
-    is listed under) or ``deleted`` (DELETE); else ``message`` (and the ``param`` at fault)."""
+    is listed under) or ``deleted`` (DELETE); for a conversation, ``conversation`` or its items
+    in the same fields; else ``message`` (and the ``param`` at fault)."""
 
     op_id: str
     status: int  # HTTP status the proxy should answer with
     response: StoredResponse | None = None
+    conversation: StoredConversation | None = None
     input_items: str | None = None
     item_ids: list[str] = []
     has_more: bool = False  # more items follow the page

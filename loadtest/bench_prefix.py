@@ -1,6 +1,7 @@
 """Prefix caching: a shared system prompt and a long Responses conversation, caching on vs off.
 
     python -m loadtest.bench_prefix [--model builtin:tiny] [--turns 10] [--repeats 3] [--out DIR]
+                                    [--chain previous_response_id|conversation]
 
 In one run, two server pairs on the same model one after the other: prefix caching on (the
 default) and `--no-prefix-caching`. On each, one request at a time, so that counter deltas
@@ -9,7 +10,8 @@ belong to one request:
           so repeats never warm each other): the second's prefilled prompt tokens
           (tether_prompt_tokens_total) as a share of the system prompt, its usage cached_tokens,
           and the TTFT (client-side, to the first content chunk) of both
-  convo   a --turns-turn Responses conversation chained by previous_response_id (streamed;
+  convo   a --turns-turn Responses conversation chained by previous_response_id, or with
+          --chain conversation the turns of one Conversations-API conversation (streamed;
           TTFT to the first output_text.delta), each turn a ~80-token input and
           --output-tokens of output (ignore_eos): TTFT, prefilled and cached tokens per turn
 Goals (caching on): the second request prefills <= 20% of the system prompt; TTFT of the last
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 
 from loadtest import sse_client
@@ -95,16 +98,22 @@ async def shared_system(base_url: str, model: str) -> dict[str, Any]:
     return out
 
 
-async def conversation(base_url: str, model: str, turns: int, output_tokens: int
-                       ) -> list[dict[str, Any]]:
+async def conversation(base_url: str, model: str, turns: int, output_tokens: int,
+                       chain: str = "previous_response_id") -> list[dict[str, Any]]:
     previous: str | None = None
     rows: list[dict[str, Any]] = []
     tag = secrets.token_hex(4)
+    conv = None
+    if chain == "conversation":
+        async with httpx.AsyncClient(base_url=base_url, timeout=30.0) as client:
+            conv = (await client.post("/v1/conversations", json={})).json()["id"]
     for turn in range(1, turns + 1):
         before = prefilled(base_url)
         body: dict[str, Any] = {"model": model, "input": turn_input(turn, tag), "temperature": 0,
                                 "max_output_tokens": output_tokens, "ignore_eos": True}
-        if previous:
+        if conv:
+            body["conversation"] = conv
+        elif previous:
             body["previous_response_id"] = previous
         got = await streamed(base_url, "/v1/responses", body)
         previous = got["id"]
@@ -118,7 +127,7 @@ async def conversation(base_url: str, model: str, turns: int, output_tokens: int
 async def measure(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
     model = served_model(base_url) or args.model
     system = [await shared_system(base_url, model) for _ in range(args.repeats)]
-    convos = [await conversation(base_url, model, args.turns, args.output_tokens)
+    convos = [await conversation(base_url, model, args.turns, args.output_tokens, args.chain)
               for _ in range(args.repeats)]
     per_turn = [{"turn": t + 1,
                  **{k: statistics.median(c[t][k] for c in convos)
@@ -145,7 +154,7 @@ def report(res: dict[str, Any]) -> None:
     for label, key in (("TTFT first request (ms)", "ttft_first_s"),
                        ("TTFT second request (ms)", "ttft_second_s")):
         print(f"    {label:<46} {on[key] * 1e3:>9.1f} {off[key] * 1e3:>8.1f}")
-    print(f"  {res['turns']}-turn Responses conversation:")
+    print(f"  {res['turns']}-turn Responses conversation (chained by {res['chain']}):")
     print(f"    {'turn':>4} {'input tok':>9} {'cached':>7} {'prefilled on/off':>17} "
           f"{'TTFT ms on':>11} {'off':>7}")
     for a, b in zip(on["per_turn"], off["per_turn"], strict=True):
@@ -177,12 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--chain", choices=("previous_response_id", "conversation"),
+                        default="previous_response_id")
     args = parser.parse_args(argv)
     if args.turns < 2 or args.repeats < 1:
         parser.error("--turns must be >= 2 and --repeats >= 1")
     out = results_dir(args.out, "bench-prefix")
     res: dict[str, Any] = {"model": args.model, "turns": args.turns, "repeats": args.repeats,
-                           "output_tokens": args.output_tokens}
+                           "output_tokens": args.output_tokens, "chain": args.chain}
     for key, extra in (("on", []), ("off", ["--no-prefix-caching"])):
         with ServerPair(model=args.model, extra_args=extra) as pair:
             res[key] = asyncio.run(measure(pair.base_url, args))

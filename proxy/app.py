@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy import completions, responses, tokenize
+from proxy import completions, conversations, responses, tokenize
 from proxy.access_log import AccessLogMiddleware
 from proxy.auth import ApiKeyMiddleware
 from proxy.engine_client import EngineClient
@@ -146,6 +146,7 @@ def create_app(options: ProxyOptions) -> Starlette:
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *completions.routes,
         *responses.routes,
+        *conversations.routes,
         *tokenize.routes,
     ]
     middleware = [

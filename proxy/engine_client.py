@@ -20,9 +20,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
+from typing import Any
 
 from ipc.pipes import DaemonUnavailable, Loss, ProxyConnection
 from ipc.records import (
+    CONVERSATION_OPS,
     Abort,
     AbortCause,
     Admitted,
@@ -202,14 +204,22 @@ class EngineClient:
             self.abort(session.rid, cause, t_disconnect)
 
     async def response_op(self, op: ResponseOpKind, response_id: str, timeout: float = 5.0,  # noqa: ASYNC109
-                          page: ItemsPage | None = None) -> ResponseReply:
+                          page: ItemsPage | None = None, **fields: Any) -> ResponseReply:
+        """One ResponseOp and its reply. A conversation's (``fields``: its items, metadata or
+        item id) travels on the requests pipe, as big as a Submit; the others on control."""
         if not self.up:
             raise unavailable(self.down_reason)
         op_id = uuid.uuid4().hex
         future: asyncio.Future[ResponseReply] = asyncio.get_running_loop().create_future()
         self._ops[op_id] = future
+        record = ResponseOp(op_id, op, response_id, page=page, **fields)
         try:
-            if not self._connection.control(ResponseOp(op_id, op, response_id, page=page)):
+            if op in CONVERSATION_OPS:
+                try:
+                    self._connection.queue_submit(record)
+                except DaemonUnavailable:
+                    raise unavailable(self.down_reason) from None
+            elif not self._connection.control(record):
                 raise unavailable(self.down_reason)
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:

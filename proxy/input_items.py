@@ -139,12 +139,12 @@ _message = msgspec.json.Decoder(MessageItem)
 _NO_TYPE = "Object missing required field `type`"
 
 
-def decode_items(raws: list[msgspec.Raw]) -> list[InputItem]:
-    """Each raw item decoded, in C; ApiError(400) naming ``input[i]`` and the field."""
-    return [_decode_item(raw, i) for i, raw in enumerate(raws)]
+def decode_items(raws: list[msgspec.Raw], field: str = "input") -> list[InputItem]:
+    """Each raw item decoded, in C; ApiError(400) naming ``<field>[i]`` and the field."""
+    return [_decode_item(raw, f"{field}[{i}]") for i, raw in enumerate(raws)]
 
 
-def _decode_item(raw: msgspec.Raw, index: int) -> InputItem:
+def _decode_item(raw: msgspec.Raw, where: str) -> InputItem:
     try:
         if b'"type"' in bytes(raw):  # (one in its parts only: the union says so at once)
             try:
@@ -156,8 +156,7 @@ def _decode_item(raw: msgspec.Raw, index: int) -> InputItem:
     except msgspec.ValidationError as exc:
         text = str(exc)
         at = " - at `$"
-        text = (text.replace(at, f"{at}.input[{index}]", 1) if at in text
-                else f"{text}{at}.input[{index}]`")
+        text = (text.replace(at, f"{at}.{where}", 1) if at in text else f"{text}{at}.{where}`")
         raise explain_unsupported(validation_error(text)) from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
@@ -190,7 +189,7 @@ def stored_items(input: str | list[InputItem]) -> str:
     return msgspec.json.encode(items).decode()
 
 
-_TYPE_PARAM = re.compile(r"^input\[\d+\](?P<part>\.content\[\d+\])?\.type$")
+_TYPE_PARAM = re.compile(r"^(input|items)\[\d+\](?P<part>\.content\[\d+\])?\.type$")
 _INVALID = re.compile(r"^invalid value for '[^']*': Invalid value '(?P<kind>.*)'$", re.DOTALL)
 
 

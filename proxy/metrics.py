@@ -41,6 +41,11 @@ _GAUGES = (
     ("tether_requests_paused", "Sessions paused because their client is not reading", "paused"),
     ("tether_grammar_cache_bytes", "Compiled structured-output grammars kept for reuse",
      "grammar_cache_bytes"),
+    # The store's, all replicas' together, as last counted (every few seconds, and after a change
+    # here).
+    ("tether_conversations", "Conversations in the store", "conversations"),
+    ("tether_conversation_items", "Items of the conversations in the store",
+     "conversation_items"),
 )
 
 _TOKEN_COUNTERS = (

@@ -15,6 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from proxy.conversations import AddItems, CreateConversation, UpdateConversation
 from proxy.responses_request import CreateResponse
 from proxy.schemas import REQUEST_ID_PATTERN, ChatRequest, CompletionRequest
 from proxy.tokenize import (
@@ -180,6 +181,7 @@ class ResponseObject(msgspec.Struct):
     object: Literal["response"]
     created_at: int | float
     completed_at: float | None
+    conversation: JSON | None  # {"id": ...} of the conversation it is a turn of
     status: Literal["queued", "in_progress", "completed", "cancelled", "failed", "incomplete"]
     background: bool
     error: ResponseError | None
@@ -217,6 +219,19 @@ class InputItemList(msgspec.Struct):
     has_more: bool
 
 
+class Conversation(msgspec.Struct):
+    id: str
+    object: Literal["conversation"]
+    created_at: int
+    metadata: dict[str, str]
+
+
+class DeletedConversation(msgspec.Struct):
+    id: str
+    object: Literal["conversation.deleted"]
+    deleted: bool
+
+
 class ModelCard(msgspec.Struct):
     id: str
     object: Literal["model"]
@@ -241,7 +256,8 @@ class Health(msgspec.Struct):
 _TYPES = (CompletionRequest, ChatRequest, CreateResponse, ErrorBody, Completion, ChatCompletion,
           CompletionChunk, ChatCompletionChunk, ResponseEvent, ResponseObject, DeletedResponse,
           InputItemList, ModelList, Health, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
-          DetokenizeResponse)
+          DetokenizeResponse, CreateConversation, UpdateConversation, AddItems, Conversation,
+          DeletedConversation, InputItem)
 _ERRORS = {"400": "invalid input, named in error.param", "401": "missing or wrong API key",
            "404": "unknown model or response", "413": "request body too large",
            "429": "too many requests waiting", "500": "the engine or the store failed",
@@ -295,10 +311,47 @@ def _query(name: str, schema: JSON) -> JSON:
     return {"name": name, "in": "query", "required": False, "schema": schema}
 
 
+_CONVERSATION_ID = {**_RESPONSE_ID, "name": "conversation_id"}
+_ITEM_ID = {"name": "item_id", "in": "path", "required": True,
+            "schema": {"type": "string", "maxLength": 64}}
+
+
+def _conversation_paths(lookup: tuple[str, ...]) -> JSON:
+    one, item = [_CONVERSATION_ID], [_CONVERSATION_ID, _ITEM_ID]
+    page = [_query("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+            _query("order", {"enum": ["asc", "desc"]}), _query("after", {"type": "string"})]
+    return {
+        "/v1/conversations": {"post": _operation(
+            "Create a conversation, maybe with items", _answers("Conversation", errors=lookup),
+            "CreateConversation")},
+        "/v1/conversations/{conversation_id}": {
+            "get": _operation("Retrieve a conversation", _answers("Conversation", errors=lookup),
+                              parameters=one),
+            "post": _operation("Update a conversation's metadata",
+                               _answers("Conversation", errors=lookup), "UpdateConversation",
+                               parameters=one),
+            "delete": _operation("Delete a conversation and its items",
+                                 _answers("DeletedConversation", errors=lookup),
+                                 parameters=one)},
+        "/v1/conversations/{conversation_id}/items": {
+            "get": _operation("List a conversation's items",
+                              _answers("InputItemList", errors=lookup), parameters=one + page),
+            "post": _operation("Add items to a conversation",
+                               _answers("InputItemList", errors=lookup), "AddItems",
+                               parameters=one)},
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "get": _operation("Retrieve an item", _answers("InputItem", errors=lookup),
+                              parameters=item),
+            "delete": _operation("Delete an item; answers with the conversation",
+                                 _answers("Conversation", errors=lookup), parameters=item)},
+    }
+
+
 def _paths() -> JSON:
     generate = ("400", "401", "404", "413", "429", "500", "503")
     lookup = ("400", "401", "404", "500", "503")
     return {
+        **_conversation_paths(lookup),
         "/v1/completions": {"post": _operation(
             "Create a completion (SSE when stream is true)", _answers(
                 "Completion", stream=("CompletionChunk", "ErrorBody"), errors=generate),

@@ -67,6 +67,7 @@ def build_response(
     completed_at: float | None = None,
     output: list[dict[str, Any]] | None = None,
     text: dict[str, Any] | None = None,
+    conversation: str | None = None,
 ) -> dict[str, Any]:
     """The wire object; ``output_text`` None means no output item (queued, in progress), and
     ``output`` (the items) is the output in its place; ``text`` is the request's text config as
@@ -84,6 +85,7 @@ def build_response(
         "object": "response",
         "created_at": created_at,
         "completed_at": completed_at,
+        "conversation": None if conversation is None else {"id": conversation},
         "status": status.value,
         "background": background,
         "error": None if error is None else {"code": "server_error", "message": error},
@@ -119,6 +121,7 @@ def stored_response_object(stored: StoredResponse,
         store=True, error=stored.error, incomplete_reason=stored.incomplete_reason,
         temperature=stored.temperature, top_p=stored.top_p,
         max_output_tokens=stored.max_output_tokens, completed_at=stored.completed_at, text=text,
+        conversation=stored.conversation,
     )
 
 

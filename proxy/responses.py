@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from starlette.applications import Starlette
@@ -83,7 +83,8 @@ async def create_response(request: Request) -> Response:
     t_submit = time.monotonic()
     client_id = client_request_id(request.headers.get("x-request-id"))
     rid = request.state.request_id = new_id("resp_")  # response ids are the server's own
-    req, messages, input_items = decode_request(await request.body(), served_models(request))
+    decoded = decode_request(await request.body(), served_models(request))
+    req = decoded.req
     use = tool_use(req)
     engine = _engine(request)
     if not engine.up:
@@ -92,8 +93,7 @@ async def create_response(request: Request) -> Response:
     sampling = sampling_params(req, engine.max_model_len)
     params = response_params(req, rid, served_model(request), sampling)
     fmt = engine.tool_call_format
-    submit = build_submit(req, messages, input_items, params, sampling, t_submit, client_id,
-                          use, fmt)
+    submit = build_submit(decoded, params, sampling, t_submit, client_id, use, fmt)
     events = ResponseEvents(params, use.parser(fmt, call_ids(fmt, rid)) if use else None)
     timer = RequestTimer(request.app.state.metrics, "responses", t_submit)
     if not req.background:
@@ -238,24 +238,32 @@ async def list_input_items(request: Request) -> Response:
     """A stored response's input items, paged like OpenAI's lists (newest first by default): the
     daemon sends the page asked for, never every item."""
     rid = check_response_id(request.path_params["response_id"])
-    query = request.query_params
+    page = items_page(request.query_params, f"no input item of response {rid!r}")
+    reply = await _engine(request).response_op(ResponseOpKind.INPUT_ITEMS, rid, page=page)
+    if reply.status != 200 or reply.input_items is None:
+        return _reply(reply, rid)
+    return JSONResponse(item_list(reply))
+
+
+def items_page(query: Mapping[str, str], unknown: str) -> ItemsPage:
+    """OpenAI's list parameters (limit, order, after); ``unknown`` says what a too long
+    ``after`` names."""
     limit = _int_param(query.get("limit"), "limit", default=20, low=1, high=100)
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, f"'order' must be 'asc' or 'desc', got {order!r}", param="order")
     after = query.get("after")
     if after is not None and len(after) > MAX_ITEM_ID:
-        raise ApiError(400, f"'after' names no input item of response {rid!r}: item ids are "
-                       f"at most {MAX_ITEM_ID} characters", param="after")
-    page = ItemsPage(limit, "asc" if order == "asc" else "desc", after)
-    reply = await _engine(request).response_op(ResponseOpKind.INPUT_ITEMS, rid, page=page)
-    if reply.status != 200 or reply.input_items is None:
-        return _reply(reply, rid)
-    items = input_item_objects(reply.input_items, reply.item_ids)
-    return JSONResponse({"object": "list", "data": items,
-                         "first_id": items[0]["id"] if items else None,
-                         "last_id": items[-1]["id"] if items else None,
-                         "has_more": reply.has_more})
+        raise ApiError(400, f"'after' names {unknown}: item ids are at most {MAX_ITEM_ID} "
+                       "characters", param="after")
+    return ItemsPage(limit, "asc" if order == "asc" else "desc", after)
+
+
+def item_list(reply: ResponseReply) -> dict[str, Any]:
+    """A page of stored items (ResponseReply.input_items) as OpenAI's list object."""
+    items = input_item_objects(reply.input_items or "[]", reply.item_ids)
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": reply.has_more}
 
 
 def _int_param(raw: str | None, name: str, default: int, low: int, high: int) -> int:

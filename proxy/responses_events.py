@@ -69,6 +69,7 @@ class ResponseParams:
     top_p: float | None
     max_output_tokens: int | None
     text: dict[str, Any] | None = None  # the request's text config as echoed (proxy/guides.py)
+    conversation: str | None = None  # the conversation it is a turn of
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -144,7 +145,7 @@ class ResponseEvents:
             previous_response_id=p.previous_response_id, background=p.background, store=p.store,
             error=out.error if out else None,
             temperature=p.temperature, top_p=p.top_p, max_output_tokens=p.max_output_tokens,
-            completed_at=self.completed_at, text=p.text,
+            completed_at=self.completed_at, text=p.text, conversation=p.conversation,
         )
 
     def created(self) -> list[Event]:

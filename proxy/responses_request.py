@@ -9,7 +9,7 @@ response's history before them and stores the items, as validated, for listing.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
@@ -25,7 +25,7 @@ from ipc.records import (
 from proxy.errors import ApiError
 from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, NO_PRIORITY, no_op, refused
 from proxy.guides import TextConfig, text_echo, text_guide
-from proxy.input_items import NonEmptyRaws, decode_items, stored_items, to_messages
+from proxy.input_items import InputItem, NonEmptyRaws, decode_items, stored_items, to_messages
 from proxy.responses_events import ResponseParams
 from proxy.schemas import (
     REQUEST_ID_PATTERN,
@@ -48,6 +48,10 @@ Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
                      msgspec.Meta(max_length=16)]
 # Any id this server hands out: a longer one cannot name a stored response.
 ResponseId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN)]
+
+class ConversationRef(msgspec.Struct, forbid_unknown_fields=True):
+    id: ResponseId
+
 
 class ResponseStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: Annotated[bool | None, no_op(
@@ -99,8 +103,8 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
                                        "auto", ("disabled",))] = None
     top_logprobs: Annotated[Any, refused("log-probabilities are not returned here", 5,
                                          (0,))] = None
-    conversation: Annotated[Any, refused("the Conversations API is not served yet",
-                                         "conv_1")] = None
+    # The conversation this is a turn of: its id, or {"id": ...}.
+    conversation: ResponseId | ConversationRef | None = None
     prompt: Annotated[Any, refused("stored prompt templates are not served", {"id": "p"})] = None
     context_management: Annotated[Any, refused("the context is not compacted", [{}])] = None
     background_options: Annotated[Any, refused("not served", {})] = None
@@ -108,22 +112,58 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     image: Annotated[Any, refused("only text is generated", {})] = None
     moderation: Annotated[Any, refused("no moderation is run", {})] = None
 
+    @property
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c.id if isinstance(c, ConversationRef) else c
 
-def decode_request(body: bytes,
-                   served: tuple[str, ...]) -> tuple[CreateResponse, list[Message], str]:
-    """The validated body, its input as chat messages and its items as stored; ApiError(400)
-    naming the offending field otherwise."""
+
+class Decoded(NamedTuple):
+    """A request body, validated: its input as chat messages and its items as stored."""
+
+    req: CreateResponse
+    messages: list[Message]
+    items: str  # JSON text of the items, as the store keeps them
+    spans: list[int]  # a conversation turn's: how many of `messages` each item renders as
+
+
+def decode_request(body: bytes, served: tuple[str, ...]) -> Decoded:
+    """The validated body; ApiError(400) naming the offending field otherwise."""
     req = decode_body(body, CreateResponse)
     items = req.input if isinstance(req.input, str) else decode_items(req.input)
     check_model(req.model, served)
     if req.background and not req.store:
         raise ApiError(400, "'background' requires 'store' to be true: a background response "
                        "is fetched from the store", param="background", code="invalid_value")
-    return req, to_messages(items), stored_items(items)
+    if req.conversation is not None:
+        check_conversation(req)
+        messages, spans = conversation_input(items)
+    else:
+        messages, spans = to_messages(items), []
+    return Decoded(req, messages, stored_items(items), spans)
 
 
 def tool_use(req: CreateResponse) -> ToolUse | None:
     return responses_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+def check_conversation(req: CreateResponse) -> None:
+    if req.previous_response_id is not None:
+        raise ApiError(400, "'conversation' and 'previous_response_id' cannot both be given: "
+                       "a conversation holds its own history", param="conversation",
+                       code="invalid_value")
+    if not req.store:
+        raise ApiError(400, "'conversation' requires 'store' to be true: a turn joins its "
+                       "conversation from the store", param="store", code="invalid_value")
+
+
+def conversation_input(input: str | list[InputItem]) -> tuple[list[Message], list[int]]:
+    """The input as messages, and how many of them each item renders as (a conversation keeps
+    each item with its own)."""
+    if isinstance(input, str):
+        return to_messages(input), [1]
+    groups = [to_messages([item]) for item in input]
+    return [m for group in groups for m in group], [len(group) for group in groups]
 
 
 def response_params(req: CreateResponse, rid: str, model: str,
@@ -133,6 +173,7 @@ def response_params(req: CreateResponse, rid: str, model: str,
         previous_response_id=req.previous_response_id, background=req.background,
         store=req.store, temperature=sampling.temperature, top_p=sampling.top_p,
         max_output_tokens=req.max_output_tokens, text=text_echo(req.text),
+        conversation=req.conversation_id,
     )
 
 
@@ -151,19 +192,20 @@ def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingP
                           guide=text_guide(req.text))
 
 
-def build_submit(req: CreateResponse, messages: list[Message], input_items: str,
-                 params: ResponseParams, sampling: SamplingParams, t_submit: float,
-                 client_id: str | None = None, use: ToolUse | None = None,
+def build_submit(decoded: Decoded, params: ResponseParams, sampling: SamplingParams,
+                 t_submit: float, client_id: str | None = None, use: ToolUse | None = None,
                  fmt: ToolCallFormat = ToolCallFormat.HERMES) -> Submit:
     """The Submit; `use` the request's tools, `fmt` how the model writes its calls."""
+    req = decoded.req
     if use is not None:
         sampling = msgspec.structs.replace(sampling, guide=tool_guide(use, fmt, sampling.guide))
     fields = ResponseFields(store=req.store, background=req.background,
                             previous_response_id=req.previous_response_id,
-                            instructions=req.instructions, input=messages,
-                            input_items=input_items, created_at=params.created_at,
+                            instructions=req.instructions, input=decoded.messages,
+                            input_items=decoded.items, created_at=params.created_at,
                             model=params.model,
-                            tool_call_format=fmt if use is not None and use.parsed else None)
+                            tool_call_format=fmt if use is not None and use.parsed else None,
+                            conversation=req.conversation_id, input_spans=decoded.spans)
     return Submit(rid=params.id, kind=RequestKind.RESPONSE, sampling=sampling,
                   n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id,
                   tools=list(use.tools) if use is not None else [])

@@ -35,6 +35,10 @@ def daemon_options(s: Settings) -> DaemonOptions:
         location=s.state_url or s.state_dir / "responses.sqlite3",
         max_responses=s.response_store_max, max_age_s=s.response_store_max_age_s,
         max_bytes=s.response_store_max_bytes,
+        max_conversations=s.conversation_store_max,
+        conversation_max_age_s=s.conversation_store_max_age_s,
+        conversation_max_bytes=s.conversation_store_max_bytes,
+        conversation_max_items=s.conversation_max_items,
         # --replica-id, or host:port: unique per pair, and the same across its restarts.
         replica_id=s.replica_id or f"{socket.gethostname()}:{s.port}",
         lease_s=s.replica_lease_s)

@@ -77,6 +77,10 @@ class Settings:
     response_store_max: int = 10000
     response_store_max_age_s: float = 7 * 24 * 3600.0
     response_store_max_bytes: int = 1 << 30
+    conversation_store_max: int = 10000
+    conversation_store_max_age_s: float = 30 * 24 * 3600.0
+    conversation_store_max_bytes: int = 1 << 30
+    conversation_max_items: int = 10000
     background_history_bytes: int = 64 << 20
     drain_timeout_s: float = 10.0
     request_timeout_s: float = 60.0
@@ -157,6 +161,11 @@ _HELP: dict[str, str] = {
     "response_store_max_age_s": "stored responses older than this are pruned",
     "response_store_max_bytes": "most bytes of text (inputs, conversations, outputs) the stored "
     "responses hold; the oldest finished ones are pruned first",
+    "conversation_store_max": "most conversations kept (those changed least recently pruned)",
+    "conversation_store_max_age_s": "conversations unchanged for this long are pruned",
+    "conversation_store_max_bytes": "most bytes of items the conversations hold, all together; "
+    "those changed least recently are pruned first",
+    "conversation_max_items": "most items one conversation holds; adding past it is a 400",
     "background_history_bytes": "most bytes of streaming events the proxy keeps for the readers "
     "of its background responses, all together; finished ones are let go first, then a "
     "running one's oldest events",
@@ -247,7 +256,8 @@ def _bool(raw: str) -> bool:
 def _check(s: Settings) -> None:
     positive = ("max_num_seqs", "max_tokens_per_tick", "kv_cache_blocks", "max_waiting",
                 "max_body_bytes", "max_seqs_per_request", "max_collected_bytes",
-                "response_store_max", "response_store_max_bytes",
+                "response_store_max", "response_store_max_bytes", "conversation_store_max",
+                "conversation_store_max_bytes", "conversation_max_items",
                 "background_history_bytes", "keep_alive_timeout_s",
                 "max_buffered_tokens", "tensor_parallel_size", "stream_merge_tokens",
                 "max_connections", "max_header_bytes", "body_min_rate")

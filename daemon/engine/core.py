@@ -363,6 +363,8 @@ class Engine:
             prefix_cache_hits=self.scheduler.num_cache_hits,
             placeholders=self.responses.num_placeholders() if self.responses is not None else 0,
             paused=sum(1 for s in self.sessions.values() if s.paused))
+        if self.responses is not None:
+            stats.conversations, stats.conversation_items = self.responses.conversation_counts()
         if self.guidance is not None:
             grammars = self.guidance.grammars
             stats.grammar_compiles, stats.grammar_cache_hits = grammars.num_misses, grammars.num_hits

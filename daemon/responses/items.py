@@ -33,7 +33,8 @@ class Page:
     has_more: bool
 
 
-def _listed_ids(response_id: str, stored: bytes) -> list[str]:
+def listed_ids(response_id: str, stored: bytes) -> list[str]:
+    """The id each stored item is listed under (a conversation keeps a turn's items so)."""
     stem = response_id.removeprefix("resp_")
     return [item.id if isinstance(item.id, str) and item.id else f"msg_{stem}_{i}"
             for i, item in enumerate(_item_ids.decode(stored))]
@@ -44,7 +45,7 @@ def page_of(response_id: str, input_items: str, page: ItemsPage) -> Page | None:
     names no item of this response."""
     stored = input_items.encode()
     raws = _raw_items.decode(stored)
-    ids = _listed_ids(response_id, stored)
+    ids = listed_ids(response_id, stored)
     order = list(range(len(raws)))
     if page.order == "desc":
         order.reverse()

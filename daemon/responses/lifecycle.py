@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from daemon.rejected import Rejected
+from daemon.responses.conversations import not_found
 from daemon.responses.store import previous_not_found
 from ipc.records import (
     AbortCause,
@@ -48,6 +49,7 @@ class Store(Protocol):
     def cancel(self, rid: str) -> None: ...
     def fail(self, rid: str, message: str) -> None: ...
     def num_placeholders(self) -> int: ...
+    def conversation_counts(self) -> tuple[int, int]: ...
     def handle_op(self, op: ResponseOp, running: bool) -> ResponseReply: ...
     def take_cancels(self) -> list[str]: ...
 
@@ -94,6 +96,10 @@ class Responses:
             messages = self.store.conversation(submit)
         except Exception as exc:
             raise self._refusal("read the history of", submit.rid, exc) from None
+        conversation = submit.response.conversation if submit.response else None
+        if messages is None and conversation is not None:
+            raise Rejected(not_found(conversation), status=404, param="conversation",
+                           code="not_found")
         if messages is None:
             prev = submit.response.previous_response_id if submit.response else None
             raise Rejected(previous_not_found(str(prev)), status=404,
@@ -110,6 +116,8 @@ class Responses:
             return False
         try:
             self.store.begin(submit)
+        except Rejected:  # a conversation that is not there, busy or full
+            raise
         except ValueError as e:  # an id already stored, an unknown previous response
             raise Rejected(str(e)) from None
         except Exception as exc:
@@ -154,6 +162,9 @@ class Responses:
 
     def num_placeholders(self) -> int:
         return self.store.num_placeholders()
+
+    def conversation_counts(self) -> tuple[int, int]:
+        return self.store.conversation_counts()
 
     # --- the server's side ----------------------------------------------------------------------
 

@@ -7,7 +7,10 @@ from typing import Any
 
 import msgspec
 
-from ipc.records import Message, ResponseStatus, StoredResponse, Usage
+from ipc.records import PLACEHOLDER_STATUSES, Message, ResponseStatus, StoredResponse, Usage
+
+# `status IN PLACEHOLDERS_SQL`: the rows whose session has not ended.
+PLACEHOLDERS_SQL = "(" + ", ".join(sorted(f"'{s.value}'" for s in PLACEHOLDER_STATUSES)) + ")"
 
 messages_decoder = msgspec.json.Decoder(list[Message])
 _usage_decoder = msgspec.json.Decoder(Usage)
@@ -49,4 +52,5 @@ def stored_response(row: Any) -> StoredResponse:
         temperature=row["temperature"],
         top_p=row["top_p"],
         max_output_tokens=row["max_output_tokens"],
+        conversation=row["conversation_id"],
     )

@@ -81,6 +81,38 @@ def _sized(octets: str) -> tuple[str, ...]:
             f"UPDATE responses SET size = {total}")
 
 
+# Version 4: conversations (daemon/responses/conversations.py). A conversation counts its items
+# and their bytes, and names the turn that runs on it (`running_response_id`, set at admission and
+# cleared when the turn ends); an item is stored as validated (`item`) with the messages it
+# renders as (`messages`), at its position `seq`. A response names the conversation it is a turn of.
+def _conversation_tables(real: str) -> tuple[str, ...]:
+    return (
+        f"""CREATE TABLE IF NOT EXISTS conversations (
+    id TEXT PRIMARY KEY,
+    created_at BIGINT NOT NULL,
+    updated_at {real} NOT NULL,
+    metadata TEXT NOT NULL,
+    num_items BIGINT NOT NULL DEFAULT 0,
+    size BIGINT NOT NULL DEFAULT 0,
+    next_seq BIGINT NOT NULL DEFAULT 0,
+    running_response_id TEXT
+)""",
+        "CREATE INDEX IF NOT EXISTS conversations_updated_at ON conversations (updated_at)",
+        """CREATE TABLE IF NOT EXISTS conversation_items (
+    conversation_id TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    item_id TEXT NOT NULL,
+    item TEXT NOT NULL,
+    messages TEXT NOT NULL,
+    size BIGINT NOT NULL,
+    PRIMARY KEY (conversation_id, seq)
+)""",
+        "CREATE INDEX IF NOT EXISTS conversation_items_id ON conversation_items "
+        "(conversation_id, item_id)",
+        "ALTER TABLE responses ADD COLUMN conversation_id TEXT",
+    )
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "stored responses",
               sqlite=(_responses_table("REAL", "INTEGER"), _STORED_AT_INDEX),
@@ -91,6 +123,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(3, "the bytes each row stores",
               sqlite=_sized("length(CAST({} AS BLOB))"),
               postgresql=_sized("octet_length({})")),
+    Migration(4, "conversations and their items",
+              sqlite=_conversation_tables("REAL"),
+              postgresql=_conversation_tables("DOUBLE PRECISION")),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -19,7 +19,9 @@ store by bytes as well as by count and age.
 
 Rows keep the whole conversation (history included, instructions excluded, as OpenAI does not
 carry instructions over ``previous_response_id``), so a chain is one lookup however long it is,
-and pruning an old link does not break the responses that continued it.
+and pruning an old link does not break the responses that continued it. A turn on a conversation
+(daemon/responses/conversations.py) claims it with its placeholder and, only if it completes,
+adds its input and output items to it in the transaction that completes the row.
 
 Replicas sharing one store: a row names its ``owner`` (the replica running it). Any replica can
 read, delete, continue or cancel any row; a cancel (or delete) of a response that runs elsewhere
@@ -32,13 +34,24 @@ from __future__ import annotations
 
 import queue
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon.responses.db import Database, StoreError, connect
+from daemon.responses.conversations import (
+    ConversationCounts,
+    ConversationLimits,
+    Conversations,
+    ItemRow,
+    Turn,
+    output_row,
+    turn_of,
+)
+from daemon.responses.db import Database, Executor, StoreError, connect
 from daemon.responses.items import items_reply
 from daemon.responses.rows import (
+    PLACEHOLDERS_SQL,
     from_text_column,
     json_text,
     messages_decoder,
@@ -47,8 +60,9 @@ from daemon.responses.rows import (
     text_column,
 )
 from daemon.responses.schema import SCHEMA_VERSION
-from daemon.responses.watcher import PLACEHOLDERS_SQL, Watcher
+from daemon.responses.watcher import Watcher
 from ipc.records import (
+    CONVERSATION_OPS,
     PLACEHOLDER_STATUSES,
     Message,
     ResponseFields,
@@ -76,6 +90,10 @@ def previous_not_found(previous_response_id: str) -> str:
     return f"Previous response with id '{previous_response_id}' not found."
 
 
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
 def _fields(submit: Submit) -> ResponseFields:
     if submit.response is None:
         raise ValueError(f"Submit {submit.rid!r} of kind {submit.kind} has no response fields")
@@ -99,6 +117,7 @@ class ResponseStore:
         max_bytes: int = DEFAULT_MAX_BYTES,
         replica_id: str = "local",
         lease_s: float = DEFAULT_LEASE_S,
+        conversations: ConversationLimits = ConversationLimits(),  # noqa: B008 (frozen)
     ) -> None:
         self.max_count = max_count
         self.max_age_s = max_age_s
@@ -115,6 +134,11 @@ class ResponseStore:
         # The turn `conversation` built, kept for the `begin` of the same submit that follows it
         # in admission: one history lookup per response, not two.
         self._last_turn: tuple[Submit, list[Message]] | None = None
+        self.counts = ConversationCounts()
+        self.conversations = Conversations(self._db, conversations, clock, self.counts, _new_id)
+        # Turns on a conversation this process began and has not ended: what joins it if they
+        # complete.
+        self._turns: dict[str, Turn] = {}
 
     # --- the engine's side: one session's life ------------------------------------------------
 
@@ -140,23 +164,34 @@ class ResponseStore:
         turn = last[1] if last is not None and last[0] is submit else self._turn(fields)
         if turn is None:
             raise ValueError(previous_not_found(fields.previous_response_id or ""))
+        if fields.conversation is None:
+            self._insert(self._db, submit, turn)
+        else:  # the claim and the placeholder together, or neither
+            on = turn_of(submit.rid, fields)
+            with self._db.transaction() as tx:
+                self.conversations.claim(tx, on, submit.rid)
+                self._insert(tx, submit, turn)
+            self._turns[submit.rid] = on
+        self._placeholders.add(submit.rid)
+
+    def _insert(self, executor: Executor, submit: Submit, turn: list[Message]) -> None:
+        fields = _fields(submit)
         now = self._clock()
         status = ResponseStatus.QUEUED if fields.background else ResponseStatus.IN_PROGRESS
         instructions, messages = text_column(fields.instructions), json_text(turn)
-        inserted = self._db.execute(
+        inserted = executor.execute(
             "INSERT INTO responses (id, status, created_at, stored_at, model, instructions,"
             " previous_response_id, background, input_items, messages, temperature, top_p,"
-            " max_output_tokens, owner, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (id) DO NOTHING",
+            " max_output_tokens, owner, size, conversation_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?,"
+            " ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
             (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
              instructions, fields.previous_response_id, int(fields.background),
              fields.input_items, messages, submit.sampling.temperature,
              submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id,
-             row_size(fields.input_items, messages, instructions)),
+             row_size(fields.input_items, messages, instructions), fields.conversation),
         ).rowcount
         if inserted != 1:
             raise ValueError(f"response id {submit.rid!r} is already stored")
-        self._placeholders.add(submit.rid)
 
     def start(self, rid: str) -> None:
         """A queued (background) response got its first tick: in progress."""
@@ -184,7 +219,8 @@ class ResponseStore:
     ) -> None:
         """Completed; or incomplete when ``incomplete_reason`` is given (``max_output_tokens``)."""
         status = ResponseStatus.COMPLETED if incomplete_reason is None else ResponseStatus.INCOMPLETE
-        self._end(rid, status, output_text=text_column(output_text), usage=json_text(usage),
+        self._end(rid, status, output_row(rid, output_text, status.value),
+                  output_text=text_column(output_text), usage=json_text(usage),
                   incomplete_reason=incomplete_reason, completed_at=self._clock())
 
     def fail(self, rid: str, message: str) -> None:
@@ -196,10 +232,8 @@ class ResponseStore:
 
     def remove(self, rid: str) -> None:
         """Foreground abort: the placeholder goes. A terminal row (a cancelled one) is kept."""
-        self._placeholders.discard(rid)
-        self._db.execute(
-            f"DELETE FROM responses WHERE id = ? AND status IN {_PLACEHOLDERS_SQL}", (rid,)
-        )
+        self._settle(rid, f"DELETE FROM responses WHERE id = ? AND status IN {_PLACEHOLDERS_SQL}",
+                     (rid,))
 
     def num_placeholders(self) -> int:
         return len(self._placeholders)
@@ -209,17 +243,33 @@ class ResponseStore:
         history: list[Message] | None = []
         if fields.previous_response_id is not None:
             history = self.history(fields.previous_response_id)
+        elif fields.conversation is not None:
+            history = self.conversations.history(fields.conversation)
         if history is None:
             return None
         return history + fields.input
 
-    def _end(self, rid: str, status: ResponseStatus, **columns: Any) -> None:
-        self._placeholders.discard(rid)
+    def _end(self, rid: str, status: ResponseStatus, output: ItemRow | None = None,
+             **columns: Any) -> None:
         sets = "".join(f", {name} = ?" for name in columns)
-        self._db.execute(
-            f"UPDATE responses SET status = ?, size = size + ?{sets} WHERE id = ? AND status IN "
-            f"{_PLACEHOLDERS_SQL}", (status.value, row_size(*columns.values()), *columns.values(), rid),
-        )
+        self._settle(rid, f"UPDATE responses SET status = ?, size = size + ?{sets} WHERE id = ? "
+                     f"AND status IN {_PLACEHOLDERS_SQL}",
+                     (status.value, row_size(*columns.values()), *columns.values(), rid), output)
+
+    def _settle(self, rid: str, sql: str, params: tuple[Any, ...],
+                output: ItemRow | None = None) -> None:
+        """Ends a placeholder with ``sql`` (only a placeholder moves). A turn on a conversation
+        lets its claim go in the same transaction, and its items join the conversation there if
+        it completed right here (``output``: its output item)."""
+        self._placeholders.discard(rid)
+        turn = self._turns.pop(rid, None)
+        if turn is None:
+            self._db.execute(sql, params)
+            return
+        with self._db.transaction() as tx:
+            moved = tx.execute(sql, params).rowcount
+            self.conversations.release(tx, turn, rid, output if moved == 1 else None)
+        self.conversations.recount(self._db)
 
     # --- the proxy's side: GET / DELETE / cancel ----------------------------------------------
 
@@ -229,6 +279,8 @@ class ResponseStore:
         A CANCEL or DELETE answered with status 200 obliges the caller to abort the session with
         cause CANCEL (idempotent: harmless when the session has already ended).
         """
+        if op.op in CONVERSATION_OPS:
+            return self.conversations.handle_op(op)
         row = self._row(op.response_id)
         if row is None:
             return ResponseReply(op.op_id, 404,
@@ -316,9 +368,12 @@ class ResponseStore:
 
     def watcher(self, db: Database | None = None) -> Watcher:
         """This replica's housekeeping on ``db`` (default: this store's own connection)."""
-        return Watcher(db or self._db, self.replica_id, self.lease_s, self._cancels,
+        db = db or self._db
+        return Watcher(db, self.replica_id, self.lease_s, self._cancels,
                        max_count=self.max_count, max_age_s=self.max_age_s,
-                       max_bytes=self.max_bytes, clock=self._clock)
+                       max_bytes=self.max_bytes, clock=self._clock,
+                       conversations=Conversations(db, self.conversations.limits, self._clock,
+                                                   self.counts, _new_id))
 
     def start_watching(self) -> None:
         """Take the lease and run the housekeeping in its own thread, on its own connection."""
@@ -352,6 +407,10 @@ class ResponseStore:
 
         The watcher runs it every few seconds, off the tick."""
         return self.watcher().prune()
+
+    def conversation_counts(self) -> tuple[int, int]:
+        """Conversations and their items in the store, as last counted (no I/O)."""
+        return self.counts.conversations, self.counts.items
 
     def num_stored(self) -> int:
         return int(self._db.execute("SELECT count(*) AS n FROM responses").one()["n"])

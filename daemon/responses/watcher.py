@@ -1,5 +1,6 @@
 """What a replica does for a shared store off its tick thread: hold its lease, end the responses
-of replicas whose lease ran out, learn of cancels aimed at it, prune (by age, count and bytes).
+of replicas whose lease ran out, learn of cancels aimed at it, prune responses and conversations
+(by age, count and bytes).
 
 The tick never waits on this: the watcher runs in its own thread with its own connection and hands
 cancelled response ids over through a queue, which the tick drains at its start. On PostgreSQL it
@@ -15,9 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from daemon.responses.conversations import Conversations
 from daemon.responses.db import Database, Listener
-from daemon.responses.rows import text_column
-from ipc.records import PLACEHOLDER_STATUSES, ResponseStatus
+from daemon.responses.rows import PLACEHOLDERS_SQL, text_column
+from ipc.records import ResponseStatus
 
 log = logging.getLogger("tether.store")
 
@@ -25,15 +27,14 @@ OWNER_LOST_MESSAGE = "The replica running this response stopped before it finish
 POLL_S = 0.1  # the bound on how late an owner learns of a cancel (SQLite; PostgreSQL's backstop)
 LISTEN_BACKSTOP_S = 0.5  # PostgreSQL: a NOTIFY lost across a reconnect is found by this poll
 
-PLACEHOLDERS_SQL = "(" + ", ".join(sorted(f"'{s.value}'" for s in PLACEHOLDER_STATUSES)) + ")"
-
 
 class Watcher:
     """One replica's housekeeping on one connection; `start` runs it in a thread."""
 
     def __init__(self, db: Database, replica_id: str, lease_s: float,
                  cancels: queue.SimpleQueue[str], *, max_count: int, max_age_s: float,
-                 max_bytes: int, clock: Callable[[], float] = time.time) -> None:
+                 max_bytes: int, clock: Callable[[], float] = time.time,
+                 conversations: Conversations | None = None) -> None:
         self.db = db
         self.replica_id = replica_id
         self.lease_s = lease_s
@@ -42,6 +43,7 @@ class Watcher:
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes
         self.clock = clock
+        self.conversations = conversations
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -114,6 +116,8 @@ class Watcher:
         self.renew()
         self.sweep()
         self.prune()
+        if self.conversations is not None:
+            self.conversations.prune()  # and recount them for /metrics
 
     # --- the thread ------------------------------------------------------------------------------
 

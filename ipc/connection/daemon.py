@@ -101,10 +101,17 @@ class DaemonConnection:
         out += self._take_lost()
         return out
 
-    def read_requests(self) -> list[Submit | Stale]:
+    def read_requests(self) -> list[Submit | Stale | ResponseOp]:
+        """Submits (a stale one as Stale) and the current connection's conversation ops (an
+        earlier one's proxy has failed them already)."""
         epoch = self.epoch
-        return [rec if rec.epoch == epoch else Stale(rec)
-                for rec in self.pipes.read_requests() if isinstance(rec, Submit)]
+        out: list[Submit | Stale | ResponseOp] = []
+        for rec in self.pipes.read_requests():
+            if isinstance(rec, Submit):
+                out.append(rec if rec.epoch == epoch else Stale(rec))
+            elif isinstance(rec, ResponseOp) and rec.epoch == epoch:
+                out.append(rec)
+        return out
 
     def _take_lost(self) -> list[Lost]:
         loss = self.pipes.take_lost()  # EOF, EPIPE, a stalled reader or heartbeat silence

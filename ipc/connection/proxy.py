@@ -280,10 +280,10 @@ class ProxyConnection:
         cause = record.cause if isinstance(record, Abort) else None
         return self.pipes.send_control(encode_control(record), abort=cause)
 
-    def queue_submit(self, record: Submit) -> OutFrame:
-        """Queue one Submit frame, stamped with this connection's epoch; it goes out whole,
-        whatever becomes of the caller, or fails with this connection. DaemonUnavailable if
-        the daemon is down."""
+    def queue_submit(self, record: Submit | ResponseOp) -> OutFrame:
+        """Queue one Submit frame (or a conversation's ResponseOp, which can be as big), stamped
+        with this connection's epoch; it goes out whole, whatever becomes of the caller, or fails
+        with this connection. DaemonUnavailable if the daemon is down."""
         if not self.up:
             raise DaemonUnavailable("the engine daemon is not connected")
         record.epoch = self.epoch

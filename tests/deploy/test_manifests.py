@@ -123,6 +123,7 @@ def test_ingress_sends_stored_response_reads_to_the_pairs() -> None:
              for p in one("Ingress", "tether")["spec"]["rules"][0]["http"]["paths"]}
     assert paths[("/v1/responses", "Exact")] == "tether-router"
     assert paths[("/v1/responses/", "Prefix")] == "tether"
+    assert paths[("/v1/conversations", "Prefix")] == "tether"
     assert paths[("/", "Prefix")] == "tether-router"
 
 

@@ -207,3 +207,36 @@ def test_long_background_body_is_a_tether_extension(cluster: RoutedCluster) -> N
     chat = httpx.post(f"{cluster.url}/v1/chat/completions",
                       json={**CHAT, **LONG, "model": MODEL, "max_tokens": 3}, timeout=30.0)
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3
+
+
+def test_two_replicas_share_a_conversation_one_turn_at_a_time(cluster: RoutedCluster) -> None:
+    """Made on one replica, continued on the other; a background turn running on one makes a turn
+    on the other a 409, and cancelled from the other it appends nothing."""
+    one, two = (r.client() for r in cluster.replicas)
+    conv = one.post("/v1/conversations", json={"items": [
+        {"type": "message", "role": "user", "content": "hello"}]}).json()["id"]
+    turn = two.post("/v1/responses", json={"input": "on two", "conversation": conv,
+                                           "max_output_tokens": 4})
+    assert turn.status_code == 200, turn.text
+
+    def texts(client: httpx.Client) -> list[str]:
+        items = client.get(f"/v1/conversations/{conv}/items", params={"order": "asc"}).json()
+        return [x["content"][0]["text"] for x in items["data"]]
+
+    seen = texts(one)
+    assert seen[:2] == ["hello", "on two"] and len(seen) == 3 and seen == texts(two)
+    running = one.post("/v1/responses", json={**BACKGROUND, "conversation": conv}).json()["id"]
+    wait_for(lambda: cluster.running()[0] == 1, 60, "the background turn running")
+    busy = two.post("/v1/responses", json={"input": "meanwhile", "conversation": conv,
+                                           "max_output_tokens": 4})
+    assert busy.status_code == 409 and running in busy.text, busy.text
+    assert two.post(f"/v1/responses/{running}/cancel").json()["status"] == "cancelled"
+    wait_for(lambda: cluster.running()[0] == 0, 30, "the owner evicting the cancelled turn")
+    assert texts(two) == seen
+    after = two.post("/v1/responses", json={"input": "after", "conversation": conv,
+                                            "max_output_tokens": 4})
+    assert after.status_code == 200, after.text
+    assert two.delete(f"/v1/conversations/{conv}").status_code == 200
+    assert one.get(f"/v1/conversations/{conv}").status_code == 404
+    one.close()
+    two.close()

@@ -166,6 +166,16 @@ def test_real_requests_and_answers_match_the_document(server: Server,
                                       background=True, extra_body={"ignore_eos": True})
     oai.responses.cancel(background.id)
     oai.responses.delete(created.id)
+    user: Any = [{"type": "message", "role": "user", "content": "hi"}]
+    conv = oai.conversations.create(items=user, metadata={"k": "v"})
+    oai.conversations.retrieve(conv.id)
+    oai.conversations.update(conv.id, metadata={"k": "w"})
+    oai.responses.create(model=model, input="hi", conversation=conv.id, max_output_tokens=4)
+    added = oai.conversations.items.create(conv.id, items=user)
+    oai.conversations.items.list(conv.id, order="asc")
+    oai.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id)
+    oai.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+    oai.conversations.delete(conv.id)
     for call in (lambda: oai.responses.retrieve(created.id),
                  lambda: oai.completions.create(model="nope", prompt="x"),
                  lambda: oai.chat.completions.create(model=model, messages=messages,

@@ -79,7 +79,7 @@ R_GET = {"type": "function", "name": "get", "parameters": GET["function"]["param
 
 
 def responses_use_of(**body: Any) -> Any:
-    req, _, _ = decode_request(orjson.dumps({"input": "hi", **body}), ("m",))
+    req = decode_request(orjson.dumps({"input": "hi", **body}), ("m",)).req
     return tool_use(req)
 
 

@@ -1,0 +1,183 @@
+"""Conversations in the response store, on each backend (SQLite and PostgreSQL): the CRUD ops, and
+turns that append atomically on completion and append nothing otherwise."""
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from daemon.rejected import Rejected
+from daemon.responses.conversations import ConversationLimits
+from daemon.responses.store import ResponseStore
+from ipc.records import (
+    ConversationItems,
+    ItemsPage,
+    Message,
+    RequestKind,
+    ResponseFields,
+    ResponseOp,
+    ResponseOpKind,
+    ResponseReply,
+    SamplingParams,
+    Submit,
+    Usage,
+)
+from proxy.input_items import input_item_objects
+from tests.daemon.responses.test_store import Clock, Open, clock, open_store, target
+
+__all__ = ["clock", "open_store", "target"]  # the fixtures, shared with test_store
+
+K = ResponseOpKind
+
+
+def user_items(*texts: str) -> ConversationItems:
+    items = [{"type": "message", "role": "user", "content": t} for t in texts]
+    return ConversationItems(msgspec.json.encode(items).decode(),
+                             [[Message("user", t)] for t in texts])
+
+
+def op(store: ResponseStore, kind: ResponseOpKind, cid: str = "conv_1", **kw: Any) -> ResponseReply:
+    return store.handle_op(ResponseOp(f"op-{kind}", kind, cid, 1, **kw), running=False)
+
+
+def texts(reply: ResponseReply) -> list[str]:
+    assert reply.status == 200 and reply.input_items is not None, reply
+    objects = input_item_objects(reply.input_items, reply.item_ids)
+    return [o["content"][0]["text"] for o in objects]
+
+
+def turn(rid: str, text: str, cid: str = "conv_1", background: bool = False) -> Submit:
+    items = msgspec.json.encode([{"type": "message", "role": "user", "content": text}]).decode()
+    fields = ResponseFields(background=background, input=[Message("user", text)],
+                            input_items=items, created_at=1, model="tiny", conversation=cid,
+                            input_spans=[1])
+    return Submit(rid, RequestKind.RESPONSE, SamplingParams(max_tokens=8), response=fields, epoch=1)
+
+
+def start(store: ResponseStore, sub: Submit) -> list[Message]:
+    """What admission does: the history, then the placeholder (and the claim)."""
+    messages = store.conversation(sub)
+    assert messages is not None
+    store.begin(sub)
+    return messages
+
+
+@pytest.fixture
+def store(open_store: Open) -> ResponseStore:
+    return open_store()
+
+
+def test_create_get_update_delete(store: ResponseStore) -> None:
+    reply = op(store, K.CONVERSATION_CREATE, items=user_items("a", "b"), metadata={"k": "v"})
+    assert reply.status == 200 and reply.conversation is not None
+    assert reply.conversation.metadata == {"k": "v"}
+    got = op(store, K.CONVERSATION_GET)
+    assert got.conversation is not None and got.conversation.metadata == {"k": "v"}
+    assert op(store, K.CONVERSATION_UPDATE, metadata={"x": "y"}).conversation.metadata == {"x": "y"}
+    assert store.conversation_counts() == (1, 2)
+    assert op(store, K.CONVERSATION_DELETE).deleted
+    assert op(store, K.CONVERSATION_GET).status == 404
+    assert op(store, K.CONVERSATION_ITEMS).status == 404
+    assert store.conversation_counts() == (0, 0)
+
+
+def test_items_page_append_get_delete(store: ResponseStore) -> None:
+    op(store, K.CONVERSATION_CREATE, items=user_items("a", "b"))
+    added = op(store, K.CONVERSATION_ADD_ITEMS, items=user_items("c", "d", "e"))
+    assert texts(added) == ["c", "d", "e"] and all(i.startswith("msg_") for i in added.item_ids)
+    page = op(store, K.CONVERSATION_ITEMS, page=ItemsPage(limit=2, order="asc"))
+    assert texts(page) == ["a", "b"] and page.has_more
+    after = op(store, K.CONVERSATION_ITEMS, page=ItemsPage(limit=10, order="asc",
+                                                           after=page.item_ids[-1]))
+    assert texts(after) == ["c", "d", "e"] and not after.has_more
+    desc = op(store, K.CONVERSATION_ITEMS, page=ItemsPage(limit=10))
+    assert texts(desc) == ["e", "d", "c", "b", "a"]
+    c_id = added.item_ids[0]
+    assert texts(op(store, K.CONVERSATION_ITEM_GET, item_id=c_id)) == ["c"]
+    assert op(store, K.CONVERSATION_ITEM_DELETE, item_id=c_id).conversation is not None
+    assert op(store, K.CONVERSATION_ITEM_GET, item_id=c_id).status == 404
+    assert op(store, K.CONVERSATION_ITEM_DELETE, item_id=c_id).status == 404
+    assert op(store, K.CONVERSATION_ITEMS, page=ItemsPage(after="nope")).status == 400
+    assert store.conversation_counts() == (1, 4)
+
+
+def test_a_turn_appends_its_input_and_output_when_it_completes(store: ResponseStore) -> None:
+    op(store, K.CONVERSATION_CREATE, items=user_items("first"))
+    assert start(store, turn("resp_1", "second")) == [Message("user", "first"),
+                                                     Message("user", "second")]
+    assert texts(op(store, K.CONVERSATION_ITEMS, page=ItemsPage(order="asc"))) == ["first"]
+    store.complete("resp_1", "answer", Usage(3, 1))
+    listed = op(store, K.CONVERSATION_ITEMS, page=ItemsPage(order="asc"))
+    assert texts(listed) == ["first", "second", "answer"]
+    assert listed.item_ids[1:] == ["msg_1_0", "msg_1"]  # as the response lists them
+    assert start(store, turn("resp_2", "third"))[-2:] == [Message("assistant", "answer"),
+                                                         Message("user", "third")]
+    get = store.handle_op(ResponseOp("g", K.GET, "resp_1", 1), running=False)
+    assert get.response is not None and get.response.conversation == "conv_1"
+
+
+@pytest.mark.parametrize("ending", ["remove", "fail", "cancel"])
+def test_a_turn_that_does_not_complete_appends_nothing(store: ResponseStore, ending: str) -> None:
+    op(store, K.CONVERSATION_CREATE, items=user_items("first"))
+    start(store, turn("resp_1", "second", background=ending == "cancel"))
+    if ending == "fail":
+        store.fail("resp_1", "boom")
+    else:
+        getattr(store, ending)("resp_1")
+    store.complete("resp_1", "late", Usage(1, 1))  # a late completion moves nothing
+    assert texts(op(store, K.CONVERSATION_ITEMS, page=ItemsPage(order="asc"))) == ["first"]
+    assert store.num_placeholders() == 0
+    start(store, turn("resp_2", "again"))  # the claim was let go
+
+
+def test_a_second_turn_while_one_runs_is_409_naming_it(open_store: Open) -> None:
+    one, two = open_store("r1"), open_store("r2")  # two replicas of one store
+    op(one, K.CONVERSATION_CREATE)
+    start(one, turn("resp_1", "a"))
+    with pytest.raises(Rejected, match="resp_1") as exc:
+        start(two, turn("resp_2", "b"))
+    assert exc.value.status == 409
+    assert two.handle_op(ResponseOp("g", K.GET, "resp_2", 1), running=False).status == 404
+    one.complete("resp_1", "done", Usage(1, 1))
+    start(two, turn("resp_2", "b"))
+    two.complete("resp_2", "done too", Usage(1, 1))
+    assert texts(op(one, K.CONVERSATION_ITEMS, page=ItemsPage(order="asc"))) == [
+        "a", "done", "b", "done too"]
+
+
+def test_a_stale_claim_is_taken_over(store: ResponseStore) -> None:
+    op(store, K.CONVERSATION_CREATE)
+    start(store, turn("resp_1", "a"))
+    store.db.execute("DELETE FROM responses WHERE id = ?", ("resp_1",))  # a crash leftover
+    start(store, turn("resp_2", "b"))
+
+
+def test_unknown_and_full_conversations_are_refused(open_store: Open) -> None:
+    store = open_store(conversations=ConversationLimits(max_items=3))
+    assert store.conversation(turn("resp_1", "a", cid="conv_none")) is None
+    op(store, K.CONVERSATION_CREATE, items=user_items("a", "b"))
+    with pytest.raises(Rejected) as exc:
+        start(store, turn("resp_1", "c"))  # its input and its output: 4 > 3
+    assert exc.value.status == 400
+    assert op(store, K.CONVERSATION_ADD_ITEMS, items=user_items("c", "d")).status == 400
+    assert op(store, K.CONVERSATION_ADD_ITEMS, items=user_items("c")).status == 200
+
+
+def test_prune_by_count_age_and_bytes(open_store: Open, clock: Clock) -> None:
+    store = open_store(conversations=ConversationLimits(max_count=2, max_age_s=100.0,
+                                                        max_bytes=10_000))
+    for i in range(3):
+        clock.now += 1
+        op(store, K.CONVERSATION_CREATE, f"conv_{i}", items=user_items(str(i)))
+    assert store.conversations.prune() == 1
+    assert op(store, K.CONVERSATION_GET, "conv_0").status == 404
+    assert store.conversation_counts() == (2, 2)
+    op(store, K.CONVERSATION_ADD_ITEMS, "conv_2", items=user_items("x" * 20_000))
+    op(store, K.CONVERSATION_GET, "conv_1")  # a read is no change: conv_1 stays the oldest
+    assert store.conversations.prune() == 2  # conv_2 is past the bytes, and conv_1 is older
+    assert store.conversation_counts() == (0, 0)
+    op(store, K.CONVERSATION_CREATE, "conv_3", items=user_items("3"))
+    clock.now += 200
+    assert store.conversations.prune() == 1  # by age
+    rows = store.db.execute("SELECT count(*) AS n FROM conversation_items").one()
+    assert rows["n"] == 0
