@@ -145,7 +145,7 @@ class ByteTokenizer:
         return ids
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        return bytes(i for i in ids if 0 <= i < 256)
+        return bytes([i for i in ids if 0 <= i < 256])
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
