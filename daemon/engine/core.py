@@ -56,9 +56,9 @@ class Runner(Protocol):
 
 
 def _default_detokenizer(tokenizer: Tokenizer) -> Callable[[list[int]], Detokenizer]:
-    from daemon.model.tokenizer import IncrementalDetokenizer
+    from daemon.model.tokenizer import incremental_detokenizer
 
-    return lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids)
+    return lambda prompt_ids: incremental_detokenizer(tokenizer, prompt_ids)
 
 
 class Engine:
