@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 PIP_TORCH := $(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
 ARGS ?=
 
-.PHONY: serve cluster test lint loadtest bench clean
+.PHONY: serve cluster test lint loadtest bench bench-host clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "tether needs Python >= 3.11 (set PYTHON=python3.11)")'
@@ -60,6 +60,11 @@ bench: $(VENV)/.installed-dev
 		name=$$(basename "$$script" .py); \
 		echo "== $$name"; $(BIN)/python -m "loadtest.$$name" $(ARGS); \
 	done
+
+# Host cost per sequence per tick on sim:0; before/after in one run:
+#   make bench-host ARGS="--against /path/to/other/checkout"
+bench-host: $(VENV)/.installed-dev
+	$(BIN)/python -m loadtest.bench_host $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache results

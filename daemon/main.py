@@ -118,7 +118,10 @@ def _build_runner(options: ModelOptions) -> tuple[Built, Ranks | None]:
     """The runner and what the engine needs of the model, and the tensor-parallel ranks when
     there are several; ValueError naming what is wrong."""
     if options.model.startswith("sim:"):
+        import torch
+
         from daemon.model import sim
+        from daemon.model.parallel.group import threads_per_rank
 
         tick_s = sim.parse_spec(options.model)
         if options.kv_cache_mib:
@@ -127,6 +130,9 @@ def _build_runner(options: ModelOptions) -> tuple[Built, Ranks | None]:
         if options.tensor_parallel_size > 1:
             raise ValueError("a sim: model has no weights to split; --tensor-parallel-size "
                              "must be 1")
+        # The sampler's threads, as a model's (below): on shared cores a second thread made
+        # every softmax wait milliseconds for it.
+        torch.set_num_threads(threads_per_rank(options.threads, 1))
         tokenizer = sim.SimTokenizer()
         return (sim.SimRunner(tokenizer, options.kv_cache_blocks, tick_s), tokenizer,
                 options.model, sim.SIM_MAX_MODEL_LEN), None

@@ -51,7 +51,7 @@ class ServerPair:
 
     def __init__(self, model: str = "builtin:tiny", max_num_seqs: int | None = None,
                  extra_args: Sequence[str] = (), startup_timeout: float = 120.0,
-                 fd_limit: int | None = None) -> None:
+                 fd_limit: int | None = None, repo: Path = REPO) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.tmp = Path(tempfile.mkdtemp(prefix="tether-lt-"))
@@ -67,13 +67,15 @@ class ServerPair:
         # gives it: 1024); None: inherited.
         self.fd_limit = fd_limit
         self.proc: subprocess.Popen[bytes] | None = None
+        self.repo = repo  # the checkout it runs (first on its PYTHONPATH)
 
     def start(self) -> ServerPair:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.repo),
+                                                          env.get("PYTHONPATH")]))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=REPO, env=env, start_new_session=True,
+                                         cwd=self.repo, env=env, start_new_session=True,
                                          preexec_fn=self._limit_fds)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

@@ -56,9 +56,9 @@ class Runner(Protocol):
 
 
 def _default_detokenizer(tokenizer: Tokenizer) -> Callable[[list[int]], Detokenizer]:
-    from daemon.model.tokenizer import IncrementalDetokenizer
+    from daemon.model.tokenizer import incremental_detokenizer
 
-    return lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids)
+    return lambda prompt_ids: incremental_detokenizer(tokenizer, prompt_ids)
 
 
 class Engine:
@@ -305,13 +305,15 @@ class Engine:
         seq.token_ids.append(token)
         seq.pending_token_ids.append(token)
         p = seq.params
-        can_stop = seq.num_generated >= p.min_tokens
+        num_tokens = len(seq.token_ids)  # read once: this runs for every token of every stream
+        generated = num_tokens - seq.num_prompt_tokens
+        can_stop = generated >= p.min_tokens
         if can_stop and (token in p.stop_token_ids or (token in self._eos and not p.ignore_eos)):
             return self._final_text(seq), FinishReason.STOP
         text = seq.stops.push(seq.detok.push(token), can_stop)
         if seq.stops.stopped:
             return text, FinishReason.STOP
-        if seq.num_generated >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        if generated >= seq.max_tokens or num_tokens >= self.max_model_len:
             return text + self._final_text(seq), FinishReason.LENGTH
         return text, None
 

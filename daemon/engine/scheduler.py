@@ -124,7 +124,22 @@ class Scheduler:
         scheduled: set[int] = set()
         shares = self.turns.shares()
         self._make_room(shares)
-        budget = self.max_tokens_per_tick
+        budget = self._decode(batch, self.max_tokens_per_tick, scheduled)
+        self._prefill(batch, budget, scheduled)
+        return batch
+
+    def _decode(self, batch: Batch, budget: int, scheduled: set[int]) -> int:
+        """One token for each running sequence that has one to compute, in order, while the
+        budget lasts; the budget left."""
+        ready = [seq for seq in self.running if seq.status is SeqStatus.RUNNING
+                 and not seq.paused and len(seq.token_ids) - seq.num_computed == 1][:budget]
+        if sum(self._blocks_needed(seq, 1) for seq in ready) <= self._num_available:
+            # Everyone's blocks are free: nobody is preempted, so no _reserve per sequence.
+            bm = self.block_manager
+            for seq in ready:
+                bm.may_append(seq.block_table, seq.num_computed + 1)
+                self._add(batch, seq, 1, scheduled)
+            return budget - len(ready)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -132,8 +147,7 @@ class Scheduler:
                     and seq.seq_id not in scheduled and self._reserve(seq, 1, scheduled)):
                 self._add(batch, seq, 1, scheduled)
                 budget -= 1
-        self._prefill(batch, budget, scheduled)
-        return batch
+        return budget
 
     def _prefill(self, batch: Batch, budget: int, scheduled: set[int]) -> None:
         """Prompt chunks and admissions, request by request in turn order."""

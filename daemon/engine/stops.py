@@ -21,6 +21,8 @@ class StopMatcher:
         """
         if self.stopped:
             return ""
+        if not self.stops:  # nothing is ever held back: the common case, at no cost
+            return text
         buf = self._held + text
         if can_stop and self.stops:
             cut = _first_match(buf, self.stops)

@@ -59,11 +59,13 @@ class SimTokenizer(ByteTokenizer):
         self.first_word_id = self.vocab_size
         self._word_bytes = [w.encode() for w in WORDS]
         self.vocab_size += len(WORDS)
+        # Every id's bytes (a special's none): decoding is a lookup per id.
+        self._bytes_of = [bytes((i,)) for i in range(256)] + [b""] * (self.first_word_id - 256)
+        self._bytes_of += self._word_bytes
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        first, words = self.first_word_id, self._word_bytes
-        return b"".join(bytes((i,)) if 0 <= i < 256 else words[i - first]
-                        for i in ids if 0 <= i < 256 or first <= i < self.vocab_size)
+        table, size = self._bytes_of, self.vocab_size
+        return b"".join([table[i] for i in ids if 0 <= i < size])
 
     def token_bytes(self, token_id: int) -> bytes:
         if token_id >= self.first_word_id:

@@ -95,7 +95,7 @@ class ByteTokenizer:
         return ids
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        return bytes(i for i in ids if 0 <= i < 256)
+        return bytes([i for i in ids if 0 <= i < 256])
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -317,3 +317,42 @@ class IncrementalDetokenizer:
         if self._prefix > self.MAX_WINDOW:
             del self._ids[: self._prefix]
             self._prefix = 0
+
+
+class ByteDetokenizer:
+    """IncrementalDetokenizer's pieces for the byte tokenizers (ByteTokenizer and the sim's),
+    whose text is the UTF-8 of their ids' bytes: one decode per id, of the bytes since the text
+    last settled, instead of two of a window of ids. Past a settled point (text not ending in
+    U+FFFD: the last character is complete) decoding is concatenation, so dropping the ids
+    before it changes no piece; the prompt's last ids start it, as they start the window."""
+
+    def __init__(self, tokenizer: ByteTokenizer, prompt_ids: Sequence[int] = ()) -> None:
+        self._bytes = tokenizer.decode_bytes
+        self._pending = self._bytes(prompt_ids[-IncrementalDetokenizer.PROMPT_CONTEXT :])
+        self._sent = len(self._pending.decode("utf-8", errors="replace"))
+
+    def push(self, token_id: int) -> str:
+        self._pending += self._bytes((token_id,))
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        text = self._pending.decode("utf-8", errors="replace")
+        settled = final or not text.endswith("\ufffd")
+        stable = text if settled else text[:-1]
+        out = stable[self._sent :]
+        if settled:
+            self._pending, self._sent = b"", 0
+        else:
+            self._sent = max(self._sent, len(stable))
+        return out
+
+
+def incremental_detokenizer(tokenizer: Tokenizer,
+                            prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer | ByteDetokenizer:
+    """The cheapest detokenizer that gives `tokenizer`'s pieces."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return ByteDetokenizer(tokenizer, prompt_ids)
+    return IncrementalDetokenizer(tokenizer, prompt_ids)

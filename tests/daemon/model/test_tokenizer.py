@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from daemon.model.chat_template import tool_call_format
 from daemon.model.tokenizer import (
     BYTE_SPECIALS,
+    ByteDetokenizer,
     ByteTokenizer,
     ChatTemplateError,
     HFTokenizer,
@@ -83,6 +84,19 @@ def test_incremental_detok_holds_only_the_unfinished_character() -> None:
 def test_incremental_detok_of_bytes_completing_after_a_long_invalid_run() -> None:
     ids = [0xE6] * 20 + list("日".encode())[1:]
     assert "".join(stream(BYTES, ids)) == bytes(ids).decode(errors="replace")
+
+
+@settings(max_examples=300)
+@given(st.lists(st.sampled_from([0x61, 0x20, 0xE2, 0x82, 0xAC, 0xE6, 0x97, 0xA5, 0xF0, 0x9F,
+                                 0x98, 0x80, 0xFF, 0x80, 256, 257]), max_size=12),
+       st.lists(st.sampled_from([0x61, 0x20, 0xE2, 0x82, 0xAC, 0xE6, 0x97, 0xA5, 0xF0, 0x9F,
+                                 0x98, 0x80, 0xFF, 0x80, 256, 257]), max_size=40))
+def test_byte_detok_gives_the_incremental_detoks_pieces(prompt: list[int],
+                                                        ids: list[int]) -> None:
+    # Piece by piece, flush included, whatever the prompt's tail leaves unfinished.
+    window, lookup = IncrementalDetokenizer(BYTES, prompt), ByteDetokenizer(BYTES, prompt)
+    assert [lookup.push(i) for i in ids] == [window.push(i) for i in ids]
+    assert lookup.flush() == window.flush()
 
 
 def test_incremental_detok_skips_eos() -> None:
