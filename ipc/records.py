@@ -30,7 +30,8 @@ import msgspec
 # 10: tools (Submit.tools, Message.tool_calls / tool_call_id, Welcome.tool_call_format,
 # ResponseFields.tool_call_format, StoredResponse.tool_call_format)
 # 11: conversations (ResponseOp CONVERSATION_* on the requests pipe, ResponseFields.conversation)
-PROTOCOL_VERSION = 11
+# 12: ResponseFields.echo / StoredResponse.echo (the request fields a Response object echoes)
+PROTOCOL_VERSION = 12
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -239,6 +240,9 @@ class ResponseFields(msgspec.Struct, frozen=True):
     # and the output join it. `input_spans[i]`: how many of `input` input item i renders as.
     conversation: str | None = None
     input_spans: list[int] = []
+    # The request fields the Response object echoes (text, tools, tool_choice, metadata, ...),
+    # as JSON text of an object: stored as they are, read by the proxy only.
+    echo: str = "{}"
 
 
 # --- proxy -> daemon: requests pipe -------------------------------------------------------------
@@ -488,6 +492,7 @@ class StoredResponse(msgspec.Struct, frozen=True):
     max_output_tokens: int | None = None
     tool_call_format: ToolCallFormat | None = None  # the output holds tool calls in this format
     conversation: str | None = None  # the conversation it is a turn of
+    echo: str = "{}"  # ResponseFields.echo, as stored
 
 
 class StoredConversation(msgspec.Struct, frozen=True):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from ipc.records import PLACEHOLDER_STATUSES, ResponseStatus, StoredResponse, Usage
 
 
@@ -46,6 +48,14 @@ def output_message(msg_id: str, status: ResponseStatus, text: str) -> dict[str, 
     }
 
 
+# The request fields a Response object echoes, as OpenAI answers when the request left them out.
+ECHO_DEFAULTS: dict[str, Any] = {
+    "metadata": {}, "parallel_tool_calls": True, "reasoning": {"effort": None, "summary": None},
+    "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+    "truncation": "disabled", "user": None,
+}
+
+
 def build_response(
     *,
     id: str,
@@ -66,12 +76,12 @@ def build_response(
     max_output_tokens: int | None = None,
     completed_at: float | None = None,
     output: list[dict[str, Any]] | None = None,
-    text: dict[str, Any] | None = None,
+    echo: dict[str, Any] | None = None,
     conversation: str | None = None,
 ) -> dict[str, Any]:
     """The wire object; ``output_text`` None means no output item (queued, in progress), and
-    ``output`` (the items) is the output in its place; ``text`` is the request's text config as
-    echoed (free text when None)."""
+    ``output`` (the items) is the output in its place; ``echo`` what the request gave of the
+    fields the object echoes (the rest: their defaults)."""
     status = ResponseStatus(status)
     if output is None:
         output = []
@@ -83,8 +93,8 @@ def build_response(
     return {
         "id": id,
         "object": "response",
-        "created_at": created_at,
-        "completed_at": completed_at,
+        "created_at": int(created_at),
+        "completed_at": None if completed_at is None else int(completed_at),
         "conversation": None if conversation is None else {"id": conversation},
         "status": status.value,
         "background": background,
@@ -92,35 +102,30 @@ def build_response(
         "incomplete_details": incomplete_details,
         "instructions": instructions,
         "max_output_tokens": max_output_tokens,
-        "metadata": {},
         "model": model,
         "output": output,
-        "parallel_tool_calls": True,
         "previous_response_id": previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
         "store": store,
         "temperature": temperature,
-        "text": text or {"format": {"type": "text"}},
-        "tool_choice": "auto",
-        "tools": [],
         "top_p": top_p,
-        "truncation": "disabled",
         "usage": None if usage is None else _usage_object(usage),
-        "user": None,
+        **ECHO_DEFAULTS,
+        **(echo or {}),
     }
 
 
 def stored_response_object(stored: StoredResponse,
-                           text: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A stored response as GET and cancel answer with it (the store does not keep the
-    request's text config: ``text`` where the proxy still knows it)."""
+                           output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A stored response as GET and cancel answer with it; ``output`` its items where they are
+    more than its text (tool calls: proxy/responses_events.py)."""
     return build_response(
         id=stored.id, status=stored.status, created_at=stored.created_at, model=stored.model,
         output_text=stored.output_text, usage=stored.usage, instructions=stored.instructions,
         previous_response_id=stored.previous_response_id, background=stored.background,
         store=True, error=stored.error, incomplete_reason=stored.incomplete_reason,
         temperature=stored.temperature, top_p=stored.top_p,
-        max_output_tokens=stored.max_output_tokens, completed_at=stored.completed_at, text=text,
+        max_output_tokens=stored.max_output_tokens, completed_at=stored.completed_at,
+        output=output, echo=msgspec.json.decode(stored.echo),
         conversation=stored.conversation,
     )
 

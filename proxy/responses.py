@@ -33,9 +33,9 @@ from proxy.exchange import exchange
 from proxy.input_items import MAX_ITEM_ID, input_item_objects
 from proxy.metrics import RequestTimer
 from proxy.options import ProxyOptions
-from proxy.response_object import deleted_object, stored_response_object
+from proxy.response_object import deleted_object
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
-from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record
+from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record, stored_object
 from proxy.responses_request import (
     build_submit,
     decode_request,
@@ -162,14 +162,13 @@ async def _sse(batches: AsyncGenerator[list[Event], None]) -> AsyncGenerator[byt
 
 
 def _reply(reply: ResponseReply, rid: str, run: BackgroundRun | None = None) -> Response:
-    """The daemon's answer about response `rid`: the stored response (with the request's text
-    config where this proxy still holds its run), its deletion or an error."""
+    """The daemon's answer about response `rid`: the stored response, its deletion or an
+    error."""
     if reply.status == 200 and reply.deleted:
         return JSONResponse(deleted_object(rid))
     if reply.status == 200:
         stored = reply.response
-        text = run.events.params.text if run is not None else None
-        return JSONResponse(None if stored is None else stored_response_object(stored, text))
+        return JSONResponse(None if stored is None else stored_object(stored))
     code = "not_found" if reply.status == 404 else None
     raise ApiError(reply.status, reply.message or f"response operation failed ({reply.status})",
                    param=reply.param, code=code)

@@ -25,6 +25,8 @@ import dataclasses
 import time
 from typing import Any
 
+import msgspec
+
 from ipc.records import (
     AbortCause,
     Delta,
@@ -34,6 +36,7 @@ from ipc.records import (
     StoredResponse,
     Usage,
 )
+from proxy.errors import ApiError
 from proxy.response_object import (
     build_response,
     item_status,
@@ -41,8 +44,10 @@ from proxy.response_object import (
     output_message,
     stored_response_object,
 )
+from proxy.tool_calls import call_ids
 from proxy.tool_calls.parser import CallStart, Content, FormatParser
 from proxy.tool_calls.parser import Event as Parsed
+from proxy.tool_requests import ResponsesTool, ResponsesToolChoice, responses_tool_use
 
 Event = dict[str, Any]
 
@@ -68,7 +73,7 @@ class ResponseParams:
     temperature: float | None
     top_p: float | None
     max_output_tokens: int | None
-    text: dict[str, Any] | None = None  # the request's text config as echoed (proxy/guides.py)
+    echo: dict[str, Any] | None = None  # what the object echoes of its request (ResponseFields.echo)
     conversation: str | None = None  # the conversation it is a turn of
 
 
@@ -145,7 +150,7 @@ class ResponseEvents:
             previous_response_id=p.previous_response_id, background=p.background, store=p.store,
             error=out.error if out else None,
             temperature=p.temperature, top_p=p.top_p, max_output_tokens=p.max_output_tokens,
-            completed_at=self.completed_at, text=p.text, conversation=p.conversation,
+            completed_at=self.completed_at, echo=p.echo, conversation=p.conversation,
         )
 
     def created(self) -> list[Event]:
@@ -275,7 +280,7 @@ class ResponseEvents:
         self.status = stored.status
         self.completed_at = stored.completed_at
         events.append(self._event(TERMINAL_EVENTS[stored.status],
-                                  response=stored_response_object(stored, self.params.text)))
+                                  response=stored_object(stored)))
         return events
 
     def error(self, message: str, code: str | None, param: str | None) -> list[Event]:
@@ -303,3 +308,38 @@ class ResponseEvents:
         event = {"type": type_, "sequence_number": self.num_events, **fields}
         self.num_events += 1
         return event
+
+
+def stored_object(stored: StoredResponse) -> dict[str, Any]:
+    """A stored response as the API answers with it. An output that may hold tool calls (the
+    store keeps their format; the echoed request, the tools) is parsed again, as it streamed,
+    so that a GET lists the same items the stream did."""
+    fmt = stored.tool_call_format
+    if fmt is None or stored.output_text is None:
+        return stored_response_object(stored)
+    echo = msgspec.json.decode(stored.echo)
+    try:
+        use = responses_tool_use(
+            _typed(echo.get("tools"), list[ResponsesTool] | None),
+            _typed(echo.get("tool_choice"), ResponsesToolChoice | None),
+            echo.get("parallel_tool_calls"))
+    except (msgspec.ValidationError, ApiError):  # a row no release of this code writes
+        return stored_response_object(stored)
+    parser = None if use is None else use.parser(fmt, call_ids(fmt, stored.id))
+    if parser is None:
+        return stored_response_object(stored)
+    params = ResponseParams(
+        id=stored.id, created_at=stored.created_at, model=stored.model,
+        instructions=stored.instructions, previous_response_id=stored.previous_response_id,
+        background=stored.background, store=True, temperature=stored.temperature,
+        top_p=stored.top_p, max_output_tokens=stored.max_output_tokens, echo=echo,
+        conversation=stored.conversation)
+    events = ResponseEvents(params, parser)
+    events.delta(stored.output_text)
+    events.finish(Outcome(stored.status, stored.usage, stored.error))
+    return stored_response_object(stored, events.snapshot()["output"])
+
+
+def _typed(value: Any, kind: Any) -> Any:
+    # Through JSON: a tool's parameters are a msgspec.Raw.
+    return msgspec.json.decode(msgspec.json.encode(value), type=kind)

@@ -81,8 +81,7 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     priority: Annotated[Any, refused(NO_PRIORITY, 1, (0,))] = None
     user: Annotated[str | None, no_op(END_USER,
                                       "user-1")] = None
-    metadata: Annotated[Metadata | None, no_op("not yet stored with the response",
-                                               {"k": "v"})] = None
+    metadata: Metadata | None = None  # stored with the response and echoed
     stream_options: ResponseStreamOptions | None = None
     prompt_cache_key: Annotated[str | None, no_op(CACHE_HINT, "k")] = None
     prompt_cache_retention: Annotated[str | None, no_op(CACHE_HINT, "24h")] = None
@@ -166,13 +165,27 @@ def conversation_input(input: str | list[InputItem]) -> tuple[list[Message], lis
     return [m for group in groups for m in group], [len(group) for group in groups]
 
 
+# What the Response object echoes of its request, when the request gave it (the rest: the
+# object's defaults, proxy/response_object.py).
+_ECHOED = ("tools", "tool_choice", "parallel_tool_calls", "metadata", "truncation", "reasoning",
+           "user", "safety_identifier", "prompt_cache_key", "top_logprobs")
+
+
+def request_echo(req: CreateResponse) -> dict[str, Any]:
+    # Through JSON: a tool's parameters are kept as the client's raw JSON.
+    echo = {name: msgspec.json.decode(msgspec.json.encode(getattr(req, name)))
+            for name in _ECHOED if getattr(req, name) is not None}
+    echo["text"] = text_echo(req.text)
+    return echo
+
+
 def response_params(req: CreateResponse, rid: str, model: str,
                     sampling: SamplingParams) -> ResponseParams:
     return ResponseParams(
         id=rid, created_at=int(time.time()), model=model, instructions=req.instructions,
         previous_response_id=req.previous_response_id, background=req.background,
         store=req.store, temperature=sampling.temperature, top_p=sampling.top_p,
-        max_output_tokens=req.max_output_tokens, text=text_echo(req.text),
+        max_output_tokens=req.max_output_tokens, echo=request_echo(req),
         conversation=req.conversation_id,
     )
 
@@ -205,7 +218,8 @@ def build_submit(decoded: Decoded, params: ResponseParams, sampling: SamplingPar
                             input_items=decoded.items, created_at=params.created_at,
                             model=params.model,
                             tool_call_format=fmt if use is not None and use.parsed else None,
-                            conversation=req.conversation_id, input_spans=decoded.spans)
+                            conversation=req.conversation_id, input_spans=decoded.spans,
+                            echo=msgspec.json.encode(params.echo or {}).decode())
     return Submit(rid=params.id, kind=RequestKind.RESPONSE, sampling=sampling,
                   n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id,
                   tools=list(use.tools) if use is not None else [])

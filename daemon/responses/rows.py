@@ -7,7 +7,14 @@ from typing import Any
 
 import msgspec
 
-from ipc.records import PLACEHOLDER_STATUSES, Message, ResponseStatus, StoredResponse, Usage
+from ipc.records import (
+    PLACEHOLDER_STATUSES,
+    Message,
+    ResponseStatus,
+    StoredResponse,
+    ToolCallFormat,
+    Usage,
+)
 
 # `status IN PLACEHOLDERS_SQL`: the rows whose session has not ended.
 PLACEHOLDERS_SQL = "(" + ", ".join(sorted(f"'{s.value}'" for s in PLACEHOLDER_STATUSES)) + ")"
@@ -53,4 +60,7 @@ def stored_response(row: Any) -> StoredResponse:
         top_p=row["top_p"],
         max_output_tokens=row["max_output_tokens"],
         conversation=row["conversation_id"],
+        echo=row["echo"] or "{}",  # rows of earlier releases hold none
+        tool_call_format=(None if row["tool_call_format"] is None
+                          else ToolCallFormat(row["tool_call_format"])),
     )

@@ -113,6 +113,13 @@ def _conversation_tables(real: str) -> tuple[str, ...]:
     )
 
 
+# Version 5: what the Response object echoes of its request (`echo`: text, tools, tool_choice,
+# metadata, ... as JSON), and the format its output's tool calls are written in, so that a GET
+# answers with the request's settings and the calls as items.
+_ECHO = ("ALTER TABLE responses ADD COLUMN echo TEXT",
+         "ALTER TABLE responses ADD COLUMN tool_call_format TEXT")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "stored responses",
               sqlite=(_responses_table("REAL", "INTEGER"), _STORED_AT_INDEX),
@@ -126,6 +133,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "conversations and their items",
               sqlite=_conversation_tables("REAL"),
               postgresql=_conversation_tables("DOUBLE PRECISION")),
+    Migration(5, "the request fields a response echoes, its tool-call format",
+              sqlite=_ECHO, postgresql=_ECHO),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -182,13 +182,15 @@ class ResponseStore:
         inserted = executor.execute(
             "INSERT INTO responses (id, status, created_at, stored_at, model, instructions,"
             " previous_response_id, background, input_items, messages, temperature, top_p,"
-            " max_output_tokens, owner, size, conversation_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?,"
-            " ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            " max_output_tokens, owner, size, conversation_id, echo, tool_call_format) VALUES"
+            " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
             (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
              instructions, fields.previous_response_id, int(fields.background),
              fields.input_items, messages, submit.sampling.temperature,
              submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id,
-             row_size(fields.input_items, messages, instructions), fields.conversation),
+             row_size(fields.input_items, messages, instructions, fields.echo),
+             fields.conversation, fields.echo,
+             None if fields.tool_call_format is None else fields.tool_call_format.value),
         ).rowcount
         if inserted != 1:
             raise ValueError(f"response id {submit.rid!r} is already stored")

@@ -42,6 +42,13 @@ TOOL_CALL = {"messages": CHAT["messages"], "max_tokens": 1200, "temperature": 0,
                      "text": {"type": "string", "minLength": 1000}}, "required": ["text"]}}}]}
 
 
+# A long answer under a JSON schema: its matcher and mask rows go with the session.
+GUIDED = {"messages": CHAT["messages"], "max_tokens": 1200, "response_format": {
+    "type": "json_schema", "json_schema": {"name": "long", "schema": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 1000}},
+        "required": ["text"]}}}}
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {**CHAT, "stream": True}),
     ("/v1/completions", {"prompt": "once upon a time", "stream": True, **LONG}),
@@ -52,7 +59,8 @@ TOOL_CALL = {"messages": CHAT["messages"], "max_tokens": 1200, "temperature": 0,
                          "logit_bias": {"101": 5, "32": -3}, "bad_words": ["the"],
                          "min_p": 0.05}),
     ("/v1/chat/completions", {**TOOL_CALL, "stream": True}),
-], ids=["chat", "completion", "penalised", "biased", "tool_call"])
+    ("/v1/chat/completions", {**GUIDED, "stream": True}),
+], ids=["chat", "completion", "penalised", "biased", "tool_call", "guided"])
 def test_streaming_disconnect_evicts_session(server: Server, path: str,
                                              body: dict[str, Any]) -> None:
     before = server.metrics()

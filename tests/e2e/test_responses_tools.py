@@ -61,7 +61,12 @@ def test_a_named_call_answered_after_previous_response_id(client: openai.OpenAI)
                                     tool_choice={"type": "function", "name": "get_time"})
     calls = _calls(first)
     assert [c.name for c in calls] == ["get_time"]
-    assert client.responses.retrieve(first.id).status == "completed"
+    # A GET answers with the same items and the request's settings, as OpenAI echoes them.
+    stored = client.responses.retrieve(first.id)
+    assert stored.status == "completed"
+    assert [c.model_dump() for c in _calls(stored)] == [c.model_dump() for c in calls]
+    assert stored.tool_choice.type == "function" and stored.tool_choice.name == "get_time"  # type: ignore[union-attr]
+    assert [t.name for t in stored.tools] == ["get_weather", "get_time"]  # type: ignore[union-attr]
     second = client.responses.create(model=MODEL, previous_response_id=first.id,
                                      input=_answers(calls), tools=TOOLS, max_output_tokens=8)
     assert second.status in ("completed", "incomplete")

@@ -128,7 +128,7 @@ def test_a_call_joins_the_assistant_message_before_it() -> None:
 
 
 def test_tool_items_are_stored_and_listed_as_sent() -> None:
-    stored = decode_request(msgspec.json.encode({"input": TOOL_TURN}), SERVED)
+    stored = decode_request(msgspec.json.encode({"input": TOOL_TURN}), SERVED).items
     assert msgspec.json.decode(stored)[1:4] == [TOOL_TURN[1], CALL, CALL_2]
     listed = input_item_objects(stored, [f"item_{i}" for i in range(len(TOOL_TURN))])
     assert [i["type"] for i in listed] == [
@@ -170,7 +170,7 @@ def test_the_largest_allowed_id_is_kept_and_what_is_not_rendered_is_not() -> Non
     item = {"type": "message", "role": "assistant", "id": "i" * MAX_ITEM_ID, "content": [
         {"type": "output_text", "text": "c", "annotations": [{"type": "url_citation"}],
          "logprobs": [[[[]]]]}]}
-    stored = decode_request(msgspec.json.encode({"input": [item]}), SERVED)
+    stored = decode_request(msgspec.json.encode({"input": [item]}), SERVED).items
     assert msgspec.json.decode(stored) == [
         {"type": "message", "role": "assistant", "id": "i" * MAX_ITEM_ID,
          "content": [{"type": "output_text", "text": "c"}]}]
