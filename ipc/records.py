@@ -30,7 +30,8 @@ import msgspec
 # 10: tools (Submit.tools, Message.tool_calls / tool_call_id, Welcome.tool_call_format,
 # ResponseFields.tool_call_format, StoredResponse.tool_call_format)
 # 11: conversations (ResponseOp CONVERSATION_* on the requests pipe, ResponseFields.conversation)
-# 12: ResponseFields.echo / StoredResponse.echo (the request fields a Response object echoes)
+# 12: ResponseFields.echo / StoredResponse.echo (the request fields a Response object echoes),
+# Stats.grammar_pending
 PROTOCOL_VERSION = 12
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
@@ -467,6 +468,7 @@ class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
     grammar_compiles: int = 0  # grammars compiled (cache misses)
     grammar_cache_hits: int = 0
     grammar_cache_bytes: int = 0
+    grammar_pending: int = 0  # sessions waiting for their grammar's compile
     grammar_compile_obs: list[float] = []  # seconds per compile since the previous Stats
     conversations: int = 0  # in the store (all replicas'), as last counted
     conversation_items: int = 0

@@ -41,6 +41,8 @@ _GAUGES = (
     ("tether_requests_paused", "Sessions paused because their client is not reading", "paused"),
     ("tether_grammar_cache_bytes", "Compiled structured-output grammars kept for reuse",
      "grammar_cache_bytes"),
+    ("tether_grammar_compiles_pending", "Sessions waiting for their grammar's compile",
+     "grammar_pending"),
     # The store's, all replicas' together, as last counted (every few seconds, and after a change
     # here).
     ("tether_conversations", "Conversations in the store", "conversations"),

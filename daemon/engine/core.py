@@ -371,5 +371,6 @@ class Engine:
             grammars = self.guidance.grammars
             stats.grammar_compiles, stats.grammar_cache_hits = grammars.num_misses, grammars.num_hits
             stats.grammar_cache_bytes = grammars.num_cached_bytes
+            stats.grammar_pending = self.guidance.num_pending
             stats.grammar_compile_obs = grammars.take_compile_obs()
         return stats

@@ -188,7 +188,8 @@ class Server:
 
 
 BASELINE_GAUGES = ("tether_requests_running", "tether_requests_waiting",
-                   "tether_kv_cache_blocks_used", "tether_conversation_placeholders")
+                   "tether_kv_cache_blocks_used", "tether_conversation_placeholders",
+                   "tether_grammar_compiles_pending")
 
 
 def assert_baseline(metrics: dict[str, float]) -> None:

@@ -62,8 +62,10 @@ def test_a_session_waits_for_its_grammar_and_is_never_prefilled_if_its_client_le
         engine.admit_guided()
         engine.step()
     assert engine.waiting_for_grammar and "slow" in engine.sessions
+    assert engine.stats().grammar_pending == 1  # tether_grammar_compiles_pending
     engine.abort("slow", AbortCause.CLIENT_DISCONNECT)
     assert not engine.waiting_for_grammar and not engine.sessions
+    assert engine.stats().grammar_pending == 0
     grammars.release.set()
     assert run(engine) == []
     prefilled = [c for p in runner.passes for c in p if TOK.decode(c.token_ids) == "go"]
