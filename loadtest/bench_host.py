@@ -48,7 +48,9 @@ class Worker:
 
     def __init__(self, repo: Path) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = str(repo)
+        # The checkout first; what the path held after it (wheels installed beside, as on the
+        # device machine).
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=repo, text=True)
 

@@ -96,6 +96,15 @@ def chat_body(model: str, schema: dict[str, Any], max_tokens: int) -> dict[str, 
 # --- validity ------------------------------------------------------------------------------------
 
 
+def conforms(text: str | None, schema: dict[str, Any]) -> bool:
+    """The text parses as JSON that validates against the schema."""
+    try:
+        jsonschema.validate(json.loads(text or ""), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
 async def _ask(base: str, model: str, schema: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     status, body = await sse_client.call_json(base, "POST", "/v1/chat/completions",
                                               chat_body(model, schema, max_tokens))
@@ -104,11 +113,7 @@ async def _ask(base: str, model: str, schema: dict[str, Any], max_tokens: int) -
         return {"status": status, "param": error.get("param"), "message": error.get("message")}
     choice = body["choices"][0]
     text = choice["message"]["content"]
-    try:
-        jsonschema.validate(json.loads(text), schema)
-        valid = True
-    except (ValueError, jsonschema.ValidationError):
-        valid = False
+    valid = conforms(text, schema)
     return {"status": 200, "finish": choice["finish_reason"], "valid": valid,
             "tokens": body["usage"]["completion_tokens"], "max_tokens": max_tokens,
             **({} if valid else {"text": text, "schema": schema})}

@@ -7,7 +7,8 @@ and ipc/, so that `PYTHONPATH=<another checkout>` measures that checkout's engin
 file (bench_host.py's --against). The engine is built as `tether daemon` builds it for
 `--model sim:0` (SimRunner, a store, guidance); N completions of `max_tokens` tokens with
 ignore_eos (temperature 1: the sampler's drawing path, as a client that sets nothing gets)
-are admitted, then T ticks are timed once every sequence decodes.
+are admitted, then T ticks are timed once every sequence decodes. `measure(build=...)` times
+another runner's engine the same way (tests/gpu/gpu_host.py: the daemon's CUDA runner).
 """
 
 from __future__ import annotations
@@ -17,38 +18,52 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from daemon.engine.core import Engine
+from daemon.engine.core import Engine, Runner
 from daemon.engine.grammar import Grammars
 from daemon.engine.guided import Guidance
 from daemon.model import sim
+from daemon.model.tokenizer import Tokenizer
 from daemon.responses.store import ResponseStore
 from ipc.records import RequestKind, SamplingParams, Submit
 
 PROMPT = "Tell me a story about a host that did too much work per token."
 
 
-def build_engine(streams: int, store_dir: Path) -> Engine:
-    """As daemon/main.py builds it for `--model sim:0`, sized for `streams` sequences."""
-    tokenizer = sim.SimTokenizer()
-    blocks = streams * 24 + 64  # a 64-byte prompt and 256 tokens take 20 blocks of 16
-    runner = sim.SimRunner(tokenizer, blocks, 0.0)
+def blocks_for(streams: int) -> int:
+    return streams * 24 + 64  # a 64-byte prompt and 256 tokens take 20 blocks of 16
+
+
+def engine_around(runner: Runner, tokenizer: Tokenizer, streams: int, store_dir: Path,
+                  max_model_len: int, name: str) -> Engine:
+    """The engine as daemon/main.py builds it around a runner (a store, guidance), sized for
+    `streams` sequences."""
     store = ResponseStore(store_dir / "responses.db", 1000, 3600.0, max_bytes=1 << 30,
                           replica_id="bench", lease_s=30.0)
     grammars = Grammars(tokenizer, tokenizer.special_token_ids)
     return Engine(runner, tokenizer, store, max(streams, 1), max(512, 2 * streams),
-                  sim.SIM_MAX_MODEL_LEN, "sim:0", guidance=Guidance(grammars, 10.0),
+                  max_model_len, name, guidance=Guidance(grammars, 10.0),
                   max_seqs_per_request=streams)
 
 
-def measure(streams: int, ticks: int, max_tokens: int = 256) -> dict[str, Any]:
-    """Wall and CPU seconds of `ticks` decode ticks with `streams` sequences decoding."""
+def build_engine(streams: int, store_dir: Path) -> Engine:
+    """As daemon/main.py builds it for `--model sim:0`."""
+    tokenizer = sim.SimTokenizer()
+    runner = sim.SimRunner(tokenizer, blocks_for(streams), 0.0)
+    return engine_around(runner, tokenizer, streams, store_dir, sim.SIM_MAX_MODEL_LEN, "sim:0")
+
+
+def measure(streams: int, ticks: int, max_tokens: int = 256,
+            build: Callable[[int, Path], Engine] = build_engine) -> dict[str, Any]:
+    """Wall and CPU seconds of `ticks` decode ticks with `streams` sequences decoding, on the
+    engine `build` makes (sim:0's by default)."""
     with tempfile.TemporaryDirectory(prefix="tether-host-") as tmp:
-        engine = build_engine(streams, Path(tmp))
+        engine = build(streams, Path(tmp))
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for i in range(streams):
             engine.submit(Submit(rid=f"r{i}", kind=RequestKind.COMPLETION, sampling=params,

@@ -1,6 +1,7 @@
-"""The CUDA path on one GPU, in one run under a wall budget: correctness, speed, memory, aborts.
+"""The CUDA path on one GPU, in one run under a wall budget: correctness, speed, memory, aborts,
+host cost, structured outputs.
 
-    python tests/gpu/gpu_check.py --out DIR [--budget-s 270]   # on the GPU (tests/gpu/run.sh)
+    python tests/gpu/gpu_check.py --out DIR [--budget-s 330]   # on the GPU (tests/gpu/run.sh)
     python tests/gpu/gpu_check.py --out DIR --dry-run          # the same script on the CPU
 
 Sections, in priority order; each runs in its own try block and writes DIR/<section>.json as
@@ -8,10 +9,17 @@ soon as it ends, so a failure or the budget running out never loses the others:
   a_correctness  bf16 greedy tokens of our engine (CUDA graphs on, chunked prefill, n > 1,
                  preemption) against transformers on the same GPU, for a random Llama of the
                  ~1B shape and for builtin:small; where a token differs, HF's logit gap
-  b_speed        decode tokens/s at 1, 32 and 128 streams and on a 64-request mix, ours (in
-                 this process, graphs on and off) against transformers generate
+  b_speed        decode tokens/s at 1, 32 and 128 streams and on a 64-request mix (timed after
+                 one untimed pass of it), ours (in this process, graphs on and off) against
+                 transformers generate
   c_memory       a real `tether serve` sized by --gpu-memory-utilization, 256 streams at once
   d_abort        python -m loadtest.bench_abort over real processes, shortened
+  e_host         host cost per sequence per tick at 128 and 256 streams (loadtest/host_ticks.py):
+                 sim:0 on this machine's CPU, and the 1B on the daemon's runner, its forward
+                 passes timed apart
+  f_guided       a real `tether serve` of the 1B: random JSON schemas (the share of valid
+                 outputs), constrained against unconstrained tokens/s at 64 streams
+                 (loadtest/bench_structured.py's loops; goal: <= 10% slower), one forced tool call
 summary.json and a table at the end. A section is skipped, with a note, when the time left is
 under its estimate. --dry-run runs every section on the CPU with builtin:tiny and toy sizes
 (tests/gpu/test_gpu_check.py runs it, so the script cannot rot unseen).
@@ -38,10 +46,12 @@ for extra in (REPO, Path(__file__).resolve().parent):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
+import gpu_case  # noqa: E402
 import gpu_engine  # noqa: E402
+import gpu_host  # noqa: E402
 import gpu_serve  # noqa: E402
 import torch  # noqa: E402
-from gpu_engine import Case  # noqa: E402
+from gpu_case import Case  # noqa: E402
 
 
 class Budget:
@@ -59,9 +69,11 @@ class Budget:
 SECTIONS: list[tuple[str, float, Callable[[Case, Budget], dict[str, Any]]]] = [
     # name, estimated seconds on the GPU, function
     ("a_correctness", 45, lambda case, budget: gpu_engine.correctness(case, budget.left)),
-    ("b_speed", 55, lambda case, budget: gpu_engine.speed(case, budget.left)),
+    ("b_speed", 65, lambda case, budget: gpu_engine.speed(case, budget.left)),
     ("c_memory", 40, lambda case, budget: gpu_serve.memory(case, budget.left)),
     ("d_abort", 45, lambda case, budget: gpu_serve.abort(case, budget.left)),
+    ("e_host", 35, lambda case, budget: gpu_host.host(case, budget.left)),
+    ("f_guided", 60, lambda case, budget: gpu_serve.guided(case, budget.left)),
 ]
 
 
@@ -122,7 +134,7 @@ def table(records: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--budget-s", type=float, default=270.0)
+    parser.add_argument("--budget-s", type=float, default=330.0)
     parser.add_argument("--dry-run", action="store_true",
                         help="the CPU, builtin:tiny and toy sizes: proves the script runs")
     parser.add_argument("--only", default="", help="comma-separated section names")
@@ -130,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     budget = Budget(args.budget_s)
-    case = gpu_engine.dry_run_case() if args.dry_run else gpu_engine.gpu_case()
+    case = gpu_case.dry_run_case() if args.dry_run else gpu_case.gpu_case()
     if case.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run on a CPU)", flush=True)
         return 2

@@ -1,8 +1,10 @@
-"""Sections c (--gpu-memory-utilization, 256 streams) and d (the abort benchmark) of
-gpu_check.py: real `tether serve` pairs, real FIFOs and sockets."""
+"""Sections c (--gpu-memory-utilization, 256 streams), d (the abort benchmark) and f
+(structured outputs and tool calls) of gpu_check.py: real `tether serve` pairs, real FIFOs and
+sockets."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import json
@@ -17,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_engine import KEPT, Case, Left, make_llama
+from gpu_case import Case
+from gpu_engine import KEPT, Left, checkpoint
 
 from loadtest import sse_client
 from loadtest.metrics import scrape
@@ -30,12 +33,6 @@ GIB = float(1 << 30)
 
 def serve_args(case: Case) -> list[str]:
     return ["--device", case.device, "--dtype", case.dtype_name]
-
-
-def _checkpoint(case: Case) -> str:
-    if not (case.llama_dir / "config.json").is_file():
-        make_llama(case)
-    return str(case.llama_dir)
 
 
 class FreeMemory:
@@ -68,7 +65,7 @@ class FreeMemory:
 
 
 def memory(case: Case, left: Left) -> dict[str, Any]:
-    model = _checkpoint(case)
+    model = checkpoint(case)
     KEPT.clear()  # what this process holds on the GPU would be missing to the server
     gc.collect()
     if torch.cuda.is_available():
@@ -156,7 +153,7 @@ async def streams(base: str, n: int, prompt_chars: int = 200, new_tokens: int = 
 
 
 def abort(case: Case, left: Left) -> dict[str, Any]:
-    model = _checkpoint(case)
+    model = checkpoint(case)
     with tempfile.TemporaryDirectory() as tmp:
         argv = [sys.executable, "-m", "loadtest.bench_abort", "--serve-model",
                 model, "--serve-args", shlex.join([*serve_args(case), "--kv-cache-blocks",
@@ -194,3 +191,66 @@ def abort(case: Case, left: Left) -> dict[str, Any]:
                        f"prefill {out['prefill_tokens_of_queued_drops']}, goodput "
                        f"{out['goodput']}")
     return out
+
+
+# --- f: structured outputs and tool calls ------------------------------------------------------
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 12},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}}}
+
+
+def guided(case: Case, left: Left) -> dict[str, Any]:
+    """loadtest/bench_structured.py's validity (random schemas asked once each) and overhead
+    (constrained against unconstrained tokens/s in closed loops) over a real pair of the 1B
+    checkpoint, whose 128k-wide logits take the grammar's bitmask on the device; and one forced
+    tool call (its chat template teaches Hermes' format)."""
+    from loadtest import bench_structured  # jsonschema: the other sections run without it
+
+    model = checkpoint(case)
+    knobs = argparse.Namespace(tokens=case.guided_tokens, reps=case.guided_reps,
+                               window_s=case.guided_window_s)
+    out: dict[str, Any] = {"model": model, "streams": case.guided_streams, **vars(knobs)}
+    pair = ServerPair(model=model, max_num_seqs=case.guided_streams,
+                      extra_args=[*serve_args(case), "--kv-cache-blocks", "4096"],
+                      startup_timeout=max(30.0, min(180.0, left() - 20)))
+    with pair:
+        base = pair.base_url
+        name = served_model(base) or model
+        out["validity"] = asyncio.run(bench_structured.validity(base, name,
+                                                                case.guided_schemas, 0))
+        out["tool_call"] = asyncio.run(forced_tool_call(base, name))
+        out["overhead"] = asyncio.run(bench_structured.overhead(
+            base, name, case.guided_streams, knobs, pair.processes()["daemon"]))
+        out["compile"] = bench_structured.compile_figures(base)
+    valid, cost = out["validity"], out["overhead"]
+    rate = cost["median_tok_per_s"]
+    out["goals"] = {"valid == 100%": valid["valid_rate"] == 1.0,
+                    "overhead <= 10%": cost["overhead"] <= bench_structured.OVERHEAD_GOAL}
+    out["passed"] = (valid["valid_rate"] == 1.0 and not valid["refused_otherwise"]
+                     and out["tool_call"]["ok"])
+    out["headline"] = (f"{valid['valid']}/{valid['answered']} valid, forced tool call "
+                       f"{'ok' if out['tool_call']['ok'] else 'FAILED'}; "
+                       f"{case.guided_streams} streams: {rate['constrained']:.0f} tok/s "
+                       f"constrained vs {rate['unconstrained']:.0f} free "
+                       f"({100 * cost['overhead']:.1f}% slower)")
+    return out
+
+
+async def forced_tool_call(base: str, model: str) -> dict[str, Any]:
+    """tool_choice required: the answer is a call of the one tool, its arguments valid."""
+    from loadtest.bench_structured import conforms
+
+    body = {"model": model, "max_tokens": 200, "temperature": 1.0, "tool_choice": "required",
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [{"type": "function", "function": {
+                "name": "get_weather", "parameters": WEATHER, "strict": True}}]}
+    status, obj = await sse_client.call_json(base, "POST", "/v1/chat/completions", body)
+    if status != 200 or not obj:
+        return {"status": status, "ok": False, "answer": str(obj)[:500]}
+    choice = obj["choices"][0]
+    calls = choice["message"].get("tool_calls") or []
+    ok = (choice["finish_reason"] == "tool_calls" and bool(calls)
+          and all(c["function"]["name"] == "get_weather"
+                  and conforms(c["function"]["arguments"], WEATHER) for c in calls))
+    return {"status": status, "finish": choice["finish_reason"], "calls": calls, "ok": ok}
