@@ -91,7 +91,7 @@ async def create_response(request: Request) -> Response:
         raise unavailable(engine.down_reason)
     registry = background_registry(request.app)
     sampling = sampling_params(req, engine.max_model_len)
-    params = response_params(req, rid, served_model(request), sampling)
+    params = response_params(decoded, rid, served_model(request), sampling)
     fmt = engine.tool_call_format
     submit = build_submit(decoded, params, sampling, t_submit, client_id, use, fmt)
     events = ResponseEvents(params, use.parser(fmt, call_ids(fmt, rid)) if use else None)

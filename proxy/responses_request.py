@@ -124,6 +124,14 @@ class Decoded(NamedTuple):
     messages: list[Message]
     items: str  # JSON text of the items, as the store keeps them
     spans: list[int]  # a conversation turn's: how many of `messages` each item renders as
+    tools: list[msgspec.Raw] | None  # as sent, for the echo (a hosted tool's own fields too)
+
+
+class _SentTools(msgspec.Struct):
+    """The body's tools as the client wrote them: CreateResponse keeps only what a function tool
+    says, and the Response object echoes every tool as it was sent."""
+
+    tools: list[msgspec.Raw] | None = None
 
 
 def decode_request(body: bytes, served: tuple[str, ...]) -> Decoded:
@@ -139,7 +147,8 @@ def decode_request(body: bytes, served: tuple[str, ...]) -> Decoded:
         messages, spans = conversation_input(items)
     else:
         messages, spans = to_messages(items), []
-    return Decoded(req, messages, stored_items(items), spans)
+    sent = msgspec.json.decode(body, type=_SentTools).tools  # the body is valid JSON by now
+    return Decoded(req, messages, stored_items(items), spans, sent)
 
 
 def tool_use(req: CreateResponse) -> ToolUse | None:
@@ -171,21 +180,24 @@ _ECHOED = ("tools", "tool_choice", "parallel_tool_calls", "metadata", "truncatio
            "user", "safety_identifier", "prompt_cache_key", "top_logprobs")
 
 
-def request_echo(req: CreateResponse) -> dict[str, Any]:
-    # Through JSON: a tool's parameters are kept as the client's raw JSON.
-    echo = {name: msgspec.json.decode(msgspec.json.encode(getattr(req, name)))
+def request_echo(decoded: Decoded) -> dict[str, Any]:
+    # Through JSON: the tools are kept as the client's raw JSON.
+    req = decoded.req
+    echo = {name: msgspec.json.decode(msgspec.json.encode(
+                decoded.tools if name == "tools" else getattr(req, name)))
             for name in _ECHOED if getattr(req, name) is not None}
     echo["text"] = text_echo(req.text)
     return echo
 
 
-def response_params(req: CreateResponse, rid: str, model: str,
+def response_params(decoded: Decoded, rid: str, model: str,
                     sampling: SamplingParams) -> ResponseParams:
+    req = decoded.req
     return ResponseParams(
         id=rid, created_at=int(time.time()), model=model, instructions=req.instructions,
         previous_response_id=req.previous_response_id, background=req.background,
         store=req.store, temperature=sampling.temperature, top_p=sampling.top_p,
-        max_output_tokens=req.max_output_tokens, echo=request_echo(req),
+        max_output_tokens=req.max_output_tokens, echo=request_echo(decoded),
         conversation=req.conversation_id,
     )
 

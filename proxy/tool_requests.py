@@ -1,6 +1,7 @@
 """What requests say about tools, as the chat and Responses bodies spell it, and the `ToolUse` it
 resolves to (proxy/tool_calls/): the functions offered, ``tool_choice`` and
-``parallel_tool_calls``, checked as OpenAI checks them.
+``parallel_tool_calls``, checked as OpenAI checks them. On /v1/responses OpenAI's hosted tools
+(web_search, file_search, ...) are accepted and passed over: this server runs none of them.
 
 A function's ``parameters`` stay the JSON text the client sent (msgspec.Raw: never built into
 Python objects here); they travel to the daemon as that text, which renders them in the chat
@@ -107,9 +108,20 @@ def tool_guide(use: ToolUse, fmt: ToolCallFormat, content: Guide | None) -> Guid
                        code="invalid_value") from None
 
 
+# OpenAI's built-in tools: their calls are items only OpenAI's models write, and OpenAI (or, for a
+# shell or a computer, its own client) runs them. Clients such as Codex CLI send them on every
+# request, so they are accepted and never offered to the model; only forcing one is refused.
+# `custom` and `namespace` tools are the client's own and stay refused by their type until served.
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+    "file_search", "code_interpreter", "image_generation", "mcp", "computer",
+    "computer_use_preview", "local_shell", "shell", "apply_patch", "tool_search",
+    "programmatic_tool_calling"})
+
+
 class ResponsesTool(msgspec.Struct):
-    """A Responses tool: only ``function`` tools are served (the type is checked by
-    `responses_tool_use`, so that any other is refused by its name)."""
+    """A Responses tool: ``function`` tools are served and hosted ones passed over (the type is
+    checked by `responses_tool_use`, so that any other is refused by its name)."""
 
     type: str
     name: FunctionName | None = None
@@ -129,7 +141,11 @@ ResponsesToolChoice = ChoiceWord | ResponsesNamedChoice
 def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolChoice | None,
                        parallel: bool | None) -> ToolUse | None:
     functions = []
+    hosted = []
     for i, tool in enumerate(tools or []):
+        if tool.type in HOSTED_TOOLS:
+            hosted.append(tool.type)
+            continue
         if tool.type != "function":
             raise _unsupported_type(tool.type, f"tools[{i}].type")
         if tool.name is None:
@@ -139,17 +155,29 @@ def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolC
                                        f"tools[{i}].parameters"))
     named = None
     if isinstance(choice, ResponsesNamedChoice):
+        if choice.type in HOSTED_TOOLS:
+            raise _forced_hosted(f"the hosted tool '{choice.type}'", "tool_choice.type")
         if choice.type != "function":
             raise _unsupported_type(choice.type, "tool_choice.type")
         if choice.name is None:
             raise ApiError(400, "missing required field 'tool_choice.name'",
                            param="tool_choice.name", code="missing_required_parameter")
         named = choice.name
+    elif choice == "required" and hosted and not functions:
+        raise _forced_hosted(f"a call of the hosted tools ({', '.join(sorted(set(hosted)))})",
+                             "tool_choice")
     word = None if isinstance(choice, ResponsesNamedChoice) else choice
     return resolve(functions, word, named, parallel, "tools")
 
 
+def _forced_hosted(what: str, param: str) -> ApiError:
+    return ApiError(400, f"'tool_choice' forces {what}, which this server does not run: "
+                    "hosted tools are accepted in 'tools' but never offered to the model",
+                    param=param, code="invalid_value")
+
+
 def _unsupported_type(kind: str, param: str) -> ApiError:
     kind = kind if len(kind) <= 64 else kind[:64] + "..."
-    return ApiError(400, f"tool type '{kind}' is not supported: only 'function' tools are",
-                    param=param, code="invalid_value")
+    return ApiError(400, f"tool type '{kind}' is not supported: only 'function' tools (and "
+                    "hosted tools, never offered to the model) are", param=param,
+                    code="invalid_value")

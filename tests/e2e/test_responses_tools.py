@@ -1,7 +1,8 @@
 """Function tools on /v1/responses with the official openai client against the real pair: forced
 calls are function_call items whose arguments validate, streamed as OpenAI streams them; their
 outputs come back as function_call_output items, in a stateless history or after
-previous_response_id, and are listed with the input; hosted tools are refused by their type."""
+previous_response_id, and are listed with the input; hosted tools are accepted, echoed and
+never offered to the model."""
 
 from __future__ import annotations
 
@@ -104,10 +105,23 @@ def test_streamed_calls_are_the_items_of_the_response(client: openai.OpenAI) -> 
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
-def test_hosted_tools_are_refused_by_their_type(client: openai.OpenAI) -> None:
+def test_hosted_tools_are_accepted_and_never_offered(client: openai.OpenAI) -> None:
+    """As Codex CLI sends them; only forcing one is refused."""
+    hosted: list[Any] = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["v"]}]
+    r = client.responses.create(model=MODEL, input=ASK, tools=[*hosted, *TOOLS],
+                                tool_choice="required", max_output_tokens=200, store=False)
+    assert {c.name for c in _calls(r)} <= {"get_weather", "get_time"}
+    assert [t.type for t in r.tools] == ["web_search", "file_search", "function", "function"]
+    alone = client.responses.create(model=MODEL, input=ASK, tools=hosted, max_output_tokens=8)
+    assert [i.type for i in alone.output] == ["message"]
+    assert client.responses.retrieve(alone.id).tools[1].vector_store_ids == ["v"]  # type: ignore[union-attr]
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model=MODEL, input=ASK, tools=[{"type": "web_search"}])
-    assert "web_search" in info.value.message
+        client.responses.create(model=MODEL, input=ASK, tools=hosted, tool_choice="required")
+    assert info.value.param == "tool_choice" and "web_search" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=ASK, tools=[*hosted, *TOOLS],
+                                tool_choice={"type": "web_search_preview"})
+    assert info.value.param == "tool_choice.type"
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=MODEL, input=[{"type": "function_call_output",
                                                      "output": "x"}])

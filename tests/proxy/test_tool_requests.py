@@ -10,7 +10,7 @@ import pytest
 
 from ipc.records import ToolFunction
 from proxy.errors import ApiError
-from proxy.responses_request import decode_request, tool_use
+from proxy.responses_request import decode_request, request_echo, tool_use
 from proxy.schemas import ChatRequest, decode_body
 from proxy.tool_requests import chat_tool_use
 
@@ -93,18 +93,37 @@ def test_responses_function_tools_resolve_as_chat_tools_do() -> None:
     assert responses_use_of() is None
 
 
+def test_hosted_tools_are_accepted_and_never_offered() -> None:
+    """As Codex CLI sends them: the functions are the model's tools, the hosted ones are echoed
+    as sent (their own fields too) and run by nobody."""
+    search = {"type": "web_search", "search_context_size": "low"}
+    files = {"type": "file_search", "vector_store_ids": ["v"]}
+    body = {"input": "hi", "tools": [search, R_GET, files]}
+    decoded = decode_request(orjson.dumps(body), ("m",))
+    use = tool_use(decoded.req)
+    assert [f.name for f in use.tools] == ["get"] and use.choice == "auto"
+    assert request_echo(decoded)["tools"] == [search, R_GET, files]
+    assert responses_use_of(tools=[search, files]) is None
+    assert responses_use_of(tools=[search], tool_choice="none") is None
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search'"),
-    ({"tools": [R_GET, {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[1].type",
-     "'file_search'"),
+    ({"tools": [{"type": "custom", "name": "patch"}]}, "tools[0].type", "'custom'"),
+    ({"tools": [R_GET, {"type": "namespace", "name": "n", "tools": []}]}, "tools[1].type",
+     "'namespace'"),
+    # Forcing a hosted tool is the one thing about it that is refused.
     ({"tools": [R_GET], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type",
-     "'web_search_preview'"),
+     "hosted tool 'web_search_preview'"),
+    ({"tools": [{"type": "web_search"}, {"type": "mcp", "server_label": "s"}],
+      "tool_choice": "required"}, "tool_choice", "hosted tools (mcp, web_search)"),
+    ({"tools": [R_GET], "tool_choice": {"type": "custom", "name": "patch"}}, "tool_choice.type",
+     "'custom'"),
     ({"tools": [{"type": "function"}]}, "tools[0].name", "missing"),
     ({"tools": [R_GET], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "'nope'"),
     ({"tool_choice": "required"}, "tool_choice", "only allowed"),
 ])
-def test_responses_tools_other_than_functions_are_refused_by_their_type(
+def test_responses_tools_refused_are_a_400_naming_the_field(
         body: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(ApiError) as info:
         responses_use_of(**body)
