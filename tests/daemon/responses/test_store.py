@@ -357,7 +357,7 @@ def test_a_rows_size_is_the_bytes_of_what_it_stores(store: ResponseStore) -> Non
     octets = "length(CAST({} AS BLOB))" if store.db.dialect == "sqlite" else "octet_length({})"
     total = " + ".join(f"coalesce({octets.format(c)}, 0)" for c in (
         "input_items", "messages", "instructions", "output_text", "error", "usage",
-        "incomplete_reason"))
+        "incomplete_reason", "echo"))
     measured = store.db.execute(f"SELECT {total} AS n FROM responses WHERE id = 'resp_1'").one()
     assert _sizes(store)["resp_1"] == measured["n"] > begun > len("héllo")
 
