@@ -38,21 +38,9 @@ from ipc.pipes import (
     ModelInfo,
     Stale,
 )
-from ipc.records import (
-    Abort,
-    AbortCause,
-    Error,
-    Goodbye,
-    Pause,
-    ResponseOp,
-    ResponseOpKind,
-    ResponseReply,
-    Resume,
-    Submit,
-    ToolCallFormat,
-    ToProxy,
-    Welcome,
-)
+from ipc.records import Abort, AbortCause, Error, Goodbye, Pause, Resume, Submit, ToolCallFormat, Welcome
+from ipc.response_records import ResponseOp, ResponseOpKind, ResponseReply
+from ipc.wire import ToProxy
 
 log = logging.getLogger("tether.daemon")
 

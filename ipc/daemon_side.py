@@ -7,8 +7,8 @@ instead of a stream with a silent gap.
 
 A keepalive thread writes an Alive record whenever nothing has gone out for a heartbeat
 interval: while a forward pass runs for seconds the proxy still hears from us. It shares the
-tokens writer under a lock and only ever appends whole frames, so the pipe keeps one writer's
-byte order.
+tokens writer (ipc/tokens_writer.py) with the tick loop under a lock and only ever appends
+whole frames, so the pipe keeps one writer's byte order.
 
 The proxy is judged by its reading progress only (nothing taken for MAX_STALL_S), never by how
 much waits for it: the tick loop bounds that, adding nothing that can wait while `backlogged`.
@@ -24,8 +24,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
 from ipc.fifo import (
     CONTROL,
     FIFO_NAMES,
@@ -36,36 +34,28 @@ from ipc.fifo import (
     grow_pipe,
     hung_up,
     open_reader,
-    try_open_writer,
 )
 from ipc.framing import FrameDecoder, daemon_decoder, encode_many
 from ipc.loss import Loss, LossReason
 from ipc.records import (
-    HEARTBEAT_INTERVAL_S,
     SILENCE_TIMEOUT_S,
     Abort,
-    Alive,
     Goodbye,
     Heartbeat,
     Hello,
     Pause,
-    ResponseOp,
     Resume,
     Submit,
-    ToDaemon,
-    ToProxy,
 )
+from ipc.response_records import ResponseOp
+from ipc.tokens_writer import KEEPALIVE_S, TokensWriter
+from ipc.wire import ToDaemon, ToProxy
 
 log = logging.getLogger("tether.ipc")
 
 # Over this the proxy reads more slowly than we write: the tick loop waits for it (the pipe
 # itself holds 1 MiB more).
 BACKLOG_BOUND_BYTES = 1024 * 1024
-# A backlog the proxy has not taken a byte of for this long means it stopped reading. Judged by
-# progress, not by how long the buffer has been non-empty: under a steady flood it never empties.
-MAX_STALL_S = 2.0
-TOKENS_RETRY_S = 0.05
-KEEPALIVE_S = HEARTBEAT_INTERVAL_S
 # Control frames are small and read every tick: a smaller buffer is cheaper to allocate.
 READ_CHUNK = {CONTROL: 64 * 1024, REQUESTS: 1024 * 1024}
 # Caps one read_* call so a writer flooding the pipe cannot hold the tick loop forever.
@@ -133,105 +123,6 @@ class _Reader:
         os.close(self.fd)
 
 
-class _TokensWriter:
-    """The tokens write end with its buffer. The daemon is the pipe's only writer, so a partial
-    write is simply continued later; the tick loop and the keepalive thread share it under
-    `lock`, and each appends whole frames only."""
-
-    def __init__(self, path: Path, inherited_fd: int | None) -> None:
-        self.path = path
-        self.inherited_fd = inherited_fd
-        self.lock = threading.Lock()
-        self.fd: int | None = None
-        self.buf = bytearray()
-        self.last_write = 0.0  # when bytes last went into the pipe
-        self.stuck_since = 0.0  # the later of: buf went non-empty, the pipe last took bytes
-        self.broken: Loss | None = None  # EPIPE met by the keepalive thread, for the loop
-        self.next_try = 0.0
-
-    def try_open(self, now: float) -> bool:
-        with self.lock:
-            if self.fd is not None:
-                return True
-            if self.inherited_fd is not None:
-                self.fd = self.inherited_fd
-            elif now < self.next_try:
-                return False
-            else:
-                self.next_try = now + TOKENS_RETRY_S
-                self.fd = try_open_writer(self.path)
-                if self.fd is None:
-                    return False
-                grow_pipe(self.fd)
-            # A new connection starts with a newline: it ends any half frame left in the pipe.
-            self._append(b"\n", now)
-            self.last_write = now  # no Alive before the Welcome
-            return True
-
-    def _append(self, data: bytes, now: float) -> None:
-        if not self.buf:
-            self.stuck_since = now
-        self.buf += data
-
-    def send(self, data: bytes, now: float) -> Loss | None:
-        with self.lock:
-            self._append(data, now)
-            return self._flush(now)
-
-    def flush(self, now: float) -> Loss | None:
-        """Write what the pipe takes now; why the proxy is lost, if it is."""
-        with self.lock:
-            return self._flush(now)
-
-    def _flush(self, now: float) -> Loss | None:
-        if self.broken is not None:
-            return self.broken
-        buf = self.buf
-        moved = False
-        while buf and self.fd is not None:
-            try:
-                n = os.write(self.fd, buf)
-            except BlockingIOError:
-                break
-            except BrokenPipeError:
-                return Loss(LossReason.EPIPE, "proxy closed the tokens pipe (EPIPE)")
-            del buf[:n]
-            moved = True
-        if moved:
-            self.last_write = self.stuck_since = now
-        if not buf:
-            return None
-        if now - self.stuck_since > MAX_STALL_S:
-            return Loss(LossReason.STALLED_READER,
-                        f"the proxy took nothing from the tokens pipe for {MAX_STALL_S:g} s")
-        return None
-
-    def keepalive(self, now: float) -> None:
-        """From the keepalive thread: an Alive record if nothing went out for a while."""
-        with self.lock:
-            if self.fd is None or self.broken is not None or now - self.last_write < KEEPALIVE_S:
-                return
-            self._append(msgspec.json.encode(Alive(now)) + b"\n", now)
-            loss = self._flush(now)
-            if loss is not None and loss.reason is LossReason.EPIPE:
-                self.broken = loss
-
-    def drop(self) -> None:
-        """Forget the buffer and let go of the proxy (an inherited fd is kept, only idled)."""
-        with self.lock:
-            self.buf.clear()
-            self.broken = None
-            if self.fd is not None and self.fd != self.inherited_fd:
-                os.close(self.fd)
-            self.fd = None
-
-    def close(self) -> None:
-        self.drop()
-        if self.inherited_fd is not None:
-            os.close(self.inherited_fd)
-            self.inherited_fd = None
-
-
 class DaemonPipes:
     """The daemon's FIFO ends. Nothing here blocks except `wait_readable`."""
 
@@ -247,7 +138,7 @@ class DaemonPipes:
             paths = ensure_fifos(Path(runtime_dir), group)
         self._control = _Reader(CONTROL, paths[CONTROL], inherited.get(CONTROL))
         self._requests = _Reader(REQUESTS, paths[REQUESTS], inherited.get(REQUESTS))
-        self._tokens = _TokensWriter(paths[TOKENS], inherited.get(TOKENS))
+        self._tokens = TokensWriter(paths[TOKENS], inherited.get(TOKENS))
         self.heartbeat_timeout = heartbeat_timeout
         self.clock = clock  # the silence and flush bounds are measured on it
         self._last_control: float | None = None

@@ -13,7 +13,8 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from ipc.records import PIPE_BUF, ToDaemon, ToProxy
+from ipc.records import PIPE_BUF
+from ipc.wire import ToDaemon, ToProxy
 
 log = logging.getLogger("tether.ipc")
 

@@ -26,7 +26,8 @@ from ipc.fifo import CONTROL, REQUESTS, TOKENS, PipeError, grow_pipe, open_reade
 from ipc.framing import proxy_decoder
 from ipc.loss import Loss, LossReason
 from ipc.proxy_writers import ControlWriter, OutFrame, RequestWriter
-from ipc.records import AbortCause, ToProxy
+from ipc.records import AbortCause
+from ipc.wire import ToProxy
 
 log = logging.getLogger("tether.ipc")
 

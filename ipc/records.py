@@ -1,21 +1,14 @@
-"""Typed wire records shared by the proxy and the daemon.
+"""Typed wire records shared by the proxy and the daemon: a session's, and what they carry.
 
-Every record is a msgspec Struct tagged by its kind; the tag is the wire value of `Kind`.
-Which pipe carries which records:
-
-- ``requests`` (proxy -> daemon): Submit, ResponseOp of a conversation (its items can be big)
-- ``control``  (proxy -> daemon): Hello, Heartbeat, Goodbye, Abort, Pause, Resume, ResponseOp
-- ``tokens``   (daemon -> proxy): Welcome, Admitted, Delta, Finish, Error, Stats, Alive,
-  ResponseReply
-
-Every new connection starts with a bare newline on each pipe, so a frame half-written by the
-previous connection ends there (one bad record) instead of swallowing the first new one.
+Every record is a msgspec Struct tagged by its kind; the tag is the wire value of `Kind`. The
+records of the Responses store are in ipc/response_records.py, the engine's figures in
+ipc/stats.py, and ipc/wire.py says which pipe carries which.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
@@ -95,38 +88,6 @@ class AbortCause(enum.StrEnum):
     PROXY_LOST = "proxy_lost"
     SHUTDOWN = "shutdown"
     TIMEOUT = "timeout"
-
-
-class ResponseStatus(enum.StrEnum):
-    QUEUED = "queued"
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    CANCELLED = "cancelled"
-    FAILED = "failed"
-    INCOMPLETE = "incomplete"
-
-
-# A placeholder is a stored response whose session has not ended yet.
-PLACEHOLDER_STATUSES = frozenset({ResponseStatus.QUEUED, ResponseStatus.IN_PROGRESS})
-
-
-class ResponseOpKind(enum.StrEnum):
-    GET = "get"
-    DELETE = "delete"
-    CANCEL = "cancel"
-    INPUT_ITEMS = "input_items"
-    # Conversations (`response_id` is then the conversation's id): on the requests pipe.
-    CONVERSATION_CREATE = "conv_create"
-    CONVERSATION_GET = "conv_get"
-    CONVERSATION_UPDATE = "conv_update"
-    CONVERSATION_DELETE = "conv_delete"
-    CONVERSATION_ITEMS = "conv_items"  # a page of them
-    CONVERSATION_ADD_ITEMS = "conv_add_items"
-    CONVERSATION_ITEM_GET = "conv_item_get"
-    CONVERSATION_ITEM_DELETE = "conv_item_delete"
-
-
-CONVERSATION_OPS = frozenset(k for k in ResponseOpKind if k.value.startswith("conv_"))
 
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -329,38 +290,6 @@ class Resume(msgspec.Struct, tag=Kind.RESUME.value, tag_field="k"):
     epoch: int = 0
 
 
-class ItemsPage(msgspec.Struct, frozen=True):
-    """Which of a stored response's input items an INPUT_ITEMS op asks for: OpenAI's list
-    parameters, checked by the proxy (``after`` is an item id, so it is short)."""
-
-    limit: PosInt = 20
-    order: Literal["asc", "desc"] = "desc"
-    after: str | None = None
-
-
-class ConversationItems(msgspec.Struct, frozen=True):
-    """Items to add to a conversation: as the proxy validated them (JSON text of a list of
-    objects, stored as they are) and the messages each renders as in a prompt."""
-
-    items: str
-    messages: list[list[Message]]
-
-
-class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
-    """GET / DELETE / cancel of a stored response, or a page of its input items; or an
-    operation on a conversation (CONVERSATION_*, on the requests pipe); answered by a
-    ResponseReply with ``op_id``."""
-
-    op_id: str
-    op: ResponseOpKind
-    response_id: str
-    epoch: int = 0
-    page: ItemsPage | None = None  # INPUT_ITEMS, CONVERSATION_ITEMS
-    item_id: str | None = None  # CONVERSATION_ITEM_*
-    items: ConversationItems | None = None  # CONVERSATION_CREATE, CONVERSATION_ADD_ITEMS
-    metadata: dict[str, str] | None = None  # CONVERSATION_CREATE, CONVERSATION_UPDATE
-
-
 # --- daemon -> proxy: tokens pipe ---------------------------------------------------------------
 
 
@@ -440,87 +369,3 @@ class Error(msgspec.Struct, tag=Kind.ERROR.value, tag_field="k"):
     status: int = 400
     param: str | None = None
     code: str | None = None
-
-
-class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
-    """Engine figures for /metrics: gauges are current, counters cumulative since start,
-    ``*_obs`` lists are observations since the previous Stats record."""
-
-    t: float
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    placeholders: int
-    ticks: int
-    prompt_tokens: int
-    generation_tokens: int
-    tokens_after_disconnect: int
-    aborts: dict[str, int]
-    finished: dict[str, int]
-    bad_records: dict[str, int]
-    abort_latency_obs: list[float] = []
-    abort_latency_ticks_obs: list[int] = []
-    kv_blocks_cached: int = 0  # held by no session, kept for the prefix cache (free to take)
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # tokens found there
-    paused: int = 0  # requests the proxy has paused (flow control)
-    grammar_compiles: int = 0  # grammars compiled (cache misses)
-    grammar_cache_hits: int = 0
-    grammar_cache_bytes: int = 0
-    grammar_pending: int = 0  # sessions waiting for their grammar's compile
-    grammar_compile_obs: list[float] = []  # seconds per compile since the previous Stats
-    conversations: int = 0  # in the store (all replicas'), as last counted
-    conversation_items: int = 0
-
-
-class StoredResponse(msgspec.Struct, frozen=True):
-    """A stored response as its row holds it; the proxy builds the API object from it."""
-
-    id: str
-    status: ResponseStatus
-    created_at: int
-    model: str
-    background: bool
-    completed_at: float | None = None
-    output_text: str | None = None  # None: no output yet (queued, in progress)
-    usage: Usage | None = None
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    error: str | None = None  # why it failed
-    incomplete_reason: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    max_output_tokens: int | None = None
-    tool_call_format: ToolCallFormat | None = None  # the output holds tool calls in this format
-    conversation: str | None = None  # the conversation it is a turn of
-    echo: str = "{}"  # ResponseFields.echo, as stored
-
-
-class StoredConversation(msgspec.Struct, frozen=True):
-    id: str
-    created_at: int
-    metadata: dict[str, str] = {}
-
-
-class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):
-    """The answer to a ResponseOp: with status 200, the response (GET, CANCEL), one page of its
-    input items (INPUT_ITEMS: the page's items as stored, JSON text of a list, with the id each
-    is listed under) or ``deleted`` (DELETE); for a conversation, ``conversation`` or its items
-    in the same fields; else ``message`` (and the ``param`` at fault)."""
-
-    op_id: str
-    status: int  # HTTP status the proxy should answer with
-    response: StoredResponse | None = None
-    conversation: StoredConversation | None = None
-    input_items: str | None = None
-    item_ids: list[str] = []
-    has_more: bool = False  # more items follow the page
-    deleted: bool = False
-    message: str | None = None
-    param: str | None = None
-
-
-ToDaemon = Submit | Hello | Heartbeat | Goodbye | Abort | Pause | Resume | ResponseOp
-ToProxy = Welcome | Admitted | Delta | Finish | Error | Stats | Alive | ResponseReply
-Record = ToDaemon | ToProxy

@@ -28,16 +28,9 @@ from pathlib import Path
 import orjson
 
 from ipc.pipes import DaemonPipes, Loss, ProxyConnection, ensure_fifos
-from ipc.records import (
-    PROTOCOL_VERSION,
-    Abort,
-    AbortCause,
-    Delta,
-    Hello,
-    Stats,
-    ToProxy,
-    Welcome,
-)
+from ipc.records import PROTOCOL_VERSION, Abort, AbortCause, Delta, Hello, Welcome
+from ipc.stats import Stats
+from ipc.wire import ToProxy
 
 FORK = multiprocessing.get_context("fork")
 BATCH = 256  # records per DaemonPipes.send, like one tick of a 256-sequence batch

@@ -17,12 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ipc.records import (
-    ConversationItems,
-    ResponseOpKind,
-    ResponseReply,
-    StoredConversation,
-)
+from ipc.response_records import ConversationItems, ResponseOpKind, ResponseReply, StoredConversation
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.input_items import (

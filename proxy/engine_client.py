@@ -23,23 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from ipc.pipes import DaemonUnavailable, Loss, ProxyConnection
-from ipc.records import (
-    CONVERSATION_OPS,
-    Abort,
-    AbortCause,
-    Admitted,
-    Delta,
-    Error,
-    Finish,
-    ItemsPage,
-    ResponseOp,
-    ResponseOpKind,
-    ResponseReply,
-    Stats,
-    Submit,
-    ToolCallFormat,
-    ToProxy,
-)
+from ipc.records import Abort, AbortCause, Admitted, Delta, Error, Finish, Submit, ToolCallFormat
+from ipc.response_records import CONVERSATION_OPS, ItemsPage, ResponseOp, ResponseOpKind, ResponseReply
+from ipc.stats import Stats
+from ipc.wire import ToProxy
 from proxy.batching import Batch
 from proxy.errors import ApiError
 from proxy.session import Flow, Phase, Session

@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ipc.records import AbortCause, Delta, Finish, FinishReason, Stats
+from ipc.records import AbortCause, Delta, Finish, FinishReason
+from ipc.stats import Stats
 from proxy.engine_client import EngineClient
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

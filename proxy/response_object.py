@@ -11,7 +11,8 @@ from typing import Any
 
 import msgspec
 
-from ipc.records import PLACEHOLDER_STATUSES, ResponseStatus, StoredResponse, Usage
+from ipc.records import Usage
+from ipc.response_records import PLACEHOLDER_STATUSES, ResponseStatus, StoredResponse
 
 
 def message_id(response_id: str) -> str:

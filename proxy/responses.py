@@ -24,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ipc.records import AbortCause, ItemsPage, ResponseOpKind, ResponseReply, ResponseStatus
+from ipc.records import AbortCause
+from ipc.response_records import ItemsPage, ResponseOpKind, ResponseReply, ResponseStatus
 from proxy.batching import Batch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable

@@ -29,7 +29,8 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 
-from ipc.records import PLACEHOLDER_STATUSES, ResponseOpKind, ResponseStatus, Submit
+from ipc.records import Submit
+from ipc.response_records import PLACEHOLDER_STATUSES, ResponseOpKind, ResponseStatus
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.event_history import EventHistory

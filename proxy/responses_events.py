@@ -27,15 +27,8 @@ from typing import Any
 
 import msgspec
 
-from ipc.records import (
-    AbortCause,
-    Delta,
-    Finish,
-    FinishReason,
-    ResponseStatus,
-    StoredResponse,
-    Usage,
-)
+from ipc.records import AbortCause, Delta, Finish, FinishReason, Usage
+from ipc.response_records import ResponseStatus, StoredResponse
 from proxy.errors import ApiError
 from proxy.response_object import (
     build_response,

@@ -39,12 +39,12 @@ from ipc.records import (
     Finish,
     FinishReason,
     RequestKind,
-    Stats,
     Submit,
     TokenLogprob,
-    ToProxy,
     Usage,
 )
+from ipc.stats import Stats
+from ipc.wire import ToProxy
 
 
 class Runner(Protocol):

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.engine.sequence import Session
-from ipc.records import AbortCause, FinishReason, Stats, Submit
+from ipc.records import AbortCause, FinishReason, Submit
+from ipc.stats import Stats
 
 request_log = logging.getLogger("tether.requests")
 

@@ -4,8 +4,9 @@ One tick mixes decodes (one token per running sequence, scheduled first so laten
 with prefill chunks (chunked prefill under a token budget). The scheduler alone owns the block
 manager. When blocks run out a running sequence that is not yet in this tick's batch is
 preempted and later recomputed from its tokens: paused ones first, then (while others wait)
-those of a request over its share, then the newest. A paused sequence (its client is not
-reading: flow control) keeps its place and its blocks but is never scheduled until resumed.
+those of a request over its share, then the newest (whom: preemption.py). A paused sequence
+(its client is not reading: flow control) keeps its place and its blocks but is never
+scheduled until resumed.
 
 Requests take turns, not sequences (turns.py): prompt chunks and admissions go request by
 request, the one served longest ago first (a preempted sequence's request goes back to the
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from daemon.engine.block_manager import BlockManager, chain_hashes
+from daemon.engine.preemption import reserve_victim, room_victim
 from daemon.engine.sequence import SeqStatus, Sequence
 from daemon.engine.turns import Request, Shares, Turns, slots_of
 from daemon.model.batch import ScheduledChunk
@@ -236,7 +238,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Blocks for `n` more tokens of a running sequence, preempting others if needed."""
         while self._blocks_needed(seq, n) > self._num_available:
-            victim = self._reserve_victim(seq, scheduled)
+            victim = reserve_victim(seq, self.running, scheduled, self.turns)
             if victim is None or victim is seq:
                 if seq.num_uncomputed == 1:
                     self._preempt(seq)
@@ -245,27 +247,6 @@ class Scheduler:
             self._preempt(victim)
         self.block_manager.may_append(seq.block_table, seq.num_computed + n)
         return True
-
-    def _reserve_victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
-        """Whom `seq` takes blocks from: a paused sequence; else a prompt chunk takes the
-        newest that came after it (the oldest prompt always gets on: prefills never take turns
-        preempting each other). A decode of a request with more slots than makes it big
-        (Turns.big) takes its own newest (`seq` itself, maybe); another decode the newest of
-        the request with the most slots beyond that, or the newest of all."""
-        candidates = [v for v in reversed(self.running) if v.seq_id not in scheduled]
-        others = [v for v in candidates if v is not seq]
-        paused = next((v for v in others if v.paused), None)
-        if paused is not None:
-            return paused
-        if seq.num_uncomputed > 1:
-            return next(iter(candidates[:candidates.index(seq)]), None)
-        requests = self.turns.requests
-        big = self.turns.big(self.turns.shares()).slots
-        if requests[seq.rid].slots > big:
-            return next(v for v in candidates if v.rid == seq.rid)
-        big_others = [v for v in others if requests[v.rid].slots > big]
-        return max(big_others, key=lambda v: requests[v.rid].slots, default=None) or next(
-            iter(others), None)
 
     @property
     def _num_available(self) -> int:
@@ -314,7 +295,8 @@ class Scheduler:
             need = (slots_of(seq), self._admission(seq, self.max_tokens_per_tick)[2])
             taken = False
             while (short := self._short(need, claimed)) != (0, 0):
-                victim = self._room_victim(rid, request, seq, short, shares)
+                victim = room_victim(rid, request, seq, short, shares, self.running, self.turns,
+                                     self.block_manager)
                 if victim is None:
                     break
                 decodes = self._blocks_needed(victim, 1) if victim.num_uncomputed == 1 else 0
@@ -344,25 +326,6 @@ class Scheduler:
         """Blocks this tick's decodes will take."""
         return sum(self._blocks_needed(s, 1) for s in self.running
                    if s.num_uncomputed == 1 and not s.paused)
-
-    def _room_victim(self, rid: str, request: Request, seq: Sequence, short: tuple[int, int],
-                     shares: Shares) -> Sequence | None:
-        """The next sequence to preempt for `request`, None if it cannot be given room."""
-        # Only a big request gives way (Turns.big), and it keeps what makes it big and what
-        # this request will hold: no request is made poorer than the one it gives way to, so
-        # nothing swings back.
-        keep = max(self.turns.big(shares).slots, request.slots + slots_of(seq))
-        others = [v for v in reversed(self.running) if v.rid != rid]
-        if short[0]:
-            requests = self.turns.requests
-            candidates = [v for v in others if requests[v.rid].slots - slots_of(v) >= keep]
-            if min(len(candidates), self.turns.excess_slots(rid, keep)) < short[0]:
-                return None  # all that is over a share would not do: it waits
-        elif self.block_manager.num_blocks_for(seq.num_tokens) * slots_of(seq) <= shares.blocks:
-            candidates = others  # blocks only for a group whose prompts fit in a share
-        else:
-            return None
-        return self.turns.heaviest(candidates, self.turns.loads(self.running, shares))
 
     # --- after the forward pass -----------------------------------------------------------------
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from daemon.engine.admission import chat_text, check_ids
 from daemon.model.tokenizer import Tokenizer
 from daemon.rejected import Rejected
-from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, ToProxy, Usage
+from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, Usage
+from ipc.wire import ToProxy
 
 
 def tokenize(submit: Submit, tokenizer: Tokenizer) -> list[ToProxy]:

@@ -30,11 +30,10 @@ from daemon.rejected import Rejected
 from daemon.responses.db import Database, Executor
 from daemon.responses.items import listed_ids
 from daemon.responses.rows import PLACEHOLDERS_SQL, json_text, messages_decoder
-from ipc.records import (
+from ipc.records import Message, ResponseFields
+from ipc.response_records import (
     ConversationItems,
     ItemsPage,
-    Message,
-    ResponseFields,
     ResponseOp,
     ResponseOpKind,
     ResponseReply,

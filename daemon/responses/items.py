@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from ipc.records import ItemsPage, ResponseOp, ResponseReply
+from ipc.response_records import ItemsPage, ResponseOp, ResponseReply
 
 
 class _Id(msgspec.Struct):

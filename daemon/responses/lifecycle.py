@@ -24,15 +24,8 @@ from typing import Any, Protocol
 from daemon.rejected import Rejected
 from daemon.responses.conversations import not_found
 from daemon.responses.store import previous_not_found
-from ipc.records import (
-    AbortCause,
-    FinishReason,
-    Message,
-    ResponseOp,
-    ResponseReply,
-    Submit,
-    Usage,
-)
+from ipc.records import AbortCause, FinishReason, Message, Submit, Usage
+from ipc.response_records import ResponseOp, ResponseReply
 
 log = logging.getLogger("tether.store")
 

@@ -7,14 +7,8 @@ from typing import Any
 
 import msgspec
 
-from ipc.records import (
-    PLACEHOLDER_STATUSES,
-    Message,
-    ResponseStatus,
-    StoredResponse,
-    ToolCallFormat,
-    Usage,
-)
+from ipc.records import Message, ToolCallFormat, Usage
+from ipc.response_records import PLACEHOLDER_STATUSES, ResponseStatus, StoredResponse
 
 # `status IN PLACEHOLDERS_SQL`: the rows whose session has not ended.
 PLACEHOLDERS_SQL = "(" + ", ".join(sorted(f"'{s.value}'" for s in PLACEHOLDER_STATUSES)) + ")"

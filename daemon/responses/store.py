@@ -49,29 +49,23 @@ from daemon.responses.conversations import (
     turn_of,
 )
 from daemon.responses.db import Database, Executor, StoreError, connect
-from daemon.responses.items import items_reply
+from daemon.responses.ops import StoreOps
 from daemon.responses.rows import (
     PLACEHOLDERS_SQL,
     from_text_column,
     json_text,
     messages_decoder,
     row_size,
-    stored_response,
     text_column,
 )
 from daemon.responses.schema import SCHEMA_VERSION
 from daemon.responses.watcher import Watcher
-from ipc.records import (
-    CONVERSATION_OPS,
+from ipc.records import Message, ResponseFields, Submit, Usage
+from ipc.response_records import (
     PLACEHOLDER_STATUSES,
-    Message,
-    ResponseFields,
     ResponseOp,
-    ResponseOpKind,
     ResponseReply,
     ResponseStatus,
-    Submit,
-    Usage,
 )
 
 __all__ = ["CRASHED_MESSAGE", "SCHEMA_VERSION", "ResponseStore", "StoreError",
@@ -139,6 +133,8 @@ class ResponseStore:
         # Turns on a conversation this process began and has not ended: what joins it if they
         # complete.
         self._turns: dict[str, Turn] = {}
+        self._ops = StoreOps(self._db, replica_id, clock, self._placeholders, self.cancel,
+                             self.conversations)
 
     # --- the engine's side: one session's life ------------------------------------------------
 
@@ -273,91 +269,18 @@ class ResponseStore:
             self.conversations.release(tx, turn, rid, output if moved == 1 else None)
         self.conversations.recount(self._db)
 
-    # --- the proxy's side: GET / DELETE / cancel ----------------------------------------------
+    # --- the proxy's side: GET / DELETE / cancel, in daemon/responses/ops.py --------------------
 
     def handle_op(self, op: ResponseOp, running: bool) -> ResponseReply:
-        """Answer one ResponseOp. ``running``: the engine holds a live session for this id.
+        """Answer one ResponseOp (daemon/responses/ops.py). ``running``: the engine holds a live
+        session for this id.
 
         A CANCEL or DELETE answered with status 200 obliges the caller to abort the session with
         cause CANCEL (idempotent: harmless when the session has already ended).
         """
-        if op.op in CONVERSATION_OPS:
-            return self.conversations.handle_op(op)
-        row = self._row(op.response_id)
-        if row is None:
-            return ResponseReply(op.op_id, 404,
-                                 message=f"No response found with id '{op.response_id}'.")
-        if op.op is ResponseOpKind.GET:
-            return ResponseReply(op.op_id, 200, response=stored_response(row))
-        if op.op is ResponseOpKind.INPUT_ITEMS:
-            return items_reply(op, row["input_items"])
-        if op.op is ResponseOpKind.DELETE:
-            return self._delete(op, row, running)
-        return self._cancel_op(op, row)
-
-    def _row(self, rid: str) -> Any:
-        return self._db.execute("SELECT * FROM responses WHERE id = ?", (rid,)).one()
-
-    def _is_live(self, row: Any, running: bool) -> bool:
-        """Whether a session somewhere still runs this row (only placeholders can be live)."""
-        if row["status"] not in PLACEHOLDER_STATUSES:
-            return False
-        owner = row["owner"]
-        if owner is None or owner == self.replica_id:
-            # A placeholder that no session of ours owns is a crash leftover.
-            return running or row["id"] in self._placeholders
-        lease = self._db.execute("SELECT lease_until FROM replicas WHERE replica_id = ?",
-                                 (owner,)).one()
-        return lease is not None and lease["lease_until"] >= self._clock()
-
-    def _delete(self, op: ResponseOp, row: Any, running: bool) -> ResponseReply:
-        """A live background response is cancelled, then deleted (as OpenAI does): the caller
-        aborts its session here, as for a cancel; another replica's owner is asked to. A live
-        foreground one is refused: its own client is still reading it."""
-        if self._is_live(row, running):
-            if not row["background"]:
-                return ResponseReply(
-                    op.op_id, 400,
-                    message=f"Cannot delete response '{op.response_id}' while it is "
-                    f"{row['status']}; wait for it to finish.",
-                )
-            self._cancel_row(op.response_id, row["owner"])
-        self._placeholders.discard(op.response_id)
-        self._db.execute("DELETE FROM responses WHERE id = ?", (op.response_id,))
-        return ResponseReply(op.op_id, 200, deleted=True)
-
-    def _cancel_op(self, op: ResponseOp, row: Any) -> ResponseReply:
-        if not row["background"]:
-            return ResponseReply(
-                op.op_id, 400,
-                message=f"Cannot cancel response '{op.response_id}': only background responses "
-                "can be cancelled.",
-            )
-        status = row["status"]
-        if status in PLACEHOLDER_STATUSES:
-            self._cancel_row(op.response_id, row["owner"])
-            cancelled = self._row(op.response_id)
-            assert cancelled is not None
-            row = cancelled
-        elif status != ResponseStatus.CANCELLED:
-            return ResponseReply(op.op_id, 400,
-                                 message=f"Cannot cancel a response that is {status}.")
-        return ResponseReply(op.op_id, 200, response=stored_response(row))
-
-    def _cancel_row(self, rid: str, owner: str | None) -> None:
-        """Mark it cancelled; a response another replica runs is left as a request for it."""
-        self.cancel(rid)
-        if owner is not None and owner != self.replica_id:
-            self._request_cancel(rid, owner)
+        return self._ops.handle_op(op, running)
 
     # --- replicas: the cancel channel and the lease ---------------------------------------------
-
-    def _request_cancel(self, rid: str, owner: str) -> None:
-        with self._db.transaction() as tx:
-            tx.execute("INSERT INTO cancel_requests (response_id, owner, requested_at) VALUES "
-                       "(?, ?, ?) ON CONFLICT (response_id) DO NOTHING",
-                       (rid, owner, self._clock()))
-            self._db.notify(tx, owner)
 
     def take_cancels(self) -> list[str]:
         """Responses of ours cancelled through another replica since the last call (no I/O)."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from daemon.responses.conversations import Conversations
 from daemon.responses.db import Database, Listener
 from daemon.responses.rows import PLACEHOLDERS_SQL, text_column
-from ipc.records import ResponseStatus
+from ipc.response_records import ResponseStatus
 
 log = logging.getLogger("tether.store")
 

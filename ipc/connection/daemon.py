@@ -31,13 +31,13 @@ from ipc.records import (
     Goodbye,
     Hello,
     Pause,
-    ResponseOp,
     Resume,
     Submit,
     ToolCallFormat,
     Welcome,
     version_mismatch,
 )
+from ipc.response_records import ResponseOp
 
 log = logging.getLogger("tether.ipc")
 

@@ -44,13 +44,13 @@ from ipc.records import (
     Heartbeat,
     Hello,
     Pause,
-    ResponseOp,
     Resume,
     Submit,
-    ToProxy,
     Welcome,
     version_mismatch,
 )
+from ipc.response_records import ResponseOp
+from ipc.wire import ToProxy
 
 log = logging.getLogger("tether.ipc")
 

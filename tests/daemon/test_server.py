@@ -39,17 +39,15 @@ from ipc.records import (
     Pause,
     RequestKind,
     ResponseFields,
-    ResponseOp,
-    ResponseOpKind,
-    ResponseReply,
     Resume,
     SamplingParams,
-    Stats,
     Submit,
-    ToProxy,
     Usage,
     Welcome,
 )
+from ipc.response_records import ResponseOp, ResponseOpKind, ResponseReply
+from ipc.stats import Stats
+from ipc.wire import ToProxy
 from tests.support.fake_runner import FakeRunner
 
 TOK = ByteTokenizer()

@@ -14,7 +14,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
-from proxy.fields import NO_OP, REFUSED, endpoints, table
+from proxy.field_table import endpoints
+from proxy.fields import NO_OP, REFUSED, table
 from tests.support.pair import Server, assert_baseline
 
 # What each route's call takes as keywords; the rest (vLLM's extensions) goes in extra_body.

@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipc.records import PIPE_BUF, ToDaemon, ToProxy
+from ipc.records import PIPE_BUF
+from ipc.wire import ToDaemon, ToProxy
 from tests.support.metrics import m
 from tests.support.pair import Server, post_raw, start_server
 from tests.support.raw_http import read_events, read_to_end, sse_json

@@ -20,17 +20,9 @@ from pathlib import Path
 import pytest
 
 from ipc.pipes import CONTROL, TOKENS, Loss, ProxyConnection
-from ipc.records import (
-    Delta,
-    Finish,
-    FinishReason,
-    Heartbeat,
-    RequestKind,
-    SamplingParams,
-    Stats,
-    Submit,
-    ToProxy,
-)
+from ipc.records import Delta, Finish, FinishReason, Heartbeat, RequestKind, SamplingParams, Submit
+from ipc.stats import Stats
+from ipc.wire import ToProxy
 from tests.support.metrics import m
 from tests.support.pair import (
     LONG,

@@ -26,10 +26,9 @@ from ipc.records import (
     RequestKind,
     SamplingParams,
     Submit,
-    ToDaemon,
-    ToProxy,
     Welcome,
 )
+from ipc.wire import ToDaemon, ToProxy
 from tests.support.clock import StepClock
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +41,8 @@ _ECHO_DAEMON = """
 import os, sys, time
 from pathlib import Path
 from ipc.pipes import DaemonPipes
-from ipc.records import Delta, Hello, Stats, Welcome
+from ipc.records import Delta, Hello, Welcome
+from ipc.stats import Stats
 run, version, busy = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "busy"
 pipes = DaemonPipes(run)
 next_stats = 0.0

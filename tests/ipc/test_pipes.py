@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ipc import daemon_side
+from ipc import daemon_side, tokens_writer
 from ipc.framing import encode, encode_control
 from ipc.pipes import DaemonPipes, DaemonUnavailable, LossReason, ProxyConnection, ensure_fifos
 from ipc.records import (
@@ -32,10 +32,10 @@ from ipc.records import (
     RequestKind,
     SamplingParams,
     Submit,
-    ToDaemon,
     Usage,
     Welcome,
 )
+from ipc.wire import ToDaemon
 from tests.support.clock import StepClock
 from tests.support.wait import wait_until
 
@@ -204,7 +204,7 @@ def test_tokens_backlog_is_judged_by_progress_never_by_size(tmp_path: Path) -> N
         pipes.send([delta] * 100)
     assert pipes.take_lost() is None and pipes.proxy_connected
     assert pipes.backlogged and pipes.tokens_backlog > daemon_side.BACKLOG_BOUND_BYTES
-    clock.advance(daemon_side.MAX_STALL_S + 0.01)
+    clock.advance(tokens_writer.MAX_STALL_S + 0.01)
     pipes.send([])
     lost = pipes.take_lost()
     assert lost is not None and lost.reason is LossReason.STALLED_READER
@@ -217,10 +217,10 @@ def test_tokens_backlog_is_judged_by_progress_never_by_size(tmp_path: Path) -> N
     assert isinstance(_drain(pipes, time.monotonic() + 1, 1)[0], Hello)
     os.close(reader)
     reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)
-    clock.advance(daemon_side.TOKENS_RETRY_S)
+    clock.advance(tokens_writer.TOKENS_RETRY_S)
     pipes.send([delta] * 300)  # more than the pipe holds
     assert pipes.proxy_connected and pipes.tokens_backlog > 0
-    clock.advance(daemon_side.MAX_STALL_S - 0.01)
+    clock.advance(tokens_writer.MAX_STALL_S - 0.01)
     pipes.send([])
     assert pipes.take_lost() is None  # not a moment early
     clock.advance(0.02)
@@ -370,7 +370,7 @@ def test_a_full_tokens_pipe_that_drains_slowly_is_not_a_lost_proxy(tmp_path: Pat
     pipes.send([])
     fcntl.fcntl(reader, 1031, 64 * 1024)  # F_SETPIPE_SZ: a small pipe fills at once
     delta = Delta("r", 0, "y" * 2000, [1])
-    until = time.monotonic() + daemon_side.MAX_STALL_S + 1.5
+    until = time.monotonic() + tokens_writer.MAX_STALL_S + 1.5
     while time.monotonic() < until:
         pipes.send([delta] * 10)  # ~20 KB in
         os.read(reader, 16 * 1024)  # 16 KB out

@@ -9,7 +9,7 @@ from typing import Any
 from ipc.records import Delta, Finish, FinishReason, ToolCallFormat, ToolFunction, Usage
 from proxy.chat_tools import ChatToolCalls
 from proxy.chunks import StreamChunks
-from proxy.completions import CHAT
+from proxy.completion_answer import CHAT
 from proxy.tool_calls import ToolUse
 
 USE = ToolUse((ToolFunction("get"),), "auto")

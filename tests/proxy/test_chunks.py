@@ -9,7 +9,7 @@ import pytest
 
 from ipc.records import Delta, Finish, FinishReason, Usage
 from proxy.chunks import StreamChunks
-from proxy.completions import CHAT, COMPLETION, Shape
+from proxy.completion_answer import CHAT, COMPLETION, Shape
 from proxy.sse import sse_json
 
 TEXTS = ["a", 'quote " and \\ back', "line\u2028sep\x85and\u2029para", "caf\u00e9 \U0001f389",

@@ -35,7 +35,7 @@ from proxy.collected import (
     Logprobs,
     collected_bytes,
 )
-from proxy.completions import CHAT, COMPLETION, CompletionAnswer, Shape, Wants
+from proxy.completion_answer import CHAT, COMPLETION, CompletionAnswer, Shape, Wants
 
 SHAPES = pytest.mark.parametrize("shape", [COMPLETION, CHAT], ids=["completion", "chat"])
 # Tokens of a byte-level BPE: words, pieces of multi-byte characters, bytes alone.

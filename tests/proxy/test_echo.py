@@ -12,7 +12,7 @@ import pytest
 from ipc.records import Delta, Finish, FinishReason, SamplingParams, Submit, TokenLogprob, Usage
 from proxy.batching import merge_deltas
 from proxy.collected import CollectedBudget, collected_bytes
-from proxy.completions import CHAT, COMPLETION, CompletionAnswer, Wants
+from proxy.completion_answer import CHAT, COMPLETION, CompletionAnswer, Wants
 from proxy.errors import ApiError
 from tests.support.raw_http import sse_json
 

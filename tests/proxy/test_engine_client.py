@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from ipc.records import AbortCause, Finish, RequestKind, ResponseOpKind, SamplingParams, Submit
+from ipc.records import AbortCause, Finish, RequestKind, SamplingParams, Submit
+from ipc.response_records import ResponseOpKind
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.options import ProxyOptions

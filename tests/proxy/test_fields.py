@@ -13,7 +13,8 @@ from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
 from proxy.errors import ApiError
-from proxy.fields import HONOURED, NO_OP, REFUSED, endpoints, markdown, table
+from proxy.field_table import endpoints, markdown
+from proxy.fields import HONOURED, NO_OP, REFUSED, table
 from proxy.openapi import document
 from proxy.schemas import decode_body
 
@@ -30,7 +31,7 @@ MINIMAL = {"/v1/completions": {"prompt": "hi"},
 
 
 def test_docs_api_md_is_current() -> None:
-    assert DOCS.read_text() == markdown(endpoints()), "run: python -m proxy.fields > docs/api.md"
+    assert DOCS.read_text() == markdown(endpoints()), "run: python -m proxy.field_table > docs/api.md"
 
 
 @pytest.mark.parametrize("route", list(CLIENT_TYPES))

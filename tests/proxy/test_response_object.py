@@ -3,7 +3,8 @@ from typing import Any
 import pytest
 from openai.types.responses import Response, ResponseOutputMessage
 
-from ipc.records import PLACEHOLDER_STATUSES, ResponseStatus, StoredResponse, Usage
+from ipc.records import Usage
+from ipc.response_records import PLACEHOLDER_STATUSES, ResponseStatus, StoredResponse
 from proxy.response_object import build_response, stored_response_object
 
 

@@ -25,17 +25,9 @@ from starlette.applications import Starlette
 from starlette.types import Message
 
 from daemon.responses.store import ResponseStore
-from ipc.records import (
-    AbortCause,
-    Error,
-    Finish,
-    FinishReason,
-    RequestKind,
-    ResponseOp,
-    Submit,
-    ToDaemon,
-    ToProxy,
-)
+from ipc.records import AbortCause, Error, Finish, FinishReason, RequestKind, Submit
+from ipc.response_records import ResponseOp
+from ipc.wire import ToDaemon, ToProxy
 from proxy.app import create_app
 from proxy.options import ProxyOptions
 from tests.proxy.conftest import running_app

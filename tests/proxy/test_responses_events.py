@@ -12,14 +12,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from ipc.records import (
-    AbortCause,
-    FinishReason,
-    ResponseStatus,
-    StoredResponse,
-    ToolCallFormat,
-    Usage,
-)
+from ipc.records import AbortCause, FinishReason, ToolCallFormat, Usage
+from ipc.response_records import ResponseStatus, StoredResponse
 from proxy.errors import ApiError
 from proxy.response_object import stored_response_object
 from proxy.responses_background import BackgroundRegistry, BackgroundRun

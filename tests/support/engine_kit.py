@@ -9,7 +9,8 @@ from daemon.engine.grammar import Grammars
 from daemon.engine.guided import Guidance
 from daemon.model.tokenizer import ByteTokenizer
 from daemon.responses.store import ResponseStore
-from ipc.records import Delta, Finish, RequestKind, SamplingParams, Submit, ToProxy
+from ipc.records import Delta, Finish, RequestKind, SamplingParams, Submit
+from ipc.wire import ToProxy
 from tests.support.fake_runner import FakeRunner, Script
 
 TOK = ByteTokenizer()

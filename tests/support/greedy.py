@@ -10,7 +10,8 @@ from daemon.engine.core import Engine
 from daemon.model.loader import LoadedModel
 from daemon.model.parallel.driver import DriverRunner
 from daemon.model.runner import ModelRunner
-from ipc.records import Delta, RequestKind, SamplingParams, Submit, ToProxy
+from ipc.records import Delta, RequestKind, SamplingParams, Submit
+from ipc.wire import ToProxy
 
 PROMPTS = ["Zebras vex quirky jocks; 42 sphinx? 17 wyvern! blimp",
            "Kwartz 93 glyph vox: ibex, yak & 58 mjolnir", "a short one",

@@ -26,7 +26,7 @@ import orjson
 from daemon.engine.figures import LOGGED_TICKS
 from ipc.framing import daemon_decoder, proxy_decoder
 from ipc.pipes import TOKENS
-from ipc.records import Record
+from ipc.wire import Record
 from tests.support import raw_http
 from tests.support.metrics import m, parse_metrics
 from tests.support.wait import free_port, wait_for

@@ -36,17 +36,15 @@ from ipc.records import (
     Hello,
     Pause,
     RequestKind,
-    ResponseOp,
-    ResponseReply,
     Resume,
-    Stats,
     Submit,
-    ToDaemon,
     TokenLogprob,
-    ToProxy,
     Usage,
     Welcome,
 )
+from ipc.response_records import ResponseOp, ResponseReply
+from ipc.stats import Stats
+from ipc.wire import ToDaemon, ToProxy
 
 MODEL = "test-model"
 MAX_MODEL_LEN = 4096

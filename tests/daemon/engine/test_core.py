@@ -21,12 +21,11 @@ from ipc.records import (
     Message,
     RequestKind,
     ResponseFields,
-    ResponseOp,
-    ResponseOpKind,
     SamplingParams,
     Submit,
-    ToProxy,
 )
+from ipc.response_records import ResponseOp, ResponseOpKind
+from ipc.wire import ToProxy
 from tests.support.engine_kit import (
     EOS,
     TOK,

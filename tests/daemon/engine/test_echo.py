@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ipc.records import ECHO_TOKENS, Delta, RequestKind, SamplingParams, Submit, ToProxy
+from ipc.records import ECHO_TOKENS, Delta, RequestKind, SamplingParams, Submit
+from ipc.wire import ToProxy
 from tests.support.engine_kit import TOK, make_engine, run
 from tests.support.fake_runner import FakeRunner
 

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from daemon.engine.core import Engine
 from daemon.model.loader import load_model
 from daemon.model.runner import ModelRunner
-from ipc.records import AbortCause, Finish, FinishReason, ToProxy
+from ipc.records import AbortCause, Finish, FinishReason
+from ipc.wire import ToProxy
 from tests.support.engine_kit import TOK, completion, finishes, make_engine, run, texts
 
 SYSTEM = "You are a careful assistant. Answer briefly and never repeat yourself. " * 2

@@ -24,7 +24,8 @@ from transformers.generation.logits_process import (
 from daemon.engine.core import Engine
 from daemon.model.loader import LoadedModel, load_model
 from daemon.model.runner import ModelRunner
-from ipc.records import Delta, RequestKind, SamplingParams, Submit, ToProxy
+from ipc.records import Delta, RequestKind, SamplingParams, Submit
+from ipc.wire import ToProxy
 from tests.support.checkpoints import save_llama
 from tests.support.greedy import PROMPTS
 

@@ -7,7 +7,8 @@ import pytest
 from daemon.engine.core import Engine
 from daemon.model.batch import ScheduledChunk
 from daemon.model.sim import WORDS, SimRunner, SimSpecError, SimTokenizer, parse_spec
-from ipc.records import AbortCause, Delta, RequestKind, SamplingParams, Submit, ToProxy
+from ipc.records import AbortCause, Delta, RequestKind, SamplingParams, Submit
+from ipc.wire import ToProxy
 from tests.support.engine_kit import finishes, run, texts
 
 TOK = SimTokenizer()

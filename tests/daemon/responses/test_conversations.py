@@ -9,19 +9,8 @@ import pytest
 from daemon.rejected import Rejected
 from daemon.responses.conversations import ConversationLimits
 from daemon.responses.store import ResponseStore
-from ipc.records import (
-    ConversationItems,
-    ItemsPage,
-    Message,
-    RequestKind,
-    ResponseFields,
-    ResponseOp,
-    ResponseOpKind,
-    ResponseReply,
-    SamplingParams,
-    Submit,
-    Usage,
-)
+from ipc.records import Message, RequestKind, ResponseFields, SamplingParams, Submit, Usage
+from ipc.response_records import ConversationItems, ItemsPage, ResponseOp, ResponseOpKind, ResponseReply
 from proxy.input_items import input_item_objects
 from tests.daemon.responses.test_store import Clock, Open, clock, open_store, target
 

@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from daemon.responses.items import page_of
-from ipc.records import ItemsPage
+from ipc.response_records import ItemsPage
 
 # As earlier releases stored them too: the client's own fields, ids only where it gave one.
 STORED = msgspec.json.encode([

@@ -25,12 +25,11 @@ from ipc.records import (
     Message,
     RequestKind,
     ResponseFields,
-    ResponseOp,
-    ResponseOpKind,
     SamplingParams,
     Submit,
-    ToProxy,
 )
+from ipc.response_records import ResponseOp, ResponseOpKind
+from ipc.wire import ToProxy
 from tests.support.fake_runner import FakeRunner
 
 TOK = ByteTokenizer()

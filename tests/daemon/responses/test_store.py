@@ -12,18 +12,8 @@ from openai.types.responses import Response
 
 from daemon.responses.store import CRASHED_MESSAGE, SCHEMA_VERSION, ResponseStore, StoreError
 from daemon.responses.watcher import OWNER_LOST_MESSAGE
-from ipc.records import (
-    ItemsPage,
-    Message,
-    RequestKind,
-    ResponseFields,
-    ResponseOp,
-    ResponseOpKind,
-    ResponseReply,
-    SamplingParams,
-    Submit,
-    Usage,
-)
+from ipc.records import Message, RequestKind, ResponseFields, SamplingParams, Submit, Usage
+from ipc.response_records import ItemsPage, ResponseOp, ResponseOpKind, ResponseReply
 from proxy.input_items import input_item_objects
 from proxy.response_object import stored_response_object
 from tests.support.wait import wait_for

@@ -19,9 +19,9 @@ from ipc.records import (
     RequestKind,
     SamplingParams,
     Submit,
-    ToDaemon,
     Welcome,
 )
+from ipc.wire import ToDaemon
 from tests.support.wait import wait_until
 
 

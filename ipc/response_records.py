@@ -1,0 +1,128 @@
+"""The records of the daemon's Responses and Conversations store, on the wire.
+
+A Submit of kind RESPONSE carries its ResponseFields (ipc/records.py); everything else the store
+is asked goes as a ResponseOp (GET, DELETE, cancel and input items of a stored response on the
+control pipe; the CONVERSATION_* ops on the requests pipe, their items can be big) and is
+answered by one ResponseReply on the tokens pipe, carrying a StoredResponse or a
+StoredConversation.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+import msgspec
+
+from ipc.records import Kind, Message, PosInt, ToolCallFormat, Usage
+
+
+class ResponseStatus(enum.StrEnum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    INCOMPLETE = "incomplete"
+
+
+# A placeholder is a stored response whose session has not ended yet.
+PLACEHOLDER_STATUSES = frozenset({ResponseStatus.QUEUED, ResponseStatus.IN_PROGRESS})
+
+
+class ResponseOpKind(enum.StrEnum):
+    GET = "get"
+    DELETE = "delete"
+    CANCEL = "cancel"
+    INPUT_ITEMS = "input_items"
+    # Conversations (`response_id` is then the conversation's id): on the requests pipe.
+    CONVERSATION_CREATE = "conv_create"
+    CONVERSATION_GET = "conv_get"
+    CONVERSATION_UPDATE = "conv_update"
+    CONVERSATION_DELETE = "conv_delete"
+    CONVERSATION_ITEMS = "conv_items"  # a page of them
+    CONVERSATION_ADD_ITEMS = "conv_add_items"
+    CONVERSATION_ITEM_GET = "conv_item_get"
+    CONVERSATION_ITEM_DELETE = "conv_item_delete"
+
+
+CONVERSATION_OPS = frozenset(k for k in ResponseOpKind if k.value.startswith("conv_"))
+
+
+class ItemsPage(msgspec.Struct, frozen=True):
+    """Which of a stored response's input items an INPUT_ITEMS op asks for: OpenAI's list
+    parameters, checked by the proxy (``after`` is an item id, so it is short)."""
+
+    limit: PosInt = 20
+    order: Literal["asc", "desc"] = "desc"
+    after: str | None = None
+
+
+class ConversationItems(msgspec.Struct, frozen=True):
+    """Items to add to a conversation: as the proxy validated them (JSON text of a list of
+    objects, stored as they are) and the messages each renders as in a prompt."""
+
+    items: str
+    messages: list[list[Message]]
+
+
+class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
+    """GET / DELETE / cancel of a stored response, or a page of its input items; or an
+    operation on a conversation (CONVERSATION_*, on the requests pipe); answered by a
+    ResponseReply with ``op_id``."""
+
+    op_id: str
+    op: ResponseOpKind
+    response_id: str
+    epoch: int = 0
+    page: ItemsPage | None = None  # INPUT_ITEMS, CONVERSATION_ITEMS
+    item_id: str | None = None  # CONVERSATION_ITEM_*
+    items: ConversationItems | None = None  # CONVERSATION_CREATE, CONVERSATION_ADD_ITEMS
+    metadata: dict[str, str] | None = None  # CONVERSATION_CREATE, CONVERSATION_UPDATE
+
+
+class StoredResponse(msgspec.Struct, frozen=True):
+    """A stored response as its row holds it; the proxy builds the API object from it."""
+
+    id: str
+    status: ResponseStatus
+    created_at: int
+    model: str
+    background: bool
+    completed_at: float | None = None
+    output_text: str | None = None  # None: no output yet (queued, in progress)
+    usage: Usage | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    error: str | None = None  # why it failed
+    incomplete_reason: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    tool_call_format: ToolCallFormat | None = None  # the output holds tool calls in this format
+    conversation: str | None = None  # the conversation it is a turn of
+    echo: str = "{}"  # ResponseFields.echo, as stored
+
+
+class StoredConversation(msgspec.Struct, frozen=True):
+    id: str
+    created_at: int
+    metadata: dict[str, str] = {}
+
+
+class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):
+    """The answer to a ResponseOp: with status 200, the response (GET, CANCEL), one page of its
+    input items (INPUT_ITEMS: the page's items as stored, JSON text of a list, with the id each
+    is listed under) or ``deleted`` (DELETE); for a conversation, ``conversation`` or its items
+    in the same fields; else ``message`` (and the ``param`` at fault)."""
+
+    op_id: str
+    status: int  # HTTP status the proxy should answer with
+    response: StoredResponse | None = None
+    conversation: StoredConversation | None = None
+    input_items: str | None = None
+    item_ids: list[str] = []
+    has_more: bool = False  # more items follow the page
+    deleted: bool = False
+    message: str | None = None
+    param: str | None = None
