@@ -266,7 +266,7 @@ class Engine:
             tokens = self.sampler(logits, seqs)
         else:
             tokens = self.sampler(self.guidance.mask(logits, masks), seqs)
-            tokens = self.guidance.accept(seqs, tokens, self.max_model_len)
+            tokens = self.guidance.accept(seqs, tokens, self.max_model_len, masks)
         self.sampler.count(seqs, tokens)
         return self._emit(seqs, tokens, sampled_logprobs(logits, seqs, tokens))
 

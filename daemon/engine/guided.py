@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from daemon.engine.grammar import Constraint, GrammarError, Grammars, apply_bitmask, fill_row
+from daemon.engine.grammar import (
+    Bitmask,
+    Constraint,
+    GrammarError,
+    Grammars,
+    apply_bitmask,
+    fill_row,
+)
 from daemon.engine.sequence import Sequence, Session
 from daemon.rejected import Rejected
 from ipc.records import Guide, RequestKind, Submit
@@ -33,7 +40,7 @@ class Masks:
     """A tick's masks: `bitmask[j]` is for sampled row `rows[j]`, once `future` is done."""
 
     rows: list[int]
-    bitmask: torch.Tensor
+    bitmask: Bitmask
     future: Future[None] | None
 
 
@@ -117,10 +124,11 @@ class Guidance:
 
     def start_masks(self, seqs: list[Sequence]) -> Masks | None:
         """Starts computing the masks of the constrained ones among `seqs` (the tick's sampled
-        sequences, in order); None when none is constrained. Masks worth a thread (many rows
-        of a large vocabulary) are computed on the mask thread while the forward pass runs,
-        and until `mask` has waited for them their matchers are the thread's; the others at
-        once, since a hop to a thread and back costs more than they do."""
+        sequences, in order); None when none is constrained. Most were computed when the last
+        token was consumed (`accept`). Masks worth a thread (many rows of a large vocabulary)
+        are computed on the mask thread while the forward pass runs, and until `mask` has
+        waited for them their matchers are the thread's; the others at once, since a hop to a
+        thread and back costs more than they do."""
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
             return None
@@ -129,11 +137,9 @@ class Guidance:
         for j, row in enumerate(rows):
             constraint = seqs[row].constraint
             assert constraint is not None
-            if constraint.forced:
-                constraint.fill(bitmask, j)
-            else:
+            if not constraint.fill_known(bitmask, j):
                 free.append((constraint.matcher, j))
-        if not free or len(free) * self.grammars.vocab_size < MASK_THREAD_MIN_TOKENS:
+        if not free or not self._worth_a_thread(len(free)):
             for matcher, j in free:
                 fill_row(matcher, bitmask, j)
             return Masks(rows, bitmask, None)
@@ -150,17 +156,30 @@ class Guidance:
         apply_bitmask(masked, masks.rows, masks.bitmask)
         return masked
 
-    def accept(self, seqs: list[Sequence], tokens: list[int], max_model_len: int) -> list[int]:
+    def _worth_a_thread(self, rows: int) -> bool:
+        return rows * self.grammars.vocab_size >= MASK_THREAD_MIN_TOKENS
+
+    def accept(self, seqs: list[Sequence], tokens: list[int], max_model_len: int,
+               masks: Masks | None = None) -> list[int]:
         """The tokens to emit: each constraint consumes its sequence's sampled token, or puts
-        the next token of its closing in its place (daemon/engine/grammar.py)."""
+        the next token of its closing in its place (daemon/engine/grammar.py), and computes
+        its next mask unless the mask thread will (`masks`: the tick's, which say whether each
+        token was allowed)."""
         out = tokens
+        rows = dict(zip(masks.rows, range(len(masks.rows)))) if masks is not None else {}
+        now = not self._worth_a_thread(len(rows))
         for i, seq in enumerate(seqs):
             constraint = seq.constraint
             if constraint is None:
                 continue
             left = min(_tokens_left(seq, seq.max_tokens),
                        max_model_len - seq.num_tokens)
-            token = constraint.accept(tokens[i], left)
+            j = rows.get(i)
+            allowed = masks.bitmask.allows(j, tokens[i]) if masks is not None and j is not None \
+                else None
+            token = constraint.accept(tokens[i], left, allowed)
+            if now and left > 1:
+                constraint.compute_mask()
             if token != tokens[i]:
                 if out is tokens:
                     out = list(tokens)

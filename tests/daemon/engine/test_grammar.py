@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon.engine.closing import closing
-from daemon.engine.grammar import Constraint, GrammarError, Grammars, apply_bitmask
+from daemon.engine.grammar import Bitmask, Constraint, GrammarError, Grammars, apply_bitmask
 from daemon.model.tokenizer import ByteTokenizer
 from ipc.records import Guide, GuideKind
 
@@ -166,7 +166,9 @@ def test_a_head_wider_than_the_vocabulary_masks_the_ids_past_it(grammars: Gramma
 
 def test_a_head_wider_than_the_vocabulary_never_allows_the_padding() -> None:
     logits = torch.zeros(2, 100)  # a model's head padded past a 64-id vocabulary
-    apply_bitmask(logits, [1], torch.full((1, 2), -1, dtype=torch.int32))
+    every = Bitmask(1, 2)
+    every.tensor.fill_(-1)
+    apply_bitmask(logits, [1], every)
     assert torch.all(logits[1, :64] == 0) and torch.all(logits[1, 64:] == float("-inf"))
     assert torch.all(logits[0] == 0)
 
@@ -212,7 +214,7 @@ def _longest_closing_token(grammars: Grammars, constraint: Constraint) -> int:
     """Of the tokens the grammar allows now, the one after which the closing is longest."""
     bitmask = grammars.new_bitmask(1)
     constraint.fill(bitmask, 0)
-    bits = ((bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+    bits = ((bitmask.tensor[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
     best, best_len = EOS, -1
     for token in bits[:TOK.vocab_size].nonzero().flatten().tolist():
         if token == EOS:
