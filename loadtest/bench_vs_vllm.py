@@ -218,7 +218,7 @@ def medians(runs: list[dict[str, Any]], server: str) -> dict[str, Any]:
     aborts = [a for r in mine for a in r["aborts"]]
     return {"reps": len(mine),
             "decode": {n: med([r["decode"][n]["tok_per_s"] for r in mine])
-                       for n in mine[0]["decode"]},
+                       for n in sorted(mine[0]["decode"], key=int)},  # JSON sorts them as text
             "cold_ttft_s": med([r["cold_ttft_s"] for r in mine]),
             "prefix_ttft_s": med([r["prefix_ttft_s"] for r in mine]),
             "after_close": med([a["after_close"] for a in aborts]),
@@ -263,6 +263,8 @@ def report(res: dict[str, Any]) -> None:
         v["after_close"], ".1f")
     idle_ms = [None if x["idle_s"] is None else x["idle_s"] * 1e3 for x in (t, v)]
     row("abort: close to 0 running (ms)", idle_ms[0], idle_ms[1], ".0f")
+    print(f"  (tokens counted after the close, the most in {t['aborts']} / {v['aborts']} aborts: "
+          f"tether {t['after_close_max']:.0f}, vLLM {v['after_close_max']:.0f})")
     for x, name in ((t, "tether"), (v, "vLLM")):
         if x["never_idle"]:
             print(f"  ({name}: {x['never_idle']} of {x['aborts']} aborts never read 0 running)")
@@ -296,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=SMOLLM_135M_DIR)
     parser.add_argument("--vllm-venv", default=None,
                         help="default: $VLLM_VENV, else .vllm-venv (make bench-vllm builds it)")
-    parser.add_argument("--out", default=None, help="reps already there are kept and added to")
+    parser.add_argument("--out", default=None,
+                        help="reps already there are kept and added to (--reps 0: reprint)")
     args = parser.parse_args(argv)
     args.vllm_venv = venv_path(args.vllm_venv)
     if why := not_installed(args.vllm_venv):
