@@ -45,7 +45,7 @@ $(VENV)/.installed-cluster: pyproject.toml | $(BIN)/python
 	touch $(VENV)/.installed $@
 
 # Without npm, or with the registry out of reach, the Codex test is skipped and says why.
-$(CODEX_DIR)/.installed:
+$(CODEX_DIR)/.installed: Makefile
 	@if command -v npm >/dev/null 2>&1 && npm install -s --prefix $(CODEX_DIR) "$(CODEX)"; \
 	then touch $@; else echo "make: cannot npm install $(CODEX); the Codex test will be skipped"; fi
 
