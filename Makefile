@@ -10,6 +10,9 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 PIP_TORCH := $(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
 ARGS ?=
+# Codex CLI, which tests/e2e/test_codex.py runs against a real pair (found through TETHER_CODEX).
+CODEX ?= @openai/codex@0.169.0
+CODEX_DIR ?= .codex
 
 .PHONY: serve cluster test lint loadtest bench bench-host bench-vllm clean
 
@@ -41,10 +44,15 @@ $(VENV)/.installed-cluster: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[cluster]"
 	touch $(VENV)/.installed $@
 
-test: $(VENV)/.installed-dev
+# Without npm, or with the registry out of reach, the Codex test is skipped and says why.
+$(CODEX_DIR)/.installed: Makefile
+	@if command -v npm >/dev/null 2>&1 && npm install -s --prefix $(CODEX_DIR) "$(CODEX)"; \
+	then touch $@; else echo "make: cannot npm install $(CODEX); the Codex test will be skipped"; fi
+
+test: $(VENV)/.installed-dev $(CODEX_DIR)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy ipc proxy tether daemon loadtest
-	$(BIN)/python -m pytest $(ARGS)
+	TETHER_CODEX=$(abspath $(CODEX_DIR))/node_modules/.bin/codex $(BIN)/python -m pytest $(ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -74,4 +82,4 @@ bench-vllm: $(VENV)/.installed-dev
 	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m loadtest.bench_vs_vllm $(ARGS)
 
 clean:
-	rm -rf $(VENV) .vllm-venv .pytest_cache .mypy_cache .ruff_cache results
+	rm -rf $(VENV) $(CODEX_DIR) .vllm-venv .pytest_cache .mypy_cache .ruff_cache results
