@@ -97,17 +97,20 @@ class Sampler:
 
 def _draw(probs: torch.Tensor) -> torch.Tensor:
     """One token per row, token i with probability probs[i]: the first whose cumulative
-    probability reaches a uniform draw over the row's total. One random number a row, not one
-    a token: exponential noise over the vocabulary was the largest cost of a tick at hundreds of
+    probability reaches a uniform draw in (0, total]. One random number a row, not one a
+    token: exponential noise over the vocabulary was the largest cost of a tick at hundreds of
     streams on the CPU. (Seeded rows keep that noise, drawn from their own generators, so
     their tokens stay what their seed gave.)"""
     cdf = probs.cumsum(dim=-1)
-    draw = (1.0 - torch.rand(probs.shape[0], 1, device=probs.device)) * cdf[:, -1:]  # (0, total]
-    picked = torch.searchsorted(cdf, draw).clamp_(max=probs.shape[-1] - 1)
-    # Where rounding makes a token of probability 0 look picked (a GPU's scan sums in another
-    # order than the host's), the most likely token instead: a banned token is never drawn.
-    return torch.where(probs.gather(1, picked) > 0, picked,
-                       probs.argmax(dim=-1, keepdim=True)).squeeze(1)
+    draw = (1.0 - torch.rand(probs.shape[0], 1, device=probs.device)) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, draw)
+    # The host sums a row in order, so a token of probability 0 repeats the sum before it and
+    # is never the first to reach the draw. A GPU's scan sums in another order: where rounding
+    # makes such a token look picked there, the most likely token instead.
+    if probs.device.type != "cpu":
+        picked = torch.where(probs.gather(1, picked.clamp_(max=probs.shape[-1] - 1)) > 0,
+                             picked, probs.argmax(dim=-1, keepdim=True))
+    return picked.squeeze(1)
 
 
 def _min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
