@@ -52,8 +52,7 @@ class Batch:
                 if chunk.needs_logits for s in (seq, *seq.fork_children)]
 
     def add_decodes(self, seqs: list[Sequence]) -> None:
-        """One token each for sequences with exactly one token left to compute (`add`'s chunk
-        for each, in one pass: at hundreds of streams this runs for every one of them)."""
+        """`add` of one token for each of `seqs` (one left to compute each), in one pass."""
         self.chunks += [ScheduledChunk(s.token_ids[-1:], s.num_computed, s.block_table, True,
                                        s.wants_prompt_logits) for s in seqs]
         self.seqs += seqs
@@ -142,15 +141,13 @@ class Scheduler:
     def _decode(self, batch: Batch, budget: int, scheduled: set[int]) -> int:
         """One token for each running sequence that has one to compute, in order, while the
         budget lasts; the budget left."""
-        running = SeqStatus.RUNNING
-        ready = [seq for seq in self.running if seq.status is running
+        ready = [seq for seq in self.running if seq.status is SeqStatus.RUNNING
                  and not seq.paused and len(seq.token_ids) - seq.num_computed == 1][:budget]
         bm = self.block_manager
         size = bm.block_size
         # A decode at position p takes a block when its table ends before p (p = num_computed).
         growing = [seq for seq in ready if len(seq.block_table) * size <= seq.num_computed]
-        forking = [seq for seq in ready if seq.fork_children]
-        forks = sum(self._fork_cost(seq, seq.num_computed + 1) for seq in forking)
+        forks = sum(self._fork_cost(seq, seq.num_computed + 1) for seq in ready if seq.fork_children)
         if len(growing) + forks <= self._num_available:
             # Everyone's blocks are free: nobody is preempted, so no _reserve per sequence.
             for seq in growing:
@@ -364,23 +361,17 @@ class Scheduler:
             if not chunk.needs_logits:
                 continue
             to_sample.append((row - 1, seq))
-            if seq.fork_children:
-                self._fork(seq, row - 1, to_sample)
+            for child in seq.fork_children:
+                child.block_table = bm.fork(seq.block_table, seq.num_computed, self.copy_block)
+                child.num_computed = seq.num_computed
+                child.num_cached_tokens = seq.num_cached_tokens
+                child.block_hashes = list(seq.block_hashes)  # same prompt, same hashes
+                child.status = SeqStatus.RUNNING
+                self.num_paused += child.paused
+                self.running.append(child)
+                to_sample.append((row - 1, child))
+            seq.fork_children.clear()
         return to_sample
-
-    def _fork(self, seq: Sequence, row: int, to_sample: list[tuple[int, Sequence]]) -> None:
-        """A prompt is prefilled: its siblings take its blocks and sample from its row."""
-        for child in seq.fork_children:
-            child.block_table = self.block_manager.fork(seq.block_table, seq.num_computed,
-                                                        self.copy_block)
-            child.num_computed = seq.num_computed
-            child.num_cached_tokens = seq.num_cached_tokens
-            child.block_hashes = list(seq.block_hashes)  # same prompt, same hashes
-            child.status = SeqStatus.RUNNING
-            self.num_paused += child.paused
-            self.running.append(child)
-            to_sample.append((row, child))
-        seq.fork_children.clear()
 
     def _commit(self, seq: Sequence, start_pos: int) -> None:
         """Register the blocks this pass filled (their KV now exists) in the prefix cache."""
