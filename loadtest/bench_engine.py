@@ -37,11 +37,10 @@ import torch
 
 from loadtest import bench_tp, sse_client
 from loadtest import decode_figures as figs
-from loadtest.checkpoint import write_checkpoint
+from loadtest.checkpoint import SMOLLM_135M_DIR, ensure_checkpoint
 from loadtest.pair import ServerPair, served_model
 from loadtest.report import goal_line, results_dir, write_json
 
-DEFAULT_DIR = Path("/tmp/tether-bench-smollm135m")
 ANCHOR = {"transformers_batch1": 17, "transformers_batch8": 68, "transformers_batch32": 191}
 CONFIGS = {"ours": "auto", "baseline": "torch"}  # server name -> --kernels
 
@@ -280,7 +279,7 @@ def report(res: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--model-dir", type=Path, default=SMOLLM_135M_DIR)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--baseline", action="store_true",
@@ -301,9 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_tp.main(argv)
     args = parser.parse_args(argv)  # the flags of this benchmark, strictly
     out = results_dir(args.out, "bench-engine")
-    if not (args.model_dir / "config.json").is_file():
-        print(f"writing a random SmolLM-135M-shaped checkpoint to {args.model_dir}", flush=True)
-        write_checkpoint(args.model_dir)
+    ensure_checkpoint(args.model_dir)
     default_threads = max(1, (os.cpu_count() or 1) - 1)  # as daemon/server.py picks
     mix = workload(args.mix, args.seed)
     res: dict[str, Any] = {"model_dir": str(args.model_dir), "threads": args.threads,

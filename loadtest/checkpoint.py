@@ -12,6 +12,15 @@ SMOLLM_135M: dict[str, Any] = {
     "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 0,
     "eos_token_id": 0, "pad_token_id": 0}
+SMOLLM_135M_DIR = Path("/tmp/tether-bench-smollm135m")  # shared by the benchmarks that serve it
+
+
+def ensure_checkpoint(path: Path = SMOLLM_135M_DIR) -> Path:
+    """The SmolLM-135M-shaped checkpoint at `path`, written first when it is not there."""
+    if not (path / "config.json").is_file():
+        print(f"writing a random SmolLM-135M-shaped checkpoint to {path}", flush=True)
+        write_checkpoint(path)
+    return path
 
 
 def write_checkpoint(path: Path, config: dict[str, Any] = SMOLLM_135M) -> None:

@@ -68,11 +68,14 @@ class ServerPair:
         self.fd_limit = fd_limit
         self.proc: subprocess.Popen[bytes] | None = None
         self.repo = repo  # the checkout it runs (first on its PYTHONPATH)
+        self.env: dict[str, str] = {}  # set over the inherited environment
+        self.name = "tether serve"  # what its errors call it
 
     def start(self) -> ServerPair:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.repo),
                                                           env.get("PYTHONPATH")]))
+        env.update(self.env)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          cwd=self.repo, env=env, start_new_session=True,
@@ -80,13 +83,13 @@ class ServerPair:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tether serve exited with {self.proc.returncode}:\n"
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
                                    + self.log_tail())
             if health_ok(self.base_url):
                 return self
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"tether serve not healthy after {self.startup_timeout:.0f} s:\n"
+        raise RuntimeError(f"{self.name} not healthy after {self.startup_timeout:.0f} s:\n"
                            + self.log_tail())
 
     def _limit_fds(self) -> None:

@@ -28,7 +28,7 @@ import msgspec
 from ipc.records import Message, ToolCall
 from proxy.errors import ApiError
 from proxy.schemas import validation_error
-from proxy.tool_requests import FunctionName
+from proxy.tool_requests import FunctionName, qualified
 
 MAX_ITEM_ID = 64  # OpenAI's bound on input[].id
 MAX_CALL_ID = 256
@@ -99,6 +99,7 @@ class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type",
     arguments: str
     id: ItemId | None = None
     status: Status | None = None
+    namespace: FunctionName | None = None  # a namespace tool's function: the group's name
 
 
 class FunctionCallOutputItem(msgspec.Struct, tag="function_call_output", tag_field="type",
@@ -171,7 +172,7 @@ def to_messages(input: str | list[InputItem]) -> list[Message]:
         if isinstance(item, MessageItem):
             out.append(Message(_ROLES[item.role], _joined(item.content)))
         elif isinstance(item, FunctionCallItem):
-            call = ToolCall(item.call_id, item.name, item.arguments)
+            call = ToolCall(item.call_id, qualified(item.namespace, item.name), item.arguments)
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":
                 out[-1] = Message("assistant", last.content, [*last.tool_calls, call])

@@ -40,7 +40,12 @@ from proxy.response_object import (
 from proxy.tool_calls import call_ids
 from proxy.tool_calls.parser import CallStart, Content, FormatParser
 from proxy.tool_calls.parser import Event as Parsed
-from proxy.tool_requests import ResponsesTool, ResponsesToolChoice, responses_tool_use
+from proxy.tool_requests import (
+    ResponsesTool,
+    ResponsesToolChoice,
+    call_name,
+    responses_tool_use,
+)
 
 Event = dict[str, Any]
 
@@ -195,7 +200,7 @@ class ResponseEvents:
             elif isinstance(piece, CallStart):
                 events += self._close_open(ResponseStatus.COMPLETED)
                 item = {"type": "function_call", "id": self._call_item_id(piece.index),
-                        "call_id": piece.call_id, "name": piece.name, "arguments": "",
+                        "call_id": piece.call_id, **call_name(piece.name), "arguments": "",
                         "status": "in_progress"}
                 self.call_items.append(item)
                 events.append(self._event("response.output_item.added",

@@ -49,6 +49,12 @@ Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
 # Any id this server hands out: a longer one cannot name a stored response.
 ResponseId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN)]
 
+# `reasoning` values that ask for nothing: no effort, or a summary of reasoning that never is.
+NO_REASONING = ({}, {"effort": "none"}, *(
+    {**effort, "summary": summary} for effort in ({}, {"effort": "none"})
+    for summary in ("auto", "concise", "detailed", "none")))
+
+
 class ConversationRef(msgspec.Struct, forbid_unknown_fields=True):
     id: ResponseId
 
@@ -82,6 +88,9 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     user: Annotated[str | None, no_op(END_USER,
                                       "user-1")] = None
     metadata: Metadata | None = None  # stored with the response and echoed
+    client_metadata: Annotated[dict[str, str] | None, no_op(
+        "the client's own labels of the request (Codex CLI's session and turn ids)",
+        {"session_id": "s-1"})] = None
     stream_options: ResponseStreamOptions | None = None
     prompt_cache_key: Annotated[str | None, no_op(CACHE_HINT, "k")] = None
     prompt_cache_retention: Annotated[str | None, no_op(CACHE_HINT, "24h")] = None
@@ -94,10 +103,13 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     parallel_tool_calls: bool | None = None
     max_tool_calls: Annotated[Any, refused("the number of calls is not capped", 3)] = None
     text: TextConfig | None = None  # the output's format (proxy/guides.py)
-    include: Annotated[Any, refused("nothing more can be included", ["reasoning.encrypted_content"],
-                                    ([],))] = None
+    # Codex CLI asks for its reasoning items' encrypted content and for reasoning summaries on
+    # every request: of a model that does not reason, both are nothing, so both ask for nothing.
+    include: Annotated[Any, refused("nothing more can be included",
+                                    ["message.output_text.logprobs"],
+                                    ([], ["reasoning.encrypted_content"]))] = None
     reasoning: Annotated[Any, refused("no model served here reasons", {"effort": "high"},
-                                      ({}, {"effort": "none"}))] = None
+                                      NO_REASONING)] = None
     truncation: Annotated[Any, refused("an input longer than the context is refused, not cut",
                                        "auto", ("disabled",))] = None
     top_logprobs: Annotated[Any, refused("log-probabilities are not returned here", 5,

@@ -1,7 +1,8 @@
 """What requests say about tools, as the chat and Responses bodies spell it, and the `ToolUse` it
 resolves to (proxy/tool_calls/): the functions offered, ``tool_choice`` and
-``parallel_tool_calls``, checked as OpenAI checks them. On /v1/responses OpenAI's hosted tools
-(web_search, file_search, ...) are accepted and passed over: this server runs none of them.
+``parallel_tool_calls``, checked as OpenAI checks them. On /v1/responses a ``namespace`` tool is
+its functions, offered under qualified names, and OpenAI's hosted tools (web_search,
+file_search, ...) are accepted and passed over: this server runs none of them.
 
 A function's ``parameters`` stay the JSON text the client sent (msgspec.Raw: never built into
 Python objects here); they travel to the daemon as that text, which renders them in the chat
@@ -111,7 +112,7 @@ def tool_guide(use: ToolUse, fmt: ToolCallFormat, content: Guide | None) -> Guid
 # OpenAI's built-in tools: their calls are items only OpenAI's models write, and OpenAI (or, for a
 # shell or a computer, its own client) runs them. Clients such as Codex CLI send them on every
 # request, so they are accepted and never offered to the model; only forcing one is refused.
-# `custom` and `namespace` tools are the client's own and stay refused by their type until served.
+# `custom` tools are the client's own and stay refused by their type until served.
 HOSTED_TOOLS = frozenset({
     "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
     "file_search", "code_interpreter", "image_generation", "mcp", "computer",
@@ -120,14 +121,16 @@ HOSTED_TOOLS = frozenset({
 
 
 class ResponsesTool(msgspec.Struct):
-    """A Responses tool: ``function`` tools are served and hosted ones passed over (the type is
-    checked by `responses_tool_use`, so that any other is refused by its name)."""
+    """A Responses tool: ``function`` tools and ``namespace`` groups of them are served and hosted
+    ones passed over (the type is checked by `responses_tool_use`, so that any other is refused
+    by its name)."""
 
     type: str
     name: FunctionName | None = None
     description: str | None = None
     parameters: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     strict: bool | None = None
+    tools: list[ResponsesTool] | None = None  # a namespace's functions
 
 
 class ResponsesNamedChoice(msgspec.Struct):
@@ -135,24 +138,37 @@ class ResponsesNamedChoice(msgspec.Struct):
     name: str | None = None
 
 
+# A namespace's function is offered to the model, and so written in its calls, under its name
+# qualified by the namespace's: a function's own name never holds the dot, so the qualified name
+# is never another function's, and a call item carries the two apart, as OpenAI's do.
+NAMESPACE_SEP = "."
+
+
+def qualified(namespace: str | None, name: str) -> str:
+    return name if namespace is None else f"{namespace}{NAMESPACE_SEP}{name}"
+
+
+def call_name(model_name: str) -> dict[str, str]:
+    """A call item's ``name`` (and ``namespace``, for a namespace's function) of the name the
+    model wrote."""
+    namespace, dot, name = model_name.rpartition(NAMESPACE_SEP)
+    return {"name": name, "namespace": namespace} if dot else {"name": model_name}
+
+
 ResponsesToolChoice = ChoiceWord | ResponsesNamedChoice
 
 
 def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolChoice | None,
                        parallel: bool | None) -> ToolUse | None:
-    functions = []
+    functions: list[ToolFunction] = []
     hosted = []
     for i, tool in enumerate(tools or []):
         if tool.type in HOSTED_TOOLS:
             hosted.append(tool.type)
-            continue
-        if tool.type != "function":
-            raise _unsupported_type(tool.type, f"tools[{i}].type")
-        if tool.name is None:
-            raise ApiError(400, f"missing required field 'tools[{i}].name'",
-                           param=f"tools[{i}].name", code="missing_required_parameter")
-        functions.append(tool_function(tool.name, tool.description, tool.parameters,
-                                       f"tools[{i}].parameters"))
+        elif tool.type == "namespace":
+            functions += _namespace_functions(tool, f"tools[{i}]")
+        else:
+            functions.append(_function(tool, None, f"tools[{i}]"))
     named = None
     if isinstance(choice, ResponsesNamedChoice):
         if choice.type in HOSTED_TOOLS:
@@ -170,6 +186,31 @@ def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolC
     return resolve(functions, word, named, parallel, "tools")
 
 
+def _function(tool: ResponsesTool, namespace: ResponsesTool | None, where: str) -> ToolFunction:
+    """A function tool's record; `namespace` the group it is one of, whose description the
+    model reads with it."""
+    if tool.type != "function":
+        raise _unsupported_type(tool.type, f"{where}.type")
+    if tool.name is None:
+        raise ApiError(400, f"missing required field '{where}.name'", param=f"{where}.name",
+                       code="missing_required_parameter")
+    if namespace is None:
+        return tool_function(tool.name, tool.description, tool.parameters, f"{where}.parameters")
+    description = "\n\n".join(d for d in (namespace.description, tool.description) if d)
+    return tool_function(qualified(namespace.name, tool.name), description or None,
+                         tool.parameters, f"{where}.parameters")
+
+
+def _namespace_functions(tool: ResponsesTool, where: str) -> list[ToolFunction]:
+    if tool.name is None:
+        raise ApiError(400, f"missing required field '{where}.name'", param=f"{where}.name",
+                       code="missing_required_parameter")
+    if not tool.tools:
+        raise ApiError(400, f"'{where}.tools' must name at least one function",
+                       param=f"{where}.tools", code="invalid_value")
+    return [_function(member, tool, f"{where}.tools[{j}]") for j, member in enumerate(tool.tools)]
+
+
 def _forced_hosted(what: str, param: str) -> ApiError:
     return ApiError(400, f"'tool_choice' forces {what}, which this server does not run: "
                     "hosted tools are accepted in 'tools' but never offered to the model",
@@ -178,6 +219,6 @@ def _forced_hosted(what: str, param: str) -> ApiError:
 
 def _unsupported_type(kind: str, param: str) -> ApiError:
     kind = kind if len(kind) <= 64 else kind[:64] + "..."
-    return ApiError(400, f"tool type '{kind}' is not supported: only 'function' tools (and "
-                    "hosted tools, never offered to the model) are", param=param,
+    return ApiError(400, f"tool type '{kind}' is not supported: only 'function' and 'namespace' "
+                    "tools (and hosted tools, never offered to the model) are", param=param,
                     code="invalid_value")

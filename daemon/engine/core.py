@@ -241,7 +241,7 @@ class Engine:
         if not batch:
             return []
         t_start = self.clock()
-        rids = frozenset(s.rid for s in batch.seqs)
+        rids = frozenset([s.rid for s in batch.seqs])
         self.figures.tick(t_start, rids, batch.num_prefill_tokens)
         # The masks of this tick depend only on tokens already sampled: they are computed on a
         # thread while the forward pass runs.
@@ -251,7 +251,7 @@ class Engine:
         if any(chunk.all_logits for chunk in batch.chunks):
             prompt_logprobs(batch.chunks, batch.seqs, logits, self._token_logprob)
         seqs = [seq for _, seq in to_sample]
-        sampled: Counter[str] = Counter(seq.rid for seq in seqs)
+        sampled: Counter[str] = Counter([seq.rid for seq in seqs])
         for rid in rids:
             session = self.sessions[rid]
             if session.placeholder and not session.ticks and self.responses is not None:
@@ -280,13 +280,14 @@ class Engine:
             if lp is not None:
                 seq.pending_logprobs.append(self._token_logprob(token, lp))
             text, reason = self._append(seq, token)
-            seq.output_text += text
             # Every sampled id reaches the client once (a stop token's too, though not its text),
             # so token_ids summed over a stream equal usage.completion_tokens.
-            if text or (reason is not None and seq.pending_token_ids):
-                delta = Delta(seq.rid, seq.index, text, seq.pending_token_ids,
+            pending = seq.pending_token_ids
+            if text or (reason is not None and pending):
+                seq.output_text += text
+                delta = Delta(seq.rid, seq.index, text, pending,
                               seq.pending_logprobs if lp is not None else None)
-                if seq.num_generated == len(seq.pending_token_ids):  # its first
+                if len(seq.token_ids) - seq.num_prompt_tokens == len(pending):  # its first
                     delta.prompt_tokens = seq.num_prompt_tokens
                 out.append(delta)
                 seq.pending_token_ids = []
@@ -310,9 +311,12 @@ class Engine:
         can_stop = generated >= p.min_tokens
         if can_stop and (token in p.stop_token_ids or (token in self._eos and not p.ignore_eos)):
             return self._final_text(seq), FinishReason.STOP
-        text = seq.stops.push(seq.detok.push(token), can_stop)
-        if seq.stops.stopped:
-            return text, FinishReason.STOP
+        text = seq.detok.push(token)
+        stops = seq.stops
+        if stops.stops:  # stop strings to match: most sequences have none
+            text = stops.push(text, can_stop)
+            if stops.stopped:
+                return text, FinishReason.STOP
         if generated >= seq.max_tokens or num_tokens >= self.max_model_len:
             return text + self._final_text(seq), FinishReason.LENGTH
         return text, None

@@ -40,9 +40,11 @@ def penalised(params: SamplingParams) -> bool:
 def processed(seq: Sequence, eos_token_ids: list[int]) -> bool:
     """Whether anything in this module changes the sequence's logits this tick."""
     p = seq.params
-    early = seq.num_generated < p.min_tokens and bool(
-        p.stop_token_ids or (eos_token_ids and not p.ignore_eos))
-    return bool(early or p.logit_bias or seq.bad_words or penalised(p))
+    if p.logit_bias or seq.bad_words or penalised(p):
+        return True
+    # Before min_tokens, EOS and stop_token_ids are banned (min_tokens is 0 for most).
+    return (p.min_tokens > 0 and seq.num_generated < p.min_tokens
+            and bool(p.stop_token_ids or (eos_token_ids and not p.ignore_eos)))
 
 
 class TokenCounts:

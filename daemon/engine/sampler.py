@@ -4,9 +4,10 @@ In vLLM's order: the logits processors (bans, logit_bias, penalties: logits_proc
 greedy rows take the argmax; the others are divided by their temperature, cut by min_p (tokens
 less likely than min_p times the most likely one go) and by top-k/top-p, and drawn.
 
-Sampling draws exponential noise and takes argmax(p / noise), which picks token i with
-probability p_i. Seeded sequences draw their noise from their own generator, one row at a
-time, so the same seed gives the same tokens whatever else shares the batch.
+Sampling picks token i with probability p_i: an unseeded row inverts its cumulative
+distribution at one uniform draw; a seeded row draws exponential noise from its own generator
+and takes argmax(p / noise), one row at a time, so the same seed gives the same tokens whatever
+else shares the batch.
 
 The log-probabilities an answer reports, of its tokens and of an echoed prompt's, are the
 model's own distribution, before any of that.
@@ -54,7 +55,7 @@ class Sampler:
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
         # A greedy row is drawn too (divided by 1), then takes its argmax instead.
-        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+        temps = [s.params.temperature or 1.0 for s in seqs]
         sampled = self._sample(logits, seqs, temps)
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=logits.device),
@@ -70,35 +71,46 @@ class Sampler:
         self.processors.release(seq)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
-                temps: torch.Tensor) -> torch.Tensor:
-        logits = logits / temps.unsqueeze(1)
+                temps: list[float]) -> torch.Tensor:
+        if any(t != 1.0 for t in temps):  # dividing by 1 changes nothing: most clients set none
+            logits = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
         logits = _min_p(logits, seqs)
         logits = _top_k_top_p(logits, seqs)
         probs = torch.softmax(logits, dim=-1)
-        noise = self._noise(probs, seqs)
-        return (probs / noise).argmax(dim=-1)
-
-    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        seeded = [i for i, s in enumerate(seqs) if s.seed is not None]
+        if not seeded:
+            return _draw(probs)
+        out = torch.empty(len(seqs), dtype=torch.long, device=probs.device)
         unseeded = [i for i, s in enumerate(seqs) if s.seed is None]
-        if len(unseeded) == len(seqs):
-            return _exponential(probs)
-        noise = torch.empty_like(probs)
         if unseeded:
-            noise[unseeded] = _exponential(probs[unseeded])
-        for row, seq in enumerate(seqs):
-            if seq.seed is None:
-                continue
-            if seq.rng is None:
+            out[unseeded] = _draw(probs[unseeded])
+        seeded_probs = probs[seeded]
+        noise = torch.empty_like(seeded_probs)
+        for row, i in enumerate(seeded):
+            seq = seqs[i]
+            if seq.rng is None and seq.seed is not None:
                 seq.rng = torch.Generator(device=probs.device).manual_seed(seq.seed)
             noise[row].exponential_(generator=seq.rng)
-        return noise
+        out[seeded] = (seeded_probs / noise).argmax(dim=-1)
+        return out
 
 
-def _exponential(like: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise shaped like `like`, as -log(U): on the CPU a third of `exponential_`'s
-    time (the largest cost of a tick at hundreds of streams); seeded rows keep
-    `exponential_` on their own generators, so their tokens stay what their seed gave."""
-    return torch.rand_like(like).log_().neg_()
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row, token i with probability probs[i]: the first whose cumulative
+    probability reaches a uniform draw in (0, total]. One random number a row, not one a
+    token: exponential noise over the vocabulary was the largest cost of a tick at hundreds of
+    streams on the CPU. (Seeded rows keep that noise, drawn from their own generators, so
+    their tokens stay what their seed gave.)"""
+    cdf = probs.cumsum(dim=-1)
+    draw = (1.0 - torch.rand(probs.shape[0], 1, device=probs.device)) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, draw)
+    # The host sums a row in order, so a token of probability 0 repeats the sum before it and
+    # is never the first to reach the draw. A GPU's scan sums in another order: where rounding
+    # makes such a token look picked there, the most likely token instead.
+    if probs.device.type != "cpu":
+        picked = torch.where(probs.gather(1, picked.clamp_(max=probs.shape[-1] - 1)) > 0,
+                             picked, probs.argmax(dim=-1, keepdim=True))
+    return picked.squeeze(1)
 
 
 def _min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from daemon.engine.block_manager import BlockManager, chain_hashes
 from daemon.engine.preemption import reserve_victim, room_victim
 from daemon.engine.sequence import SeqStatus, Sequence
-from daemon.engine.turns import Request, Shares, Turns, slots_of
+from daemon.engine.turns import Request, Turns, slots_of
 from daemon.model.batch import ScheduledChunk
 
 
@@ -50,6 +50,15 @@ class Batch:
         them (a prompt's forked siblings after it), known before the pass runs."""
         return [s for chunk, seq in zip(self.chunks, self.seqs, strict=True)
                 if chunk.needs_logits for s in (seq, *seq.fork_children)]
+
+    def add_decodes(self, seqs: list[Sequence]) -> None:
+        """`add` of one token for each of `seqs` (one left to compute each), in one pass."""
+        self.chunks += [ScheduledChunk(s.token_ids[-1:], s.num_computed, s.block_table, True,
+                                       s.wants_prompt_logits) for s in seqs]
+        self.seqs += seqs
+        decodes = sum(1 for s in seqs if s.num_computed >= s.num_prompt_tokens)
+        self.num_decode_tokens += decodes
+        self.num_prefill_tokens += len(seqs) - decodes
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         start = seq.num_computed
@@ -124,8 +133,7 @@ class Scheduler:
         batch = Batch()
         self._fork_reserve = 0
         scheduled: set[int] = set()
-        shares = self.turns.shares()
-        self._make_room(shares)
+        self._make_room()
         budget = self._decode(batch, self.max_tokens_per_tick, scheduled)
         self._prefill(batch, budget, scheduled)
         return batch
@@ -135,12 +143,18 @@ class Scheduler:
         budget lasts; the budget left."""
         ready = [seq for seq in self.running if seq.status is SeqStatus.RUNNING
                  and not seq.paused and len(seq.token_ids) - seq.num_computed == 1][:budget]
-        if sum(self._blocks_needed(seq, 1) for seq in ready) <= self._num_available:
+        bm = self.block_manager
+        size = bm.block_size
+        # A decode at position p takes a block when its table ends before p (p = num_computed).
+        growing = [seq for seq in ready if len(seq.block_table) * size <= seq.num_computed]
+        forks = sum(self._fork_cost(seq, seq.num_computed + 1) for seq in ready if seq.fork_children)
+        if len(growing) + forks <= self._num_available:
             # Everyone's blocks are free: nobody is preempted, so no _reserve per sequence.
-            bm = self.block_manager
-            for seq in ready:
+            for seq in growing:
                 bm.may_append(seq.block_table, seq.num_computed + 1)
-                self._add(batch, seq, 1, scheduled)
+            self._fork_reserve += forks
+            batch.add_decodes(ready)
+            scheduled.update([seq.seq_id for seq in ready])
             return budget - len(ready)
         for seq in list(self.running):
             if budget == 0:
@@ -155,8 +169,10 @@ class Scheduler:
         """Prompt chunks and admissions, request by request in turn order."""
         chunks: dict[str, list[Sequence]] = {}
         for seq in self.running:
-            if seq.num_uncomputed > 1 and not seq.paused:
+            if len(seq.token_ids) - seq.num_computed > 1 and not seq.paused:
                 chunks.setdefault(seq.rid, []).append(seq)
+        if not chunks and not self.turns.num_waiting:
+            return  # no prompt to serve: no request's turn to look at
         served: list[str] = []
         admitting = True
         for rid, request in list(self.turns.requests.items()):
@@ -278,7 +294,7 @@ class Scheduler:
 
     # --- room for a request within its share -----------------------------------------------------
 
-    def _make_room(self, shares: Shares) -> None:
+    def _make_room(self) -> None:
         """Before a tick: each waiting request within its share whose next group does not fit
         takes room back from a big request over its own (its newest sequences, recomputed
         later), so that a newcomer waits a tick or two however much the others hold."""
@@ -286,6 +302,7 @@ class Scheduler:
         self._room_total = (0, 0)
         if not self.turns.num_waiting:
             return
+        shares = self.turns.shares()
         # What this tick's decodes and the requests before this one in the order will take.
         claimed = (0, self._decode_blocks())
         for rid, request in list(self.turns.requests.items()):
@@ -333,16 +350,19 @@ class Scheduler:
         """Advance computed positions and fork siblings; return (logits row, seq) to sample."""
         to_sample: list[tuple[int, Sequence]] = []
         row = 0
+        bm = self.block_manager
+        size = bm.block_size if bm.enable_caching else 0
         for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
-            seq.num_computed += len(chunk.token_ids)
-            self._commit(seq, chunk.start_pos)
-            row += chunk.num_logit_rows
+            n = len(chunk.token_ids)
+            seq.num_computed += n
+            if size and seq.num_computed // size > chunk.start_pos // size:
+                self._commit(seq, chunk.start_pos)  # the pass filled a block: cache it
+            row += n if chunk.all_logits else chunk.needs_logits  # chunk.num_logit_rows
             if not chunk.needs_logits:
                 continue
             to_sample.append((row - 1, seq))
             for child in seq.fork_children:
-                child.block_table = self.block_manager.fork(seq.block_table, seq.num_computed,
-                                                            self.copy_block)
+                child.block_table = bm.fork(seq.block_table, seq.num_computed, self.copy_block)
                 child.num_computed = seq.num_computed
                 child.num_cached_tokens = seq.num_cached_tokens
                 child.block_hashes = list(seq.block_hashes)  # same prompt, same hashes
@@ -356,12 +376,9 @@ class Scheduler:
     def _commit(self, seq: Sequence, start_pos: int) -> None:
         """Register the blocks this pass filled (their KV now exists) in the prefix cache."""
         bm = self.block_manager
-        if not bm.enable_caching:
-            return
         first, end = start_pos // bm.block_size, seq.num_computed // bm.block_size
-        if end > first:
-            hashes = chain_hashes(seq.token_ids, seq.block_hashes, bm.block_size, end)
-            bm.commit(seq.block_table, hashes, first, end)
+        hashes = chain_hashes(seq.token_ids, seq.block_hashes, bm.block_size, end)
+        bm.commit(seq.block_table, hashes, first, end)
 
     def finish(self, seq: Sequence) -> None:
         """A sequence ended normally: give back its blocks."""

@@ -11,6 +11,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self._hold_max = max((len(s) for s in self.stops), default=1) - 1
+        self._firsts = frozenset(s[0] for s in self.stops)
         self._held = ""
         self.stopped = False
 
@@ -41,7 +42,10 @@ class StopMatcher:
 
     def _prefix_suffix_len(self, buf: str) -> int:
         # Longest suffix of buf that is a proper prefix of some stop string.
+        # Only where a stop string's first character is can one start.
         for k in range(min(len(buf), self._hold_max), 0, -1):
+            if buf[-k] not in self._firsts:
+                continue
             tail = buf[-k:]
             if any(s.startswith(tail) for s in self.stops):
                 return k

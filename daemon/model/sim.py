@@ -84,25 +84,26 @@ class SimRunner:
         self.tick_s = tick_s
         self.vocab_size = tokenizer.vocab_size
         self.first_word_id = tokenizer.first_word_id
-
-    def next_token(self, last_token: int, position: int) -> int:
-        return self.first_word_id + (last_token * 31 + position) % len(WORDS)
+        # Every row before its word: each other text token possible but never chosen beside the
+        # word (e^-30), so that a grammar's mask leaves something to sample; special ids never.
+        self._row = torch.full((1, self.vocab_size), -30.0)
+        self._row[:, 256:self.first_word_id] = float("-inf")
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         deadline = time.monotonic() + self.tick_s
-        words: list[int] = []
+        size = self.block_size
         for i, c in enumerate(chunks):
             end = c.start_pos + len(c.token_ids)
-            if len(c.block_table) * self.block_size < end:
+            if len(c.block_table) * size < end:
                 raise ValueError(f"chunk {i}: block_table has {len(c.block_table)} blocks, "
-                                 f"too few for {end} positions of {self.block_size}")
-            first = len(c.token_ids) - c.num_logit_rows  # the last token, or all of them
-            words += [self.next_token(c.token_ids[j], c.start_pos + j)
-                      for j in range(first, len(c.token_ids))]
-        # The word is certain; every other text token is possible but never chosen beside it
-        # (e^-30), so that a grammar's mask leaves something to sample; special ids never.
-        logits = torch.full((len(words), self.vocab_size), -30.0)
-        logits[:, 256:self.first_word_id] = float("-inf")
+                                 f"too few for {end} positions of {size}")
+        first, count = self.first_word_id, len(WORDS)
+        # Each logits row's word, from the token before it and its position: after a chunk's
+        # last token, or after every one (prompt logprobs).
+        words = [first + (c.token_ids[j] * 31 + c.start_pos + j) % count for c in chunks
+                 for j in (range(len(c.token_ids)) if c.all_logits
+                           else (len(c.token_ids) - 1,) if c.needs_logits else ())]
+        logits = self._row.repeat(len(words), 1)
         if words:
             logits[torch.arange(len(words)), torch.tensor(words)] = 0.0
         if self.tick_s:

@@ -7,6 +7,7 @@ pieces without ever splitting a multi-byte character (works for any `Tokenizer`)
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -107,6 +108,13 @@ class ByteTokenizer:
 
     def tail_is_open(self, ids: Sequence[int]) -> bool:
         return False
+
+    @functools.cached_property
+    def whole_texts(self) -> list[str | None]:
+        """Per id, its text when its bytes are whole characters by themselves (ASCII, or none:
+        a special), else None: what ByteDetokenizer emits for it without decoding."""
+        pieces = [self.decode_bytes((i,)) for i in range(self.vocab_size)]
+        return [p.decode("ascii") if p.isascii() else None for p in pieces]
 
     def show_in_text(self, tokens: Sequence[str]) -> None:
         pass  # its specials are BOS, EOS and the turn markers
@@ -322,16 +330,24 @@ class IncrementalDetokenizer:
 class ByteDetokenizer:
     """IncrementalDetokenizer's pieces for the byte tokenizers (ByteTokenizer and the sim's),
     whose text is the UTF-8 of their ids' bytes: one decode per id, of the bytes since the text
-    last settled, instead of two of a window of ids. Past a settled point (text not ending in
-    U+FFFD: the last character is complete) decoding is concatenation, so dropping the ids
-    before it changes no piece; the prompt's last ids start it, as they start the window."""
+    last settled, instead of two of a window of ids, and none for an id of whole characters
+    once the text has settled (an ASCII byte, a sim word: nearly every id). Past a settled
+    point (text not ending in U+FFFD: the last character is complete) decoding is
+    concatenation, so dropping the ids before it changes no piece; the prompt's last ids start
+    it, as they start the window."""
 
     def __init__(self, tokenizer: ByteTokenizer, prompt_ids: Sequence[int] = ()) -> None:
         self._bytes = tokenizer.decode_bytes
+        self._whole = tokenizer.whole_texts
         self._pending = self._bytes(prompt_ids[-IncrementalDetokenizer.PROMPT_CONTEXT :])
         self._sent = len(self._pending.decode("utf-8", errors="replace"))
 
     def push(self, token_id: int) -> str:
+        if not self._pending and 0 <= token_id < len(self._whole):
+            # Settled text, and an id of whole characters: its text is the piece, no decode.
+            text = self._whole[token_id]
+            if text is not None:
+                return text
         self._pending += self._bytes((token_id,))
         return self._advance(final=False)
 

@@ -125,3 +125,36 @@ def test_hosted_tools_are_accepted_and_never_offered(client: openai.OpenAI) -> N
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=MODEL, input=[{"type": "function_call_output",
                                                      "output": "x"}])
+
+
+AGENTS: Any = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [
+    {"type": "function", "name": "get_weather", "description": "Weather now.",
+     "parameters": WEATHER, "strict": True, "defer_loading": False}]}
+
+
+def test_a_namespace_call_names_its_namespace_and_comes_back_as_sent(
+        client: openai.OpenAI) -> None:
+    """As Codex CLI sends its sub-agent tools, with the fields it sends on every request."""
+    first = client.responses.create(
+        model=MODEL, input=ASK, tools=[AGENTS, {"type": "web_search"}], tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=200, include=["reasoning.encrypted_content"],
+        reasoning={"summary": "auto"}, extra_body={"client_metadata": {"session_id": "s-1"}})
+    [call] = _calls(first)
+    assert (call.namespace, call.name) == ("agents", "get_weather")
+    assert client.responses.retrieve(first.id).output == first.output
+    history: list[Any] = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
+                          *_answers([call])]
+    second = client.responses.create(model=MODEL, input=history, tools=[AGENTS],
+                                     tool_choice="none", max_output_tokens=8, store=False)
+    assert [item.type for item in second.output] == ["message"]
+
+
+def test_a_streamed_namespace_call_names_its_namespace(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(model=MODEL, input=ASK, tools=[AGENTS], stream=True,
+                                          tool_choice="required", max_output_tokens=200))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.completed"
+    assert [(i.namespace, i.name) for i in added + done] == [("agents", "get_weather")] * (
+        2 * len(done))
+    assert done == _calls(events[-1].response)

@@ -115,6 +115,12 @@ def test_function_calls_and_their_outputs_are_tool_turns() -> None:
     ]
 
 
+def test_a_namespace_functions_call_renders_under_its_qualified_name() -> None:
+    call = {**CALL, "namespace": "agents", "name": "spawn"}
+    assert _decode({"input": [call]}) == [
+        Message("assistant", None, [ToolCall("call_1", "agents.spawn", '{"city": "Paris"}')])]
+
+
 def test_a_call_joins_the_assistant_message_before_it() -> None:
     items = [{"role": "user", "content": "hi"},
              {"type": "message", "role": "assistant", "content": [

@@ -12,7 +12,7 @@ from ipc.records import ToolFunction
 from proxy.errors import ApiError
 from proxy.responses_request import decode_request, request_echo, tool_use
 from proxy.schemas import ChatRequest, decode_body
-from proxy.tool_requests import chat_tool_use
+from proxy.tool_requests import call_name, chat_tool_use
 
 ASK = [{"role": "user", "content": "hi"}]
 GET = {"type": "function", "function": {"name": "get", "description": "d", "parameters": {
@@ -107,10 +107,31 @@ def test_hosted_tools_are_accepted_and_never_offered() -> None:
     assert responses_use_of(tools=[search], tool_choice="none") is None
 
 
+def test_a_namespace_offers_its_functions_under_qualified_names() -> None:
+    """As Codex CLI sends its sub-agent tools: each function is offered as
+    <namespace>.<name>, with the namespace's description before its own; a call of one is an
+    item naming the two apart."""
+    spawn = {"type": "function", "name": "spawn", "description": "Start one.",
+             "parameters": R_GET["parameters"]}
+    group = {"type": "namespace", "name": "agents", "description": "Sub-agents.",
+             "tools": [spawn, {"type": "function", "name": "get"}]}
+    use = responses_use_of(tools=[R_GET, group, {"type": "web_search"}])
+    assert [f.name for f in use.tools] == ["get", "agents.spawn", "agents.get"]
+    assert use.tools[1].description == "Sub-agents.\n\nStart one."
+    assert use.tools[1].parameters == orjson.dumps(R_GET["parameters"]).decode()
+    assert responses_use_of(tools=[group], tool_choice="required").forced == use.tools[1:]
+    assert call_name("agents.spawn") == {"name": "spawn", "namespace": "agents"}
+    assert call_name("get") == {"name": "get"}
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"tools": [{"type": "custom", "name": "patch"}]}, "tools[0].type", "'custom'"),
-    ({"tools": [R_GET, {"type": "namespace", "name": "n", "tools": []}]}, "tools[1].type",
-     "'namespace'"),
+    ({"tools": [R_GET, {"type": "namespace", "name": "n", "tools": []}]}, "tools[1].tools",
+     "at least one function"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}]},
+     "tools[0].tools[0].type", "'web_search'"),
+    ({"tools": [{"type": "namespace", "tools": [R_GET]}]}, "tools[0].name", "missing"),
+    ({"tools": [{"type": "namespace", "name": "n.m", "tools": [R_GET]}]}, "tools[0].name", ""),
     # Forcing a hosted tool is the one thing about it that is refused.
     ({"tools": [R_GET], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type",
      "hosted tool 'web_search_preview'"),

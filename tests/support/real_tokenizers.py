@@ -198,8 +198,13 @@ def chat_templates() -> dict[str, str]:
     return {p.stem: p.read_text() for p in sorted(out.glob("*.jinja"))}
 
 
-def save_random_checkpoint(name: str, path: Path, seed: int | None = None) -> Path:
-    """A tiny random model of the family's architecture with the real tokenizer's vocabulary."""
+def save_random_checkpoint(name: str, path: Path, seed: int | None = None,
+                           max_len: int = 1024, end_scale: float = 1.0) -> Path:
+    """A tiny random model of the family's architecture with the real tokenizer's vocabulary;
+    `max_len` its context. `end_scale` scales the embedding of the token that ends a turn (the
+    embeddings are tied, so its logit too): a random model of a large vocabulary all but never
+    samples it, and one scaled by a few ends its turns within tens of tokens, as a client
+    that runs turns until the model answers needs."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -211,10 +216,13 @@ def save_random_checkpoint(name: str, path: Path, seed: int | None = None) -> Pa
         MODEL_TYPES[family.architecture], architectures=[family.architecture],
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=1024, tie_word_embeddings=True,
+        max_position_embeddings=max_len, tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id, eos_token_id=eos, initializer_range=0.5)
     torch.manual_seed(family.seed if seed is None else seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[eos[0]] *= end_scale
+    model.save_pretrained(path)
     for file in tok_dir.iterdir():
         shutil.copy(file, path / file.name)
     return path

@@ -111,3 +111,15 @@ def test_only_the_sampled_ids_are_read_back(monkeypatch):
     Sampler([EOS])(logits, seqs)
     assert reads == ["tolist"]
     assert torch.equal(logits, before)
+
+
+def test_unseeded_rows_draw_each_token_with_its_probability_and_never_a_banned_one():
+    """One uniform draw a row, through the row's cumulative distribution (sampler._draw)."""
+    rows = 20_000
+    probs = torch.tensor([0.1, 0.2, 0.0, 0.6, 0.0, 0.1])
+    logits = probs.log().repeat(rows, 1)  # log 0 = -inf: a banned token
+    seqs = [seq(i) for i in range(rows)]
+    tokens = torch.tensor(Sampler([EOS])(logits, seqs))
+    freq = torch.bincount(tokens, minlength=len(probs)) / rows
+    assert freq[2] == 0 and freq[4] == 0
+    assert torch.allclose(freq, probs, atol=0.015)
