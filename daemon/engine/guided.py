@@ -166,7 +166,7 @@ class Guidance:
         its next mask unless the mask thread will (`masks`: the tick's, which say whether each
         token was allowed)."""
         out = tokens
-        rows = dict(zip(masks.rows, range(len(masks.rows)))) if masks is not None else {}
+        rows = {row: j for j, row in enumerate(masks.rows)} if masks is not None else {}
         now = not self._worth_a_thread(len(rows))
         for i, seq in enumerate(seqs):
             constraint = seq.constraint

@@ -15,7 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon.engine.closing import closing
-from daemon.engine.grammar import Bitmask, Constraint, GrammarError, Grammars, apply_bitmask
+from daemon.engine.grammar import (
+    Bitmask,
+    Constraint,
+    GrammarError,
+    Grammars,
+    apply_bitmask,
+    fill_row,
+)
 from daemon.model.tokenizer import ByteTokenizer
 from ipc.records import Guide, GuideKind
 
@@ -151,6 +158,23 @@ def test_every_output_validates_within_its_budget(grammars: Grammars, schema: di
     assert ended, f"ran out of its {max_tokens} tokens: {text!r}"
     jsonschema.validate(json.loads(text), schema)
     assert len(text.encode()) < max_tokens  # byte tokens; the end of sequence took one
+
+
+def test_the_mask_computed_on_accepting_is_the_matcher_s_own(grammars: Grammars) -> None:
+    constraint = Constraint(grammars, grammars.compile(schema_guide(
+        {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}},
+         "required": ["a"]})).result())
+    ahead, fresh = grammars.new_bitmask(1), grammars.new_bitmask(1)
+    assert not constraint.fill_known(ahead, 0)  # nothing consumed yet: the matcher's to say
+    for byte in b'{"a":"x':
+        token = grammars.byte_tokens[byte]
+        constraint.fill(fresh, 0)
+        assert fresh.allows(0, token) and not fresh.allows(0, EOS)
+        assert constraint.accept(token, 40, allowed=True) == token
+        constraint.compute_mask()
+        assert constraint.fill_known(ahead, 0)
+        fill_row(constraint.matcher, fresh, 0)
+        assert ahead.words == fresh.words
 
 
 def test_a_head_wider_than_the_vocabulary_masks_the_ids_past_it(grammars: Grammars) -> None:
