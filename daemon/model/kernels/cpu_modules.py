@@ -221,9 +221,10 @@ class CpuPagedAttention(PagedAttention):
         queries = q.transpose(0, 1)[None]
         own, own_lse = _flash(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0,
                               True, scale=self.scale)
-        # [KVH, blocks, block_size, d] -> [1, KVH, past_len, d]: one gather, no further copy.
+        # [blocks, KVH, block_size, d] -> [1, KVH, past_len, d]. Gathered along the cache's
+        # first dimension: index_select over a transposed view copies the whole cache first.
         blocks = span.block_ids[: -(-past_len // k_cache.shape[2])]
-        keys, values = (c.transpose(0, 1).index_select(1, blocks).flatten(1, 2)[None, :, :past_len]
+        keys, values = (c.index_select(0, blocks).transpose(0, 1).flatten(1, 2)[None, :, :past_len]
                         .to(q.dtype) for c in (k_cache, v_cache))
         past, past_lse = _flash(queries, keys, values, 0.0, False, scale=self.scale)
         # exp(past_lse) / (exp(past_lse) + exp(own_lse)): the prefix's share of each softmax.
