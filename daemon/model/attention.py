@@ -87,9 +87,14 @@ class PagedAttention(nn.Module):
         if num_decode:
             out[:num_decode] = self.decode(q[:num_decode], k_cache, v_cache, meta)
         for span in meta.prefills:
-            out[span.rows] = prefill_attention(q[span.rows], k[span.rows], v[span.rows],
-                                               k_cache, v_cache, span, self.scale, self.window)
+            out[span.rows] = self.prefill(q[span.rows], k[span.rows], v[span.rows], k_cache,
+                                          v_cache, span)
         return out
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                span: PrefillSpan) -> Tensor:
+        """One prefill chunk's attention: q, k, v its rows, the cache holding them already."""
+        return prefill_attention(q, k, v, k_cache, v_cache, span, self.scale, self.window)
 
     def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                meta: AttentionMetadata) -> Tensor:

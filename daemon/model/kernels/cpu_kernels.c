@@ -22,7 +22,7 @@
 /* ---- linear: y = x W^T (+ bias), W packed [N/32][K][32] ---------------------------------- */
 
 INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
-                 fvec acc[MT][NV]) {
+                 fvec acc[RT][NV]) {
   for (int m = 0; m < MT; m++)
     for (int j = 0; j < NV; j++) acc[m][j] = splat(0.0f);
   for (int64_t k = 0; k < K; k++) {
@@ -35,28 +35,63 @@ INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, 
   }
 }
 
-INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
-                     fvec acc[MT][NV]) {
-  /* Constant row count and type per call, so each case compiles to a fully unrolled tile. */
-#define TILE_TYPES(ROWS)                                               \
-  if (type == TL_F32) tile(x, ldx, ROWS, K, w, TL_F32, acc);           \
-  else if (type == TL_BF16) tile(x, ldx, ROWS, K, w, TL_BF16, acc);    \
-  else tile(x, ldx, ROWS, K, w, TL_I8, acc);                           \
+/* The same sums as `tile` (same order over k), TV vectors of the block at a time. */
+INLINE void half_tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
+                      fvec acc[RT][NV]) {
+  for (int h = 0; h < NV; h += TV) {
+    fvec a[RT][TV];
+    for (int m = 0; m < mt; m++)
+      for (int j = 0; j < TV; j++) a[m][j] = splat(0.0f);
+    for (int64_t k = 0; k < K; k++) {
+      fvec wv[TV];
+      for (int j = 0; j < TV; j++) wv[j] = loadv(w, k * NB + (h + j) * VL, type);
+      for (int m = 0; m < mt; m++) {
+        fvec xv = splat(x[m * ldx + k]);
+        for (int j = 0; j < TV; j++) a[m][j] += wv[j] * xv;
+      }
+    }
+    for (int m = 0; m < mt; m++)
+      for (int j = 0; j < TV; j++) acc[m][h + j] = a[m][j];
+  }
+}
+
+/* Constant row count and type per call, so each case compiles to a fully unrolled tile. */
+#define TILE_TYPES(FN, ROWS)                                               \
+  if (type == TL_F32) FN(x, ldx, ROWS, K, w, TL_F32, acc);                 \
+  else if (type == TL_BF16) FN(x, ldx, ROWS, K, w, TL_BF16, acc);          \
+  else FN(x, ldx, ROWS, K, w, TL_I8, acc);                                 \
   return;
+
+INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
+                     fvec acc[RT][NV]) {
   switch (mt) {
 #if MT >= 8
-    case 8: TILE_TYPES(8)
-    case 7: TILE_TYPES(7)
-    case 6: TILE_TYPES(6)
-    case 5: TILE_TYPES(5)
-    case 4: TILE_TYPES(4)
-    case 3: TILE_TYPES(3)
+    case 8: TILE_TYPES(tile, 8)
+    case 7: TILE_TYPES(tile, 7)
+    case 6: TILE_TYPES(tile, 6)
+    case 5: TILE_TYPES(tile, 5)
+    case 4: TILE_TYPES(tile, 4)
+    case 3: TILE_TYPES(tile, 3)
 #endif
-    case 2: TILE_TYPES(2)
-    default: TILE_TYPES(1)
+    case 2: TILE_TYPES(tile, 2)
+    default: TILE_TYPES(tile, 1)
   }
-#undef TILE_TYPES
 }
+
+INLINE void half_tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w,
+                          int type, fvec acc[RT][NV]) {
+  switch (mt) {
+#if HT >= 6
+    case 6: TILE_TYPES(half_tile, 6)
+    case 5: TILE_TYPES(half_tile, 5)
+    case 4: TILE_TYPES(half_tile, 4)
+    case 3: TILE_TYPES(half_tile, 3)
+#endif
+    case 2: TILE_TYPES(half_tile, 2)
+    default: TILE_TYPES(half_tile, 1)
+  }
+}
+#undef TILE_TYPES
 
 /* One row of a block's 32 outputs, v[NV] vectors: y[n0 + i] (+= res[n0 + i] with TL_ADD). */
 INLINE void store_row(float* y, int64_t n0, int64_t n_valid, const fvec v[NV], int mode,
@@ -87,6 +122,7 @@ static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
   const float *scale = W->scale, *bias = W->bias;
   int64_t K = W->n_in, n_out = W->n_out, num_blocks = W->blocks;
   int type = W->type, mode = add ? TL_ADD : W->mode;
+  int rows = M >= 8 ? HT : MT; /* rows per register tile; see HT */
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < num_blocks; b++) {
     const char* wb = (const char*)w + b * K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1);
@@ -95,10 +131,11 @@ static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
       sc[j] = scale ? loadv(scale, b * NB + j * VL, TL_F32) : splat(1.0f);
       bi[j] = bias ? loadv(bias, b * NB + j * VL, TL_F32) : splat(0.0f);
     }
-    for (int64_t m0 = 0; m0 < M; m0 += MT) {
-      int mt = M - m0 < MT ? (int)(M - m0) : MT;
-      fvec acc[MT][NV];
-      tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+      int mt = M - m0 < rows ? (int)(M - m0) : rows;
+      fvec acc[RT][NV];
+      if (rows > MT) half_tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+      else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc);
       for (int m = 0; m < mt; m++) {
         fvec v[NV];
         for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];

@@ -20,10 +20,21 @@
 #elif defined(__AVX2__)
 #define VL 8
 #define MT 2
+/* With 8 rows or more (prefill, large decode batches) AVX2 walks half a block at a time with
+ * 6 rows: 12 accumulators and each weight load feeding 6 FMAs. A whole block's 4 vectors x 2
+ * rows pulls 128 B of weights from L2 per k for 8 FMAs, which L2's bandwidth caps at ~75% of
+ * the FMA peak. */
+#define HT 6
+#define TV 2
 #else
 #define VL 4
 #define MT 2
 #endif
+#if !defined(HT)
+#define HT MT /* no half-block tiles: whole blocks of MT rows */
+#define TV NV
+#endif
+#define RT (HT > MT ? HT : MT) /* rows of the accumulator array */
 typedef float fvec __attribute__((vector_size(VL * 4)));
 typedef int32_t ivec __attribute__((vector_size(VL * 4)));
 typedef uint16_t hvec __attribute__((vector_size(VL * 2)));
@@ -34,7 +45,20 @@ enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2, TL_GELU_TANH_MUL = 3 };
 #define NV (NB / VL) /* vectors per packed block row */
 #define INLINE static inline __attribute__((always_inline))
 
-INLINE fvec splat(float v) { return (fvec){0} + v; }
+/* A broadcast (one load when v is in memory); `0 + v` cost an add and a register shuffle per
+ * activation in the linears' inner loop. */
+INLINE fvec splat(float v) {
+#if defined(__AVX512F__)
+  __m512 b = _mm512_set1_ps(v);
+#elif defined(__AVX2__)
+  __m256 b = _mm256_set1_ps(v);
+#else
+  fvec b = {v, v, v, v};
+#endif
+  fvec out;
+  memcpy(&out, &b, sizeof out);
+  return out;
+}
 
 /* Lane-wise a > b ? a : b (C has no vector conditional operator). */
 INLINE fvec vmax(fvec a, fvec b) {

@@ -20,7 +20,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from daemon.model.attention import AttentionMetadata, PagedAttention
+from daemon.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from daemon.model.config import ModelConfig
 from daemon.model.decoder import DecoderLayer, DecoderLM, RMSNorm
 from daemon.model.kernels import cpu
@@ -183,7 +183,8 @@ class KernelLMHead(nn.Module):
 
 
 class CpuPagedAttention(PagedAttention):
-    """Decode rows read the cache blocks in place (tl_decode_attention)."""
+    """Decode rows read the cache blocks in place (tl_decode_attention); a prefill chunk after
+    cached tokens attends to them and to itself apart (`prefill`)."""
 
     def __init__(self, kernels: Kernels, scale: float | None = None,
                  window: int | None = None) -> None:
@@ -206,6 +207,32 @@ class CpuPagedAttention(PagedAttention):
             1.0 / math.sqrt(head_dim) if self.scale is None else self.scale, self.window or 0,
             out.data_ptr())
         return out
+
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                span: PrefillSpan) -> Tensor:
+        """The chunk's queries over the cached prefix (nothing masked) and over its own keys
+        (causal), two flash calls merged by their log-sum-exps. One masked call over the whole
+        context cost a bool-to-float mask per layer, every score of the chunk's own square
+        (the masked half too) and a gather of its own keys back from the cache."""
+        if span.mask is None or self.window is not None:
+            return super().prefill(q, k, v, k_cache, v_cache, span)
+        past_len = span.context_len - q.shape[0]
+        queries = q.transpose(0, 1)[None]
+        own, own_lse = _flash(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0,
+                              True, scale=self.scale)
+        # [blocks, KVH, block_size, d] -> [1, KVH, past_len, d]. Gathered along the cache's
+        # first dimension: index_select over a transposed view copies the whole cache first.
+        blocks = span.block_ids[: -(-past_len // k_cache.shape[2])]
+        keys, values = (c.index_select(0, blocks).transpose(0, 1).flatten(1, 2)[None, :, :past_len]
+                        .to(q.dtype) for c in (k_cache, v_cache))
+        past, past_lse = _flash(queries, keys, values, 0.0, False, scale=self.scale)
+        # exp(past_lse) / (exp(past_lse) + exp(own_lse)): the prefix's share of each softmax.
+        out = torch.lerp(own, past, torch.sigmoid(past_lse - own_lse)[..., None])
+        return out[0].transpose(0, 1)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _ptr(t: Tensor | None) -> int | None:
