@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import sse_client
-from loadtest.bench_engine import DEFAULT_DIR
 from loadtest.bench_host import alternating
-from loadtest.checkpoint import write_checkpoint
+from loadtest.checkpoint import SMOLLM_135M_DIR, ensure_checkpoint
 from loadtest.pair import REPO, ServerPair, served_model
 from loadtest.report import goal_line, results_dir, write_json
 
@@ -130,7 +129,7 @@ def report(res: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--model-dir", type=Path, default=SMOLLM_135M_DIR)
     parser.add_argument("--against", type=Path, default=None,
                         help="another checkout to measure the same way, interleaved")
     parser.add_argument("--tokens", type=int, default=1516)
@@ -142,8 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     out = results_dir(args.out, "bench-prefill")
-    if not (args.model_dir / "config.json").is_file():
-        write_checkpoint(args.model_dir)
+    ensure_checkpoint(args.model_dir)
     trees = {"this": REPO}
     if args.against is not None:
         trees["against"] = args.against.resolve()

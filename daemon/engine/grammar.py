@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import msgspec
-import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from daemon.engine.bitmask import Bitmask, bit, fill_row
 from daemon.engine.closing import Closing, closing, utf8_rest
 from ipc.records import Guide, GuideKind
 
@@ -122,25 +122,6 @@ def grammar_text(guide: Guide) -> str:
 
 def _regex_literal(text: str) -> str:
     return "".join(f"\\{c}" if c in r"\.^$|?*+()[]{}/" else c for c in text)
-
-
-class Bitmask:
-    """A tick's allowed tokens, a row of 32-bit words per constrained row (token 32w + j is bit
-    j of word w): an array that Python and llguidance write, and a tensor over the same memory
-    for the logits."""
-
-    __slots__ = ("tensor", "width", "words")
-
-    def __init__(self, rows: int, width: int) -> None:
-        self.width = width
-        self.words = array("i", bytes(4 * rows * width))
-        self.tensor = torch.frombuffer(self.words, dtype=torch.int32).view(rows, width)
-
-    def allows(self, row: int, token: int) -> bool:
-        return bool(self.words[row * self.width + (token >> 5)] >> (token & 31) & 1)
-
-    def address(self, row: int) -> int:
-        return int(self.words.buffer_info()[0]) + 4 * self.width * row
 
 
 @dataclass(slots=True)
@@ -304,7 +285,7 @@ class Constraint:
         if self._forced:
             token = self._forced[0]
             bitmask.words[at:at + width] = self._grammars.zero_mask
-            bitmask.words[at + (token >> 5)] = _bit(token & 31)
+            bitmask.words[at + (token >> 5)] = bit(token & 31)
             return True
         if not self._mask_ready:
             return False
@@ -394,43 +375,3 @@ def _kept(grammars: Grammars, matcher: llguidance.LLMatcher, before: Closing,
         if tail and grammars.closes(matcher, tail):
             return Closing(tail, len(tail))
     return None
-
-
-def fill_row(matcher: llguidance.LLMatcher, bitmask: Bitmask, row: int) -> None:
-    """The matcher's allowed tokens into row `row` of `bitmask`."""
-    matcher.unsafe_compute_mask_ptr(bitmask.address(row), 4 * bitmask.width)
-
-
-def _bit(index: int) -> int:
-    """Bit `index` of an int32 word, as a signed value."""
-    return -(1 << 31) if index == 31 else 1 << index
-
-
-# The eight bits of a byte, per device: a bitmask is read a byte at a time.
-_BITS: dict[torch.device, torch.Tensor] = {}
-
-
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: Bitmask) -> None:
-    """Forbids, in place, every token a row's bitmask does not allow (`rows[i]` of `logits`,
-    in increasing order, takes `bitmask[i]`); the mask crosses to the logits' device in one
-    copy."""
-    if not rows:
-        return
-    vocab = logits.shape[-1]
-    words = bitmask.tensor.to(logits.device, non_blocking=True)
-    bits = _BITS.get(logits.device)
-    if bits is None:
-        bits = _BITS[logits.device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
-                                                   device=logits.device)
-    # Token 32w + 8b + j is bit j of byte b of word w (little-endian words, as llguidance's).
-    allowed = (words.view(torch.uint8).unsqueeze(-1) & bits).bool().flatten(1)[:, :vocab]
-    if allowed.shape[1] < vocab:  # a head padded past the tokenizer: those ids never allowed
-        allowed = torch.cat([allowed, allowed.new_zeros((len(rows), vocab - allowed.shape[1]))],
-                            dim=1)
-    if len(rows) == logits.shape[0]:  # every row: no copy
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
-    index = torch.tensor(rows, device=logits.device)
-    sub = logits.index_select(0, index)
-    logits.index_copy_(0, index, sub.masked_fill(~allowed, float("-inf")))
-

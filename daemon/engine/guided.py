@@ -17,14 +17,8 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from daemon.engine.grammar import (
-    Bitmask,
-    Constraint,
-    GrammarError,
-    Grammars,
-    apply_bitmask,
-    fill_row,
-)
+from daemon.engine.bitmask import Bitmask, apply_bitmask, fill_row
+from daemon.engine.grammar import Constraint, GrammarError, Grammars
 from daemon.engine.sequence import Sequence, Session
 from daemon.rejected import Rejected
 from ipc.records import Guide, RequestKind, Submit

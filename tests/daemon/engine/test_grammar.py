@@ -14,15 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from daemon.engine.bitmask import Bitmask, apply_bitmask, fill_row
 from daemon.engine.closing import closing
-from daemon.engine.grammar import (
-    Bitmask,
-    Constraint,
-    GrammarError,
-    Grammars,
-    apply_bitmask,
-    fill_row,
-)
+from daemon.engine.grammar import Constraint, GrammarError, Grammars
 from daemon.model.tokenizer import ByteTokenizer
 from ipc.records import Guide, GuideKind
 
