@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import multiprocessing
 import multiprocessing.synchronize
 import os
 import random
 import select
-import threading
 import time
 from pathlib import Path
 
@@ -29,32 +27,14 @@ from ipc.records import (
     Finish,
     FinishReason,
     Hello,
-    RequestKind,
-    SamplingParams,
     Submit,
     Usage,
     Welcome,
 )
 from ipc.wire import ToDaemon
 from tests.support.clock import StepClock
+from tests.support.pipes_kit import FORK, drain, submit
 from tests.support.wait import wait_until
-
-FORK = multiprocessing.get_context("fork")
-
-
-def _submit(rid: str, prompt: str = "hello") -> Submit:
-    return Submit(rid=rid, epoch=7, kind=RequestKind.COMPLETION, sampling=SamplingParams(),
-                  prompts=[prompt])
-
-
-def _drain(pipes: DaemonPipes, until: float, want: int) -> list[ToDaemon]:
-    got: list[ToDaemon] = []
-    while time.monotonic() < until and len(got) < want:
-        pipes.wait_readable(0.05)
-        got += pipes.read_control()
-        got += pipes.read_requests()
-    return got
-
 
 # -- proxy (child process) <-> daemon (this process) ------------------------------------------
 
@@ -74,9 +54,9 @@ def _proxy_child(run: Path, big: int, results: multiprocessing.Queue) -> None:
         await pipes.start()
         await asyncio.wait_for(up.wait(), 5)
         for i in range(50):
-            await pipes.submit(_submit(f"r{i}"))
+            await pipes.submit(submit(f"r{i}"))
         assert pipes.control(Abort("r3", AbortCause.CLIENT_DISCONNECT, 7, 1.0))
-        await pipes.submit(_submit("big", "x" * big))  # several pipe-fulls: partial writes
+        await pipes.submit(submit("big", "x" * big))  # several pipe-fulls: partial writes
         await asyncio.wait_for(finished.wait(), 5)
         await pipes.close()
         return got
@@ -134,7 +114,7 @@ def test_proxy_without_daemon_stays_down(tmp_path: Path) -> None:
         assert not pipes.up and not pipes.connected and states == []
         assert pipes.control(Abort("r", AbortCause.CANCEL, 1)) is False
         with pytest.raises(DaemonUnavailable):
-            await pipes.submit(_submit("r"))
+            await pipes.submit(submit("r"))
         await pipes.close()
 
     asyncio.run(main())
@@ -166,7 +146,7 @@ def test_concurrent_control_writers_never_interleave(tmp_path: Path) -> None:
              for w in range(writers)]
     for proc in procs:
         proc.start()
-    got = _drain(pipes, time.monotonic() + 8, writers * count)
+    got = drain(pipes, time.monotonic() + 8, writers * count)
     for proc in procs:
         proc.join(5)
     assert len(got) == writers * count
@@ -183,10 +163,10 @@ def test_corrupt_bytes_are_counted_and_neighbours_survive(tmp_path: Path) -> Non
     requests = os.open(tmp_path / "requests", os.O_WRONLY | os.O_NONBLOCK)
     abort = Abort("a", AbortCause.CANCEL, 1)
     os.write(control, encode_control(abort) + b"\x00\xff{garbage\n" + encode_control(abort))
-    os.write(control, encode(_submit("wrong-pipe")) + encode_control(abort))
-    os.write(requests, encode(_submit("s1")) + b'{"k":"submit","rid":1}\n' + encode(_submit("s2")))
-    got = _drain(pipes, time.monotonic() + 2, 5)
-    assert got == [abort, abort, abort, _submit("s1"), _submit("s2")]
+    os.write(control, encode(submit("wrong-pipe")) + encode_control(abort))
+    os.write(requests, encode(submit("s1")) + b'{"k":"submit","rid":1}\n' + encode(submit("s2")))
+    got = drain(pipes, time.monotonic() + 2, 5)
+    assert got == [abort, abort, abort, submit("s1"), submit("s2")]
     assert pipes.bad_records == {"control": 2, "requests": 1}
     os.close(control)
     os.close(requests)
@@ -214,7 +194,7 @@ def test_tokens_backlog_is_judged_by_progress_never_by_size(tmp_path: Path) -> N
 
     control = os.open(tmp_path / "control", os.O_WRONLY | os.O_NONBLOCK)
     os.write(control, encode_control(Hello(PROTOCOL_VERSION, 1, 1)))
-    assert isinstance(_drain(pipes, time.monotonic() + 1, 1)[0], Hello)
+    assert isinstance(drain(pipes, time.monotonic() + 1, 1)[0], Hello)
     os.close(reader)
     reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)
     clock.advance(tokens_writer.TOKENS_RETRY_S)
@@ -244,169 +224,10 @@ def test_inherited_fds_are_used_instead_of_paths(tmp_path: Path) -> None:
     pipes.send([Delta("early", 0, "", [])])
     assert not pipes.proxy_connected  # a systemd-held pipe proves no reader: wait for Hello
     os.write(writer, encode_control(Hello(PROTOCOL_VERSION, 1, 5)))
-    assert _drain(pipes, time.monotonic() + 1, 1) == [Hello(PROTOCOL_VERSION, 1, 5)]
+    assert drain(pipes, time.monotonic() + 1, 1) == [Hello(PROTOCOL_VERSION, 1, 5)]
     pipes.send([Delta("r", 0, "t", [2])])
     # A new connection's first byte is a newline, ending any half frame left in the pipe.
     assert os.read(reader, 4096) == b"\n" + encode(Delta("r", 0, "t", [2]))
     os.close(writer)
-    os.close(reader)
-    pipes.close()
-
-
-def _abort_burst_child(run: Path, count: int, results: multiprocessing.Queue,
-                       read: multiprocessing.synchronize.Event) -> None:
-    async def main() -> int:
-        up = asyncio.Event()
-        pipes = ProxyConnection(run, lambda r: None, lambda loss: loss is None and up.set())
-        await pipes.start()
-        await asyncio.wait_for(up.wait(), 5)
-        accepted = sum(pipes.control(Abort(f"r{i}:" + "x" * 1000, AbortCause.CLIENT_DISCONNECT, 7))
-                       for i in range(count))
-        assert pipes.pipes._control is not None
-        control = pipes.pipes._control
-        results.put(len(control._queue))  # what the full pipe did not take
-        await wait_until(lambda: not control._queue, 10)  # drains as the daemon reads
-        # Closing now would hang up on records still in the pipe (the daemon, seeing EOF on
-        # requests, reopens both pipes and drops what it has not read): wait until it has.
-        await wait_until(read.is_set, 10)
-        await pipes.close()
-        return accepted
-
-    results.put(asyncio.run(main()))
-
-
-def test_control_records_queue_in_order_while_the_pipe_is_full(tmp_path: Path) -> None:
-    pipes = DaemonPipes(tmp_path)
-    results: multiprocessing.Queue = FORK.Queue()
-    count = 3000  # ~3 MB: three times what the 1 MiB control pipe holds
-    read = FORK.Event()
-    child = FORK.Process(target=_abort_burst_child, args=(tmp_path, count, results, read))
-    child.start()
-    try:
-        hello = next(r for r in _drain(pipes, time.monotonic() + 5, 1) if isinstance(r, Hello))
-        pipes.send([Welcome(PROTOCOL_VERSION, os.getpid(), "m", 64, 7, hello.nonce)])
-        # Not reading until the whole burst is written: the pipe fills and the rest queues.
-        assert results.get(timeout=10) > 0
-        got = _drain(pipes, time.monotonic() + 10, count)
-        read.set()
-        assert results.get(timeout=10) == count
-    finally:
-        child.kill()
-    aborts = [r.rid.split(":")[0] for r in got if isinstance(r, Abort)]
-    assert aborts == [f"r{i}" for i in range(count)]
-    assert pipes.bad_records["control"] == 0
-    pipes.close()
-
-
-# -- a frame once started is finished; a full tokens pipe is judged by progress ----------------
-
-
-def _cancelling_child(run: Path, big: int, results: multiprocessing.Queue) -> None:
-    async def main() -> dict[str, object]:
-        states: list[bool] = []
-        finished = asyncio.Event()
-        up = asyncio.Event()
-
-        def on_record(record: object) -> None:
-            if isinstance(record, Finish) and record.rid == "after":
-                finished.set()
-
-        def on_state(loss: object) -> None:
-            states.append(loss is None)
-            if loss is None:
-                up.set()
-
-        pipes = ProxyConnection(run, on_record, on_state)
-        await pipes.start()
-        await asyncio.wait_for(up.wait(), 5)
-        big_task = asyncio.create_task(pipes.submit(_submit("big", "x" * big), timeout=30))
-        await asyncio.sleep(0.3)  # the daemon is not reading: the frame is part-written
-        big_task.cancel()
-        queued = pipes.queue_submit(_submit("withdrawn"))
-        withdrawn = pipes.withdraw(queued)  # queued behind "big": never started
-        await pipes.submit(_submit("after"), timeout=30)
-        await asyncio.wait_for(finished.wait(), 10)
-        await pipes.close()
-        return {"states": states, "withdrawn": withdrawn}
-
-    results.put(asyncio.run(main()))
-
-
-def test_a_cancelled_submit_still_goes_out_whole(tmp_path: Path) -> None:
-    """The caller of a frame larger than the pipe gives up half-way: the frame is finished
-    anyway, the connection survives, and the next frame arrives intact."""
-    pipes = DaemonPipes(tmp_path)
-    results: multiprocessing.Queue = FORK.Queue()
-    big = 3 * 1024 * 1024
-    child = FORK.Process(target=_cancelling_child, args=(tmp_path, big, results))
-    child.start()
-    try:
-        hello = next(r for r in _drain(pipes, time.monotonic() + 5, 1) if isinstance(r, Hello))
-        pipes.send([Welcome(PROTOCOL_VERSION, os.getpid(), "m", 64, 7, hello.nonce)])
-        time.sleep(0.8)  # a long tick: the big frame stays half-written meanwhile
-        submits: list[Submit] = []
-        deadline = time.monotonic() + 10
-        while len(submits) < 2 and time.monotonic() < deadline:
-            pipes.wait_readable(0.05)
-            pipes.read_control()
-            for record in pipes.read_requests():
-                assert isinstance(record, Submit)
-                submits.append(record)
-                pipes.send([Finish(record.rid, 0, FinishReason.STOP, Usage(1, 0))])
-        outcome = results.get(timeout=10)
-    finally:
-        child.kill()
-    assert [s.rid for s in submits] == ["big", "after"] and len(submits[0].prompts[0]) == big
-    assert outcome == {"states": [True], "withdrawn": True}
-    assert pipes.bad_records == {"control": 0, "requests": 0}
-    pipes.close()
-
-
-def test_a_full_tokens_pipe_that_drains_slowly_is_not_a_lost_proxy(tmp_path: Path) -> None:
-    """The proxy reads steadily but less than is written: the backlog never empties, yet it
-    moves, so the proxy is not lost (only a backlog that stops moving is)."""
-    pipes = DaemonPipes(tmp_path)
-    reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)
-    pipes.send([])
-    fcntl.fcntl(reader, 1031, 64 * 1024)  # F_SETPIPE_SZ: a small pipe fills at once
-    delta = Delta("r", 0, "y" * 2000, [1])
-    until = time.monotonic() + tokens_writer.MAX_STALL_S + 1.5
-    while time.monotonic() < until:
-        pipes.send([delta] * 10)  # ~20 KB in
-        os.read(reader, 16 * 1024)  # 16 KB out
-        assert pipes.take_lost() is None
-        time.sleep(0.01)
-    assert pipes.tokens_backlog > 0 and pipes.proxy_connected
-    os.close(reader)
-    pipes.close()
-
-
-def test_waiting_returns_once_a_backlog_over_the_bound_is_back_under_it(tmp_path: Path) -> None:
-    """The tick loop waits while the proxy reads a backlog down, and goes on as soon as it is
-    under the bound, not at the end of its idle wait."""
-    pipes = DaemonPipes(tmp_path)
-    reader = os.open(tmp_path / "tokens", os.O_RDONLY | os.O_NONBLOCK)
-    delta = Delta("r", 0, "y" * 4000, [1])
-    pipes.send([delta] * 600)  # 2.4 MB: the pipe's 1 MiB and more than the bound behind it
-    assert pipes.backlogged
-
-    done = threading.Event()
-
-    def drain() -> None:
-        time.sleep(0.2)
-        while not done.is_set():
-            try:
-                os.read(reader, 1 << 20)
-            except BlockingIOError:
-                time.sleep(0.001)
-
-    reading = threading.Thread(target=drain)
-    reading.start()
-    t0 = time.monotonic()
-    pipes.wait_readable(10.0)
-    waited = time.monotonic() - t0
-    done.set()
-    reading.join()
-    assert not pipes.backlogged and 0.15 < waited < 3.0, waited
     os.close(reader)
     pipes.close()

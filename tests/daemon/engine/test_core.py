@@ -1,6 +1,5 @@
 import logging
 
-import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,7 +9,6 @@ from daemon.engine.core import Engine
 from daemon.engine.figures import LOGGED_TICKS
 from daemon.model.loader import load_model
 from daemon.model.runner import ModelRunner
-from daemon.responses.store import ResponseStore
 from ipc.records import (
     AbortCause,
     Admitted,
@@ -20,11 +18,9 @@ from ipc.records import (
     FinishReason,
     Message,
     RequestKind,
-    ResponseFields,
     SamplingParams,
     Submit,
 )
-from ipc.response_records import ResponseOp, ResponseOpKind
 from ipc.wire import ToProxy
 from tests.support.engine_kit import (
     EOS,
@@ -250,78 +246,6 @@ def test_chat_renders_the_template():
     prompt = runner.passes[0][0].token_ids
     assert TOK.decode(prompt) == "user\nhi\nassistant\n"
     assert prompt[0] == TOK.special_ids["<bos>"] and prompt.count(prompt[0]) == 1
-
-
-def response(rid: str, text: str, previous: str | None = None,
-             background: bool = False) -> Submit:
-    fields = ResponseFields(previous_response_id=previous, background=background,
-                            input=[Message("user", text)], model="fake")
-    return Submit(rid, RequestKind.RESPONSE, SamplingParams(max_tokens=30, temperature=0.0),
-                  response=fields, epoch=1)
-
-
-def get(store: ResponseStore, rid: str) -> tuple[int, dict | None]:
-    reply = store.handle_op(ResponseOp("op", ResponseOpKind.GET, rid, 1), running=False)
-    return reply.status, None if reply.response is None else msgspec.to_builtins(reply.response)
-
-
-def test_response_is_stored_and_continued():
-    store = ResponseStore(None, 100, 3600.0)
-    engine, runner = make_engine(lambda ctx: EOS if ctx[-1] == ord("!") else ord("!"),
-                                 store=store)
-    engine.submit(response("resp_1", "first"))
-    assert store.num_placeholders() == 1
-    run(engine)
-    status, body = get(store, "resp_1")
-    assert status == 200 and body is not None and body["status"] == "completed"
-    engine.submit(response("resp_2", "second", previous="resp_1"))
-    run(engine)
-    assert "first" in TOK.decode(runner.context(runner.passes[-2][0]))
-    assert store.num_placeholders() == 0
-
-
-def test_unknown_previous_response_is_404():
-    engine, _ = make_engine(store=ResponseStore(None, 100, 3600.0))
-    [err] = engine.submit(response("resp_x", "hi", previous="resp_missing"))
-    assert isinstance(err, Error)
-    assert (err.status, err.param) == (404, "previous_response_id")
-
-
-def test_foreground_abort_removes_the_placeholder_background_cancel_keeps_it():
-    store = ResponseStore(None, 100, 3600.0)
-    engine, _ = make_engine(lambda ctx: ord("a"), store=store)
-    engine.submit(response("resp_fg", "x"))
-    engine.submit(response("resp_bg", "y", background=True))
-    engine.step()
-    engine.abort("resp_fg", AbortCause.CLIENT_DISCONNECT)
-    engine.abort("resp_bg", AbortCause.CANCEL)
-    assert get(store, "resp_fg")[0] == 404
-    status, body = get(store, "resp_bg")
-    assert status == 200 and body is not None and body["status"] == "cancelled"
-    assert store.num_placeholders() == 0
-
-
-def test_background_response_is_queued_until_its_first_tick():
-    store = ResponseStore(None, 100, 3600.0)
-    engine, _ = make_engine(lambda ctx: ord("a"), store=store)
-    engine.submit(response("resp_bg", "y", background=True))
-    assert get(store, "resp_bg")[1]["status"] == "queued"  # type: ignore[index]
-    engine.step()
-    assert get(store, "resp_bg")[1]["status"] == "in_progress"  # type: ignore[index]
-    run(engine)
-    assert get(store, "resp_bg")[1]["status"] == "incomplete"  # type: ignore[index]
-
-
-def test_proxy_loss_keeps_background_responses_running():
-    store = ResponseStore(None, 100, 3600.0)
-    engine, _ = make_engine(lambda ctx: ord("a"), store=store)
-    engine.submit(completion("c", max_tokens=50))
-    engine.submit(response("resp_bg", "y", background=True))
-    engine.step()
-    out = engine.abort_all(AbortCause.PROXY_LOST)
-    assert {r.rid for r in out} == {"c"}
-    run(engine)
-    assert get(store, "resp_bg")[1]["status"] in ("completed", "incomplete")  # type: ignore[index]
 
 
 def test_abort_epoch_older_than_spares_the_new_proxy():
