@@ -1,9 +1,9 @@
 """The records of the daemon's Responses and Conversations store, on the wire.
 
 A Submit of kind RESPONSE carries its ResponseFields (ipc/records.py); everything else the store
-is asked goes as a ResponseOp (GET, DELETE, cancel and input items of a stored response on the
-control pipe; the CONVERSATION_* ops on the requests pipe, their items can be big) and is
-answered by one ResponseReply on the tokens pipe, carrying a StoredResponse or a
+is asked goes as a ResponseOp (GET, DELETE, cancel and input items of a stored response, and
+an item by id, on the control pipe; the CONVERSATION_* ops on the requests pipe, their items can
+be big) and is answered by one ResponseReply on the tokens pipe, carrying a StoredResponse or a
 StoredConversation.
 """
 
@@ -35,6 +35,7 @@ class ResponseOpKind(enum.StrEnum):
     DELETE = "delete"
     CANCEL = "cancel"
     INPUT_ITEMS = "input_items"
+    ITEM = "item"  # an item of a stored response, by its id (`item_id`): an item_reference
     # Conversations (`response_id` is then the conversation's id): on the requests pipe.
     CONVERSATION_CREATE = "conv_create"
     CONVERSATION_GET = "conv_get"
@@ -67,7 +68,8 @@ class ConversationItems(msgspec.Struct, frozen=True):
 
 
 class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
-    """GET / DELETE / cancel of a stored response, or a page of its input items; or an
+    """GET / DELETE / cancel of a stored response, a page of its input items or one item of
+    any stored response by its id; or an
     operation on a conversation (CONVERSATION_*, on the requests pipe); answered by a
     ResponseReply with ``op_id``."""
 
@@ -76,7 +78,7 @@ class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
     response_id: str
     epoch: int = 0
     page: ItemsPage | None = None  # INPUT_ITEMS, CONVERSATION_ITEMS
-    item_id: str | None = None  # CONVERSATION_ITEM_*
+    item_id: str | None = None  # ITEM, CONVERSATION_ITEM_*
     items: ConversationItems | None = None  # CONVERSATION_CREATE, CONVERSATION_ADD_ITEMS
     metadata: dict[str, str] | None = None  # CONVERSATION_CREATE, CONVERSATION_UPDATE
 
@@ -113,7 +115,8 @@ class StoredConversation(msgspec.Struct, frozen=True):
 class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):
     """The answer to a ResponseOp: with status 200, the response (GET, CANCEL), one page of its
     input items (INPUT_ITEMS: the page's items as stored, JSON text of a list, with the id each
-    is listed under) or ``deleted`` (DELETE); for a conversation, ``conversation`` or its items
+    is listed under), ``deleted`` (DELETE) or, for ITEM, an input item (``input_items``, a list
+    of one) or the response whose output holds it; for a conversation, ``conversation`` or its items
     in the same fields; else ``message`` (and the ``param`` at fault)."""
 
     op_id: str

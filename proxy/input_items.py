@@ -131,29 +131,48 @@ class ReasoningItem(msgspec.Struct, tag="reasoning", tag_field="type",
     status: Status | None = None
 
 
+class ItemReference(msgspec.Struct, tag="item_reference", tag_field="type",
+                    forbid_unknown_fields=True):
+    """An item of a stored response, named by its id: a request's input only, resolved from
+    the store before anything else reads the input (proxy/item_references.py)."""
+
+    id: ItemId
+
+
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 NonEmptyRaws = Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1)]
 
 _item = msgspec.json.Decoder(InputItem)
+_input = msgspec.json.Decoder(InputItem | ItemReference)
 _message = msgspec.json.Decoder(MessageItem)
 _NO_TYPE = "Object missing required field `type`"
 
 
 def decode_items(raws: list[msgspec.Raw], field: str = "input") -> list[InputItem]:
     """Each raw item decoded, in C; ApiError(400) naming ``<field>[i]`` and the field."""
-    return [_decode_item(raw, f"{field}[{i}]") for i, raw in enumerate(raws)]
+    return [_decode_item(raw, f"{field}[{i}]", _item) for i, raw in enumerate(raws)]
 
 
-def _decode_item(raw: msgspec.Raw, where: str) -> InputItem:
+def decode_input(raws: list[msgspec.Raw]) -> list[InputItem | ItemReference]:
+    """A request's input items, as `decode_items`; item references are left to resolve."""
+    return [_decode_item(raw, f"input[{i}]", _input) for i, raw in enumerate(raws)]
+
+
+def decode_stored(raw: bytes, where: str) -> InputItem:
+    """An item as the store gave it back."""
+    return _decode_item(msgspec.Raw(raw), where, _item)
+
+
+def _decode_item(raw: msgspec.Raw, where: str, decoder: msgspec.json.Decoder[Any]) -> Any:
     try:
         if b'"type"' in bytes(raw):  # (one in its parts only: the union says so at once)
             try:
-                return _item.decode(raw)  # type: ignore[no-any-return]
+                return decoder.decode(raw)
             except msgspec.ValidationError as exc:
                 if str(exc) != _NO_TYPE:
                     raise
-        return _message.decode(raw)  # type: ignore[no-any-return]
+        return _message.decode(raw)
     except msgspec.ValidationError as exc:
         text = str(exc)
         at = " - at `$"
@@ -206,7 +225,9 @@ def explain_unsupported(error: ApiError) -> ApiError:
         what = (f"unsupported content part '{kind}'; only 'input_text', 'output_text' and "
                 "'refusal' are accepted")
     else:
-        served = ", ".join(f"'{t}'" for t in ITEM_TYPES)
+        # A request's input may also name an item of a stored response; a conversation's not.
+        types = (*ITEM_TYPES, "item_reference") if typed.group(1) == "input" else ITEM_TYPES
+        served = ", ".join(f"'{t}'" for t in types)
         what = f"unsupported item type '{kind}'; the types accepted are {served}"
     return ApiError(400, f"Invalid '{error.param}': {what}", param=error.param,
                     code="invalid_value")

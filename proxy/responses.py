@@ -32,6 +32,7 @@ from proxy.engine_client import EngineClient, unavailable
 from proxy.errors import ApiError
 from proxy.exchange import exchange
 from proxy.input_items import MAX_ITEM_ID, input_item_objects
+from proxy.item_references import resolve_references
 from proxy.metrics import RequestTimer
 from proxy.options import ProxyOptions
 from proxy.response_object import deleted_object
@@ -40,6 +41,7 @@ from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record,
 from proxy.responses_request import (
     build_submit,
     decode_request,
+    parse_request,
     response_params,
     sampling_params,
     tool_use,
@@ -84,10 +86,11 @@ async def create_response(request: Request) -> Response:
     t_submit = time.monotonic()
     client_id = client_request_id(request.headers.get("x-request-id"))
     rid = request.state.request_id = new_id("resp_")  # response ids are the server's own
-    decoded = decode_request(await request.body(), served_models(request))
-    req = decoded.req
-    use = tool_use(req)
+    body = await request.body()
+    req, items = parse_request(body, served_models(request))
     engine = _engine(request)
+    decoded = decode_request(body, req, await resolve_references(engine, items))
+    use = tool_use(req)
     if not engine.up:
         raise unavailable(engine.down_reason)
     registry = background_registry(request.app)

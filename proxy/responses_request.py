@@ -25,7 +25,14 @@ from ipc.records import (
 from proxy.errors import ApiError
 from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, NO_PRIORITY, no_op, refused
 from proxy.guides import TextConfig, text_echo, text_guide
-from proxy.input_items import InputItem, NonEmptyRaws, decode_items, stored_items, to_messages
+from proxy.input_items import (
+    InputItem,
+    ItemReference,
+    NonEmptyRaws,
+    decode_input,
+    stored_items,
+    to_messages,
+)
 from proxy.responses_events import ResponseParams
 from proxy.schemas import (
     REQUEST_ID_PATTERN,
@@ -146,14 +153,21 @@ class _SentTools(msgspec.Struct):
     tools: list[msgspec.Raw] | None = None
 
 
-def decode_request(body: bytes, served: tuple[str, ...]) -> Decoded:
-    """The validated body; ApiError(400) naming the offending field otherwise."""
+def parse_request(body: bytes, served: tuple[str, ...]
+                  ) -> tuple[CreateResponse, str | list[InputItem | ItemReference]]:
+    """The validated body and its input items, item references still to resolve
+    (proxy/item_references.py); ApiError(400) naming the offending field otherwise."""
     req = decode_body(body, CreateResponse)
-    items = req.input if isinstance(req.input, str) else decode_items(req.input)
+    items = req.input if isinstance(req.input, str) else decode_input(req.input)
     check_model(req.model, served)
     if req.background and not req.store:
         raise ApiError(400, "'background' requires 'store' to be true: a background response "
                        "is fetched from the store", param="background", code="invalid_value")
+    return req, items
+
+
+def decode_request(body: bytes, req: CreateResponse, items: str | list[InputItem]) -> Decoded:
+    """The request parsed (`parse_request`), its input resolved: as messages and as stored."""
     if req.conversation is not None:
         check_conversation(req)
         messages, spans = conversation_input(items)

@@ -65,11 +65,11 @@ def chat_text(tokenizer: Tokenizer, messages: list[Message], tools: list[ToolFun
 def template_message(message: Message) -> dict[str, Any]:
     """A message as a chat template reads it: OpenAI's chat shape, with each call's arguments
     as an object, which is what templates expect (transformers' documentation; vLLM does the
-    same). Keys a message does not have are left out, and so is a null content, as transformers
-    drops them: templates test `'tool_calls' in m`, and would print "None"."""
-    row: dict[str, Any] = {"role": message.role}
-    if message.content is not None:
-        row["content"] = message.content
+    same). Keys a message does not have are left out (templates test `'tool_calls' in m`), but
+    every message has a content: a null one, an assistant turn of calls alone, is "" as vLLM
+    renders it, since templates read `message.content` (Qwen3's fails without it) and would
+    print "None"."""
+    row: dict[str, Any] = {"role": message.role, "content": message.content or ""}
     if message.tool_calls:
         row["tool_calls"] = [{"id": call.id, "type": "function",
                               "function": {"name": call.name,

@@ -119,6 +119,18 @@ def _conversation_tables(real: str) -> tuple[str, ...]:
 _ECHO = ("ALTER TABLE responses ADD COLUMN echo TEXT",
          "ALTER TABLE responses ADD COLUMN tool_call_format TEXT")
 
+# Version 6: a response's input items by the id each is listed under (daemon/responses/
+# item_index.py), for `item_reference` input items. Rows stored before it are not indexed.
+_ITEM_INDEX = (
+    """CREATE TABLE IF NOT EXISTS response_items (
+    item_id TEXT NOT NULL,
+    response_id TEXT NOT NULL,
+    position BIGINT NOT NULL,
+    PRIMARY KEY (item_id, response_id)
+)""",
+    "CREATE INDEX IF NOT EXISTS response_items_response ON response_items (response_id)",
+)
+
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "stored responses",
@@ -135,6 +147,7 @@ MIGRATIONS: tuple[Migration, ...] = (
               postgresql=_conversation_tables("DOUBLE PRECISION")),
     Migration(5, "the request fields a response echoes, its tool-call format",
               sqlite=_ECHO, postgresql=_ECHO),
+    Migration(6, "input items by id", sqlite=_ITEM_INDEX, postgresql=_ITEM_INDEX),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -49,6 +49,7 @@ from daemon.responses.conversations import (
     turn_of,
 )
 from daemon.responses.db import Database, Executor, StoreError, connect
+from daemon.responses.item_index import index_items
 from daemon.responses.ops import StoreOps
 from daemon.responses.rows import (
     PLACEHOLDERS_SQL,
@@ -160,13 +161,13 @@ class ResponseStore:
         turn = last[1] if last is not None and last[0] is submit else self._turn(fields)
         if turn is None:
             raise ValueError(previous_not_found(fields.previous_response_id or ""))
-        if fields.conversation is None:
-            self._insert(self._db, submit, turn)
-        else:  # the claim and the placeholder together, or neither
-            on = turn_of(submit.rid, fields)
-            with self._db.transaction() as tx:
+        on = None if fields.conversation is None else turn_of(submit.rid, fields)
+        with self._db.transaction() as tx:  # the claim, the placeholder, its index, or none
+            if on is not None:
                 self.conversations.claim(tx, on, submit.rid)
-                self._insert(tx, submit, turn)
+            self._insert(tx, submit, turn)
+            index_items(tx, submit.rid, fields.input_items)
+        if on is not None:
             self._turns[submit.rid] = on
         self._placeholders.add(submit.rid)
 

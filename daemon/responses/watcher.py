@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from daemon.responses.conversations import Conversations
 from daemon.responses.db import Database, Listener
+from daemon.responses.item_index import SWEEP_SQL
 from daemon.responses.rows import PLACEHOLDERS_SQL, text_column
 from ipc.response_records import ResponseStatus
 
@@ -110,6 +111,7 @@ class Watcher:
                 f"responses WHERE {finished}) AS kept WHERE newer > ? - (SELECT "
                 f"coalesce(sum(size), 0) FROM responses WHERE status IN {PLACEHOLDERS_SQL}))",
                 (self.max_bytes,)).rowcount
+            tx.execute(SWEEP_SQL)  # the index entries of every response deleted since
         return by_age + by_count + by_bytes
 
     def housekeep(self) -> None:

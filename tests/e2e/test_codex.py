@@ -40,9 +40,7 @@ pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
 CODEX = Path(os.environ.get("TETHER_CODEX", ROOT / ".codex" / "node_modules" / ".bin" / "codex"))
-# Llama 3.1's template, which renders tools and an assistant turn of calls alone. (Qwen3's reads
-# the content of every assistant turn, and the daemon leaves a null content out: Codex's second
-# turn, a function_call item with no message before it, is a 400 there.)
+# Llama 3.1's template, which renders tools and an assistant turn of calls alone.
 FAMILY = "llama3"
 NAME = "codex-ckpt"  # the checkpoint's directory: the model name the pair serves
 # Codex's prompt renders as ~8k Llama 3 tokens (its instructions, skills, tools, environment).

@@ -10,15 +10,22 @@ import pytest
 
 from ipc.records import Message, ToolCall
 from proxy.errors import ApiError
-from proxy.input_items import MAX_ITEM_ID, input_item_objects, stored_items
-from proxy.responses_request import decode_request
+from proxy.input_items import MAX_ITEM_ID, ItemReference, input_item_objects, stored_items
+from proxy.responses_request import Decoded, decode_request, parse_request
 
 SERVED = ("tiny",)
 
 
+def _decoded(body: bytes, served: tuple[str, ...]) -> Decoded:
+    """A request with no item references, decoded as create_response decodes it."""
+    req, items = parse_request(body, served)
+    assert isinstance(items, str) or not any(isinstance(i, ItemReference) for i in items)
+    return decode_request(body, req, items)  # type: ignore[arg-type]
+
+
 def _decode(body: dict[str, Any] | bytes) -> list[Message]:
     raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
-    return decode_request(raw, SERVED).messages
+    return _decoded(raw, SERVED).messages
 
 
 def _refused(body: dict[str, Any] | bytes) -> ApiError:
@@ -84,7 +91,7 @@ def test_invalid_input_names_the_item_and_field(items: Any, param: str) -> None:
 def test_unsupported_types_say_what_is_served() -> None:
     item = _refused({"input": [{"type": "web_search_call", "id": "ws_1"}]})
     assert "unsupported item type 'web_search_call'" in item.message
-    assert "'function_call_output'" in item.message
+    assert "'function_call_output'" in item.message and "'item_reference'" in item.message
     part = _refused({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})
     assert "unsupported content part 'input_image'" in part.message
     assert "'input_text', 'output_text' and 'refusal'" in part.message
@@ -134,7 +141,7 @@ def test_a_call_joins_the_assistant_message_before_it() -> None:
 
 
 def test_tool_items_are_stored_and_listed_as_sent() -> None:
-    stored = decode_request(msgspec.json.encode({"input": TOOL_TURN}), SERVED).items
+    stored = _decoded(msgspec.json.encode({"input": TOOL_TURN}), SERVED).items
     assert msgspec.json.decode(stored)[1:4] == [TOOL_TURN[1], CALL, CALL_2]
     listed = input_item_objects(stored, [f"item_{i}" for i in range(len(TOOL_TURN))])
     assert [i["type"] for i in listed] == [
@@ -176,7 +183,7 @@ def test_the_largest_allowed_id_is_kept_and_what_is_not_rendered_is_not() -> Non
     item = {"type": "message", "role": "assistant", "id": "i" * MAX_ITEM_ID, "content": [
         {"type": "output_text", "text": "c", "annotations": [{"type": "url_citation"}],
          "logprobs": [[[[]]]]}]}
-    stored = decode_request(msgspec.json.encode({"input": [item]}), SERVED).items
+    stored = _decoded(msgspec.json.encode({"input": [item]}), SERVED).items
     assert msgspec.json.decode(stored) == [
         {"type": "message", "role": "assistant", "id": "i" * MAX_ITEM_ID,
          "content": [{"type": "output_text", "text": "c"}]}]

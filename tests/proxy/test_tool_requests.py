@@ -10,9 +10,10 @@ import pytest
 
 from ipc.records import ToolFunction
 from proxy.errors import ApiError
-from proxy.responses_request import decode_request, request_echo, tool_use
+from proxy.responses_request import request_echo, tool_use
 from proxy.schemas import ChatRequest, decode_body
 from proxy.tool_requests import call_name, chat_tool_use
+from tests.proxy.test_input_items import _decoded
 
 ASK = [{"role": "user", "content": "hi"}]
 GET = {"type": "function", "function": {"name": "get", "description": "d", "parameters": {
@@ -79,7 +80,7 @@ R_GET = {"type": "function", "name": "get", "parameters": GET["function"]["param
 
 
 def responses_use_of(**body: Any) -> Any:
-    req = decode_request(orjson.dumps({"input": "hi", **body}), ("m",)).req
+    req = _decoded(orjson.dumps({"input": "hi", **body}), ("m",)).req
     return tool_use(req)
 
 
@@ -99,7 +100,7 @@ def test_hosted_tools_are_accepted_and_never_offered() -> None:
     search = {"type": "web_search", "search_context_size": "low"}
     files = {"type": "file_search", "vector_store_ids": ["v"]}
     body = {"input": "hi", "tools": [search, R_GET, files]}
-    decoded = decode_request(orjson.dumps(body), ("m",))
+    decoded = _decoded(orjson.dumps(body), ("m",))
     use = tool_use(decoded.req)
     assert [f.name for f in use.tools] == ["get"] and use.choice == "auto"
     assert request_echo(decoded)["tools"] == [search, R_GET, files]

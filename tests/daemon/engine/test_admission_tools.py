@@ -24,7 +24,7 @@ def test_tools_and_tool_turns_reach_the_template() -> None:
 
 def test_messages_and_tools_as_templates_read_them() -> None:
     assert template_message(Message("assistant", None, [ToolCall("c", "f", "not json")])) == {
-        "role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
             "name": "f", "arguments": "not json"}}]}
     assert template_message(Message("tool", "x", tool_call_id="c")) == {
         "role": "tool", "content": "x", "tool_call_id": "c"}

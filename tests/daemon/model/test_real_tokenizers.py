@@ -315,3 +315,16 @@ def test_tools_render_as_transformers_in_the_families(name: str) -> None:
     for messages in _tool_conversations():
         assert ours_or_error(pair, messages, True, TOOLS) == theirs_or_error(
             pair, messages, True, TOOLS), (name, messages)
+
+
+def test_qwen3_renders_an_assistant_turn_of_calls_alone() -> None:
+    """Codex CLI's second turn: the instructions, then a call with no text. Qwen3's template
+    reads `message.content`, which the daemon gives it as "" (transformers refuses None)."""
+    pair = load("qwen3")
+    messages = _tool_conversations()[1]
+    assert messages[2]["content"] == ""
+    mine = ours_or_error(pair, messages, True, TOOLS)
+    assert mine == theirs_or_error(pair, messages, True, TOOLS)
+    assert isinstance(mine, str)
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ' \
+           '{"city": "Paris", "unit": "celsius"}}\n</tool_call><|im_end|>' in mine
