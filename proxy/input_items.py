@@ -14,12 +14,14 @@ union needs the tag, so the body's items arrive as raw JSON, each decoded by the
 no ``type`` of its own, as a message.
 
 Turned into the conversation: messages as they are; a function call joins the assistant turn
-before it as a tool call, its output is a tool turn; a reasoning item is kept and listed but
+before it as a tool call, its output is a tool turn (a custom tool's call and output alike, its
+input the one string argument it is offered with); a reasoning item is kept and listed but
 left out of the prompt (no model served here reasons in a form it could be given back).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -28,7 +30,7 @@ import msgspec
 from ipc.records import Message, ToolCall
 from proxy.errors import ApiError
 from proxy.schemas import validation_error
-from proxy.tool_requests import FunctionName, qualified
+from proxy.tool_requests import CUSTOM_INPUT, FunctionName, qualified
 
 MAX_ITEM_ID = 64  # OpenAI's bound on input[].id
 MAX_CALL_ID = 256
@@ -110,6 +112,19 @@ class FunctionCallOutputItem(msgspec.Struct, tag="function_call_output", tag_fie
     status: Status | None = None
 
 
+class CustomToolCallItem(msgspec.Struct, tag="custom_tool_call", tag_field="type",
+                         forbid_unknown_fields=True, omit_defaults=True):
+    call_id: CallId
+    name: FunctionName
+    input: str
+    id: ItemId | None = None
+    status: Status | None = None
+
+
+class CustomToolCallOutputItem(FunctionCallOutputItem, tag="custom_tool_call_output"):
+    """A custom tool's output: a function's, under its own type."""
+
+
 class SummaryText(msgspec.Struct, tag="summary_text", tag_field="type",
                   forbid_unknown_fields=True):
     text: str
@@ -139,8 +154,10 @@ class ItemReference(msgspec.Struct, tag="item_reference", tag_field="type",
     id: ItemId
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+InputItem = (MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+             | CustomToolCallItem | CustomToolCallOutputItem)
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning",
+              "custom_tool_call", "custom_tool_call_output")
 NonEmptyRaws = Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1)]
 
 _item = msgspec.json.Decoder(InputItem)
@@ -190,8 +207,8 @@ def to_messages(input: str | list[InputItem]) -> list[Message]:
     for item in input:
         if isinstance(item, MessageItem):
             out.append(Message(_ROLES[item.role], _joined(item.content)))
-        elif isinstance(item, FunctionCallItem):
-            call = ToolCall(item.call_id, qualified(item.namespace, item.name), item.arguments)
+        elif isinstance(item, FunctionCallItem | CustomToolCallItem):
+            call = _tool_call(item)
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":
                 out[-1] = Message("assistant", last.content, [*last.tool_calls, call])
@@ -200,6 +217,14 @@ def to_messages(input: str | list[InputItem]) -> list[Message]:
         elif isinstance(item, FunctionCallOutputItem):
             out.append(Message("tool", _joined(item.output), tool_call_id=item.call_id))
     return out
+
+
+def _tool_call(item: FunctionCallItem | CustomToolCallItem) -> ToolCall:
+    if isinstance(item, CustomToolCallItem):
+        # As the model writes the call (proxy/tool_calls/grammar.py): what it saw in its prompt.
+        arguments = json.dumps({CUSTOM_INPUT: item.input}, ensure_ascii=False)
+        return ToolCall(item.call_id, item.name, arguments)
+    return ToolCall(item.call_id, qualified(item.namespace, item.name), item.arguments)
 
 
 def stored_items(input: str | list[InputItem]) -> str:

@@ -98,7 +98,8 @@ async def create_response(request: Request) -> Response:
     params = response_params(decoded, rid, served_model(request), sampling)
     fmt = engine.tool_call_format
     submit = build_submit(decoded, params, sampling, t_submit, client_id, use, fmt)
-    events = ResponseEvents(params, use.parser(fmt, call_ids(fmt, rid)) if use else None)
+    events = (ResponseEvents(params, use.parser(fmt, call_ids(fmt, rid)), use.custom) if use
+              else ResponseEvents(params))
     timer = RequestTimer(request.app.state.metrics, "responses", t_submit)
     if not req.background:
         return await exchange(request, submit, ResponseAnswer(events), req.stream, timer)

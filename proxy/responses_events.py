@@ -12,7 +12,10 @@ A response offered tools has its text parsed for calls by its format's parser (t
 proxy/tool_calls/): its content, if any, is the message, opened when the first content comes,
 and each call is a ``function_call`` item after it: response.output_item.added,
 response.function_call_arguments.delta ..., response.function_call_arguments.done,
-response.output_item.done.
+response.output_item.done. A call of a custom tool is a ``custom_tool_call`` item instead, its
+input the string argument it was offered with (proxy/tool_requests.py), sent whole when the call
+ends: response.custom_tool_call_input.delta, then .done (the JSON string is not decoded piece by
+piece).
 
 It also answers "what does the response look like now" (`snapshot`) for non-stream replies
 and for a GET of a background response the daemon has not stored yet, and ends a stream that
@@ -44,6 +47,7 @@ from proxy.tool_requests import (
     ResponsesTool,
     ResponsesToolChoice,
     call_name,
+    custom_input,
     responses_tool_use,
 )
 
@@ -108,7 +112,8 @@ def apply_record(events: ResponseEvents, record: Delta | Finish) -> list[Event]:
 class ResponseEvents:
     """The event sequence of one response; every method returns the events to send next."""
 
-    def __init__(self, params: ResponseParams, calls: FormatParser | None = None) -> None:
+    def __init__(self, params: ResponseParams, calls: FormatParser | None = None,
+                 custom: frozenset[str] = frozenset()) -> None:
         self.params = params
         self.item_id = message_id(params.id)
         self.status = ResponseStatus.QUEUED if params.background else ResponseStatus.IN_PROGRESS
@@ -118,7 +123,9 @@ class ResponseEvents:
         self.num_events = 0
         self.completed_at: float | None = None
         self.calls = calls  # the output may hold tool calls, parsed by it
-        self.call_items: list[dict[str, Any]] = []  # the function_call items, in order
+        self.call_items: list[dict[str, Any]] = []  # the call items, in order
+        self.custom = custom  # the names whose calls are custom_tool_call items
+        self._arguments: list[str] = []  # each call's, as the model wrote them
         self._started = False
         self._item_open = False  # the message is in the output
         self._message_done = False
@@ -199,22 +206,28 @@ class ResponseEvents:
                     piece.text)
             elif isinstance(piece, CallStart):
                 events += self._close_open(ResponseStatus.COMPLETED)
-                item = {"type": "function_call", "id": self._call_item_id(piece.index),
-                        "call_id": piece.call_id, **call_name(piece.name), "arguments": "",
-                        "status": "in_progress"}
-                self.call_items.append(item)
+                self.call_items.append(self._call_item(piece))
+                self._arguments.append("")
                 events.append(self._event("response.output_item.added",
-                                          output_index=self._call_index(), item=dict(item)))
+                                          output_index=self._call_index(),
+                                          item=dict(self.call_items[-1])))
             else:
                 item = self.call_items[-1]
-                item["arguments"] += piece.text
-                events.append(self._event("response.function_call_arguments.delta",
-                                          item_id=item["id"], output_index=self._call_index(),
-                                          delta=piece.text))
+                self._arguments[-1] += piece.text
+                if item["type"] == "function_call":
+                    item["arguments"] += piece.text
+                    events.append(self._event("response.function_call_arguments.delta",
+                                              item_id=item["id"],
+                                              output_index=self._call_index(), delta=piece.text))
         return events
 
-    def _call_item_id(self, index: int) -> str:
-        return f"fc_{self.params.id.removeprefix('resp_')}_{index}"
+    def _call_item(self, call: CallStart) -> dict[str, Any]:
+        serial = f"{self.params.id.removeprefix('resp_')}_{call.index}"
+        if call.name in self.custom:
+            return {"type": "custom_tool_call", "id": f"ctc_{serial}", "call_id": call.call_id,
+                    "name": call.name, "input": "", "status": "in_progress"}
+        return {"type": "function_call", "id": f"fc_{serial}", "call_id": call.call_id,
+                **call_name(call.name), "arguments": "", "status": "in_progress"}
 
     def _call_index(self) -> int:
         """The output index of the last call (after the message, if there is one)."""
@@ -228,10 +241,18 @@ class ResponseEvents:
                 return []
             item["status"] = status.value
             where = {"item_id": item["id"], "output_index": self._call_index()}
-            return [self._event("response.function_call_arguments.done", **where,
-                                arguments=item["arguments"]),
-                    self._event("response.output_item.done", output_index=where["output_index"],
-                                item=dict(item))]
+            if item["type"] == "function_call":
+                events = [self._event("response.function_call_arguments.done", **where,
+                                      arguments=item["arguments"])]
+            else:
+                item["input"] = custom_input(self._arguments[-1])
+                events = [self._event("response.custom_tool_call_input.delta", **where,
+                                      delta=item["input"]),
+                          self._event("response.custom_tool_call_input.done", **where,
+                                      input=item["input"])]
+            events.append(self._event("response.output_item.done",
+                                      output_index=where["output_index"], item=dict(item)))
+            return events
         if not self._item_open or self._message_done:
             return []
         self._message_done = True
@@ -324,7 +345,7 @@ def stored_object(stored: StoredResponse) -> dict[str, Any]:
     except (msgspec.ValidationError, ApiError):  # a row no release of this code writes
         return stored_response_object(stored)
     parser = None if use is None else use.parser(fmt, call_ids(fmt, stored.id))
-    if parser is None:
+    if use is None or parser is None:
         return stored_response_object(stored)
     params = ResponseParams(
         id=stored.id, created_at=stored.created_at, model=stored.model,
@@ -332,7 +353,7 @@ def stored_object(stored: StoredResponse) -> dict[str, Any]:
         background=stored.background, store=True, temperature=stored.temperature,
         top_p=stored.top_p, max_output_tokens=stored.max_output_tokens, echo=echo,
         conversation=stored.conversation)
-    events = ResponseEvents(params, parser)
+    events = ResponseEvents(params, parser, use.custom)
     events.delta(stored.output_text)
     events.finish(Outcome(stored.status, stored.usage, stored.error))
     return stored_response_object(stored, events.snapshot()["output"])

@@ -1,7 +1,8 @@
 """What requests say about tools, as the chat and Responses bodies spell it, and the `ToolUse` it
 resolves to (proxy/tool_calls/): the functions offered, ``tool_choice`` and
 ``parallel_tool_calls``, checked as OpenAI checks them. On /v1/responses a ``namespace`` tool is
-its functions, offered under qualified names, and OpenAI's hosted tools (web_search,
+its functions, offered under qualified names; a ``custom`` tool (free text in, as Codex CLI's
+apply_patch) is offered as a function of one string; OpenAI's hosted tools (web_search,
 file_search, ...) are accepted and passed over: this server runs none of them.
 
 A function's ``parameters`` stay the JSON text the client sent (msgspec.Raw: never built into
@@ -11,6 +12,7 @@ template, and into the grammar of a forced call.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
@@ -112,7 +114,6 @@ def tool_guide(use: ToolUse, fmt: ToolCallFormat, content: Guide | None) -> Guid
 # OpenAI's built-in tools: their calls are items only OpenAI's models write, and OpenAI (or, for a
 # shell or a computer, its own client) runs them. Clients such as Codex CLI send them on every
 # request, so they are accepted and never offered to the model; only forcing one is refused.
-# `custom` tools are the client's own and stay refused by their type until served.
 HOSTED_TOOLS = frozenset({
     "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
     "file_search", "code_interpreter", "image_generation", "mcp", "computer",
@@ -120,10 +121,18 @@ HOSTED_TOOLS = frozenset({
     "programmatic_tool_calling"})
 
 
+class CustomFormat(msgspec.Struct):
+    """A custom tool's input: free ``text``, or a ``grammar`` (Lark or a regex) it follows."""
+
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
 class ResponsesTool(msgspec.Struct):
-    """A Responses tool: ``function`` tools and ``namespace`` groups of them are served and hosted
-    ones passed over (the type is checked by `responses_tool_use`, so that any other is refused
-    by its name)."""
+    """A Responses tool: ``function`` tools, ``namespace`` groups of them and ``custom`` tools are
+    served and hosted ones passed over (the type is checked by `responses_tool_use`, so that any
+    other is refused by its name)."""
 
     type: str
     name: FunctionName | None = None
@@ -131,6 +140,7 @@ class ResponsesTool(msgspec.Struct):
     parameters: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     strict: bool | None = None
     tools: list[ResponsesTool] | None = None  # a namespace's functions
+    format: CustomFormat | None = None  # a custom tool's
 
 
 class ResponsesNamedChoice(msgspec.Struct):
@@ -158,22 +168,66 @@ def call_name(model_name: str) -> dict[str, str]:
 ResponsesToolChoice = ChoiceWord | ResponsesNamedChoice
 
 
+# Chat templates and the call formats know functions only, so a custom tool is offered as a
+# function taking its free input as one string argument: the model writes a call as it writes any
+# other, the input is that argument's string, and a forced call's grammar is the calls' own.
+CUSTOM_INPUT = "input"
+CUSTOM_PARAMETERS = msgspec.json.encode({
+    "type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
+    "required": [CUSTOM_INPUT], "additionalProperties": False}).decode()
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input, of the arguments the model wrote for its call (as written when they
+    are not the one string: a call cut short, or a model that wrote other arguments)."""
+    try:
+        decoded = msgspec.json.decode(arguments)
+    except msgspec.DecodeError:
+        return arguments
+    if isinstance(decoded, dict) and list(decoded) == [CUSTOM_INPUT] and isinstance(
+            decoded[CUSTOM_INPUT], str):
+        return decoded[CUSTOM_INPUT]
+    return arguments
+
+
 def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolChoice | None,
                        parallel: bool | None) -> ToolUse | None:
     functions: list[ToolFunction] = []
     hosted = []
+    grammars: dict[str, str] = {}  # custom tools with a grammar format: where it is
     for i, tool in enumerate(tools or []):
         if tool.type in HOSTED_TOOLS:
             hosted.append(tool.type)
         elif tool.type == "namespace":
             functions += _namespace_functions(tool, f"tools[{i}]")
+        elif tool.type == "custom":
+            functions.append(_custom(tool, f"tools[{i}]"))
+            if tool.format is not None and tool.format.type == "grammar":
+                grammars[functions[-1].name] = f"tools[{i}].format"
         else:
             functions.append(_function(tool, None, f"tools[{i}]"))
+    use = resolve(functions, *_choice(choice, hosted, functions), parallel, "tools")
+    if use is None:
+        return None
+    where = next((grammars[f.name] for f in use.forced if f.name in grammars), None)
+    if where is not None:
+        # Its input would have to follow the grammar inside the call's JSON string, which the
+        # call grammar cannot say: refused rather than forced with the format ignored.
+        raise ApiError(400, f"'tool_choice' forces a custom tool whose '{where}' is a grammar, "
+                       "which this server cannot enforce inside a call; force it with a 'text' "
+                       "format, or leave the choice 'auto'", param=where, code="invalid_value")
+    custom = frozenset(t.name for t in tools or [] if t.type == "custom" and t.name)
+    return dataclasses.replace(use, custom=custom) if custom else use
+
+
+def _choice(choice: ResponsesToolChoice | None, hosted: list[str],
+            functions: list[ToolFunction]) -> tuple[ChoiceWord | None, str | None]:
+    """The choice's word and named function."""
     named = None
     if isinstance(choice, ResponsesNamedChoice):
         if choice.type in HOSTED_TOOLS:
             raise _forced_hosted(f"the hosted tool '{choice.type}'", "tool_choice.type")
-        if choice.type != "function":
+        if choice.type not in ("function", "custom"):
             raise _unsupported_type(choice.type, "tool_choice.type")
         if choice.name is None:
             raise ApiError(400, "missing required field 'tool_choice.name'",
@@ -182,8 +236,22 @@ def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolC
     elif choice == "required" and hosted and not functions:
         raise _forced_hosted(f"a call of the hosted tools ({', '.join(sorted(set(hosted)))})",
                              "tool_choice")
-    word = None if isinstance(choice, ResponsesNamedChoice) else choice
-    return resolve(functions, word, named, parallel, "tools")
+    return (None if isinstance(choice, ResponsesNamedChoice) else choice), named
+
+
+def _custom(tool: ResponsesTool, where: str) -> ToolFunction:
+    """A custom tool's function; a grammar format is told the model in its description."""
+    if tool.name is None:
+        raise ApiError(400, f"missing required field '{where}.name'", param=f"{where}.name",
+                       code="missing_required_parameter")
+    fmt, description = tool.format, tool.description
+    if fmt is not None and fmt.type == "grammar":
+        if fmt.syntax is None or not fmt.definition:
+            raise ApiError(400, f"a grammar '{where}.format' needs its 'syntax' and "
+                           "'definition'", param=f"{where}.format", code="invalid_value")
+        told = f"The {CUSTOM_INPUT} follows this {fmt.syntax} grammar:\n{fmt.definition}"
+        description = "\n\n".join(d for d in (description, told) if d)
+    return ToolFunction(tool.name, description, CUSTOM_PARAMETERS)
 
 
 def _function(tool: ResponsesTool, namespace: ResponsesTool | None, where: str) -> ToolFunction:
@@ -219,6 +287,6 @@ def _forced_hosted(what: str, param: str) -> ApiError:
 
 def _unsupported_type(kind: str, param: str) -> ApiError:
     kind = kind if len(kind) <= 64 else kind[:64] + "..."
-    return ApiError(400, f"tool type '{kind}' is not supported: only 'function' and 'namespace' "
-                    "tools (and hosted tools, never offered to the model) are", param=param,
+    return ApiError(400, f"tool type '{kind}' is not supported: only 'function', 'namespace' and "
+                    "'custom' tools (and hosted tools, never offered to the model) are", param=param,
                     code="invalid_value")

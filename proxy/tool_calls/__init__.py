@@ -66,12 +66,15 @@ def call_ids(fmt: ToolCallFormat, response_id: str | None = None) -> Callable[[i
 @dataclass(frozen=True, slots=True)
 class ToolUse:
     """What a request asks of tool calls, resolved: the functions offered, the choice
-    (`forced`: the functions a call must be to; `parallel`: more than one call allowed)."""
+    (`forced`: the functions a call must be to; `parallel`: more than one call allowed;
+    `custom`: the functions that stand for Responses custom tools, whose calls are their own
+    items)."""
 
     tools: tuple[ToolFunction, ...]
     choice: Literal["none", "auto", "required"]
     forced: tuple[ToolFunction, ...] = ()
     parallel: bool = True
+    custom: frozenset[str] = frozenset()
 
     @property
     def parsed(self) -> bool:

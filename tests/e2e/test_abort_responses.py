@@ -128,3 +128,20 @@ def test_completed_response_cannot_be_cancelled(server: Server) -> None:
         r = c.post(f"/v1/responses/{rid}/cancel")
         assert r.status_code == 400
         assert r.json()["error"]["message"]
+
+
+def test_a_dropped_custom_tool_call_stream_leaves_nothing_behind(server: Server) -> None:
+    """A forced custom tool call (its input sent whole at the call's end, so the stream is
+    quiet meanwhile): its grammar and placeholder go with the session, no item is stored."""
+    before = server.metrics()
+    body = {"input": "write a long patch", "stream": True, "max_output_tokens": 800,
+            "temperature": 0, "tools": [{"type": "custom", "name": "apply_patch"}],
+            "tool_choice": {"type": "custom", "name": "apply_patch"}}
+    sock = post_raw(server, "/v1/responses", body)
+    raw = read_events(sock, 3)
+    assert b"custom_tool_call" in raw
+    rid = response_id_from_stream(raw)
+    wait_running(server)
+    check_abort(server, before, rid, drop(sock), sequences=1)
+    with server.client() as c:
+        assert c.get(f"/v1/responses/{rid}").status_code == 404

@@ -214,3 +214,22 @@ def test_stored_items_are_listed_as_messages_with_typed_parts() -> None:
         ("msg_abc_0", "user", "completed"), ("msg_mine", "assistant", "completed")]
     assert listed[0]["content"] == [{"type": "input_text", "text": "hi"}]
     assert listed[1]["content"] == [{"type": "output_text", "text": "yo"}]
+
+
+CUSTOM_TURN = [
+    {"type": "custom_tool_call", "call_id": "call_p", "name": "apply_patch",
+     "input": "*** Begin Patch\n\"é\"", "id": "ctc_1", "status": "completed"},
+    {"type": "custom_tool_call_output", "call_id": "call_p", "output": "Done."},
+]
+
+
+def test_a_custom_tools_call_and_output_are_a_tool_turn_stored_as_sent() -> None:
+    """The call renders as the function it is offered as: its input the one string argument."""
+    assert _decode({"input": CUSTOM_TURN}) == [
+        Message("assistant", None, [ToolCall("call_p", "apply_patch",
+                                             '{"input": "*** Begin Patch\\n\\"é\\""}')]),
+        Message("tool", "Done.", tool_call_id="call_p")]
+    stored = decode_request(msgspec.json.encode({"input": CUSTOM_TURN}), SERVED).items
+    listed = input_item_objects(stored, ["item_0", "item_1"])
+    assert listed == [{**CUSTOM_TURN[0], "id": "item_0"},
+                      {**CUSTOM_TURN[1], "id": "item_1", "status": "completed"}]

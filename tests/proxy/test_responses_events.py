@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import weakref
+from typing import Any
 
 import orjson
 import pytest
@@ -241,10 +242,21 @@ def test_a_live_run_asked_past_its_end_ends_with_its_last_event() -> None:
     assert asyncio.run(scenario()) == ["response.cancelled"]
 
 
-def _with_calls(rid: str = "resp_t") -> ResponseEvents:
-    names = frozenset({"get_weather"})
+def _with_calls(rid: str = "resp_t", custom: frozenset[str] = frozenset()) -> ResponseEvents:
+    names = frozenset({"get_weather"}) | custom
     return ResponseEvents(params_for(rid, background=False),
-                          HermesParser(names, call_ids(ToolCallFormat.HERMES, rid)))
+                          HermesParser(names, call_ids(ToolCallFormat.HERMES, rid)), custom)
+
+
+def _streamed(events: ResponseEvents, text: str, cut: int) -> list[dict[str, Any]]:
+    """Every event of `text` fed in pieces of `cut` characters, each one checked by the SDK."""
+    sent = events.created()
+    for i in range(0, len(text), cut):
+        sent += events.delta(text[i:i + cut])
+    sent += events.finish(finish_outcome(FinishReason.STOP, Usage(3, 20), None, None))
+    for event in sent:
+        STREAM_EVENTS.validate_python(event)
+    return sent
 
 
 CALLS_TEXT = ('Looking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -255,12 +267,7 @@ CALLS_TEXT = ('Looking. <tool_call>{"name": "get_weather", "arguments": {"city":
 @pytest.mark.parametrize("cut", [1, 7, len(CALLS_TEXT)])
 def test_tool_calls_are_function_call_items_after_the_message(cut: int) -> None:
     events = _with_calls()
-    sent = events.created()
-    for i in range(0, len(CALLS_TEXT), cut):
-        sent += events.delta(CALLS_TEXT[i:i + cut])
-    sent += events.finish(finish_outcome(FinishReason.STOP, Usage(3, 20), None, None))
-    for event in sent:
-        STREAM_EVENTS.validate_python(event)
+    sent = _streamed(events, CALLS_TEXT, cut)
     kinds = [e["type"] for e in sent if not e["type"].endswith(".delta")]
     assert kinds == [
         "response.created", "response.in_progress", "response.output_item.added",
@@ -297,3 +304,23 @@ def test_with_tools_an_empty_output_still_has_its_message() -> None:
     events = _with_calls()
     sent = events.finish(finish_outcome(FinishReason.STOP, Usage(3, 0), None, None))
     assert [i["type"] for i in sent[-1]["response"]["output"]] == ["message"]
+
+
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+\"hi\"\n*** End Patch"
+CUSTOM_TEXT = ('<tool_call>{"name": "apply_patch", "arguments": '
+               + json.dumps({"input": PATCH}) + '}</tool_call>')
+
+
+@pytest.mark.parametrize("cut", [1, 5, len(CUSTOM_TEXT)])
+def test_a_custom_tools_call_is_a_custom_tool_call_item_with_its_input(cut: int) -> None:
+    events = _with_calls("resp_c", frozenset({"apply_patch"}))
+    sent = _streamed(events, CUSTOM_TEXT, cut)
+    assert [e["type"] for e in sent] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done",
+        "response.output_item.done", "response.completed"]
+    assert sent[3]["delta"] == sent[4]["input"] == PATCH
+    [call] = Response.model_validate(sent[-1]["response"]).output
+    assert (call.type, call.id, call.call_id, call.name, call.input) == (
+        "custom_tool_call", "ctc_c_0", "call_c_0", "apply_patch", PATCH)
+    assert sent[-1]["response"] == events.snapshot()

@@ -12,7 +12,7 @@ from ipc.records import ToolFunction
 from proxy.errors import ApiError
 from proxy.responses_request import request_echo, tool_use
 from proxy.schemas import ChatRequest, decode_body
-from proxy.tool_requests import call_name, chat_tool_use
+from proxy.tool_requests import CUSTOM_PARAMETERS, call_name, chat_tool_use, custom_input
 from tests.proxy.test_input_items import _decoded
 
 ASK = [{"role": "user", "content": "hi"}]
@@ -125,8 +125,41 @@ def test_a_namespace_offers_its_functions_under_qualified_names() -> None:
     assert call_name("get") == {"name": "get"}
 
 
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+         "format": {"type": "text"}}
+LARK_PATCH = {**PATCH, "format": {"type": "grammar", "syntax": "lark",
+                                  "definition": 'start: "*** Begin Patch"'}}
+
+
+def test_a_custom_tool_is_a_function_of_its_one_string_input() -> None:
+    """As Codex CLI sends its apply_patch: offered as a function taking the input as one string;
+    its calls are custom_tool_call items (`custom`); a grammar format is told in the
+    description, and a text one can be forced."""
+    use = responses_use_of(tools=[R_GET, PATCH, {"type": "web_search"}])
+    assert use.custom == {"apply_patch"} and use.choice == "auto"
+    assert use.tools[1] == ToolFunction("apply_patch", "Edit files.", CUSTOM_PARAMETERS)
+    assert orjson.loads(CUSTOM_PARAMETERS)["properties"] == {"input": {"type": "string"}}
+    lark = responses_use_of(tools=[LARK_PATCH]).tools[0]
+    assert lark.description == ('Edit files.\n\nThe input follows this lark grammar:\n'
+                                'start: "*** Begin Patch"')
+    forced = responses_use_of(tools=[R_GET, PATCH],
+                              tool_choice={"type": "custom", "name": "apply_patch"})
+    assert forced.forced == use.tools[1:2] and forced.custom == {"apply_patch"}
+    assert responses_use_of(tools=[R_GET]).custom == frozenset()
+
+
+@pytest.mark.parametrize(("arguments", "input"), [
+    ('{"input": "a\\nb"}', "a\nb"),
+    ('{"input": "cut sh', '{"input": "cut sh'),
+    ('{"patch": "x"}', '{"patch": "x"}'),
+])
+def test_a_custom_calls_input_is_its_string_argument_or_what_was_written(
+        arguments: str, input: str) -> None:
+    assert custom_input(arguments) == input
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"tools": [{"type": "custom", "name": "patch"}]}, "tools[0].type", "'custom'"),
+    ({"tools": [{"type": "calculator", "name": "c"}]}, "tools[0].type", "'calculator'"),
     ({"tools": [R_GET, {"type": "namespace", "name": "n", "tools": []}]}, "tools[1].tools",
      "at least one function"),
     ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}]},
@@ -138,8 +171,17 @@ def test_a_namespace_offers_its_functions_under_qualified_names() -> None:
      "hosted tool 'web_search_preview'"),
     ({"tools": [{"type": "web_search"}, {"type": "mcp", "server_label": "s"}],
       "tool_choice": "required"}, "tool_choice", "hosted tools (mcp, web_search)"),
-    ({"tools": [R_GET], "tool_choice": {"type": "custom", "name": "patch"}}, "tool_choice.type",
-     "'custom'"),
+    ({"tools": [R_GET], "tool_choice": {"type": "calculator", "name": "c"}}, "tool_choice.type",
+     "'calculator'"),
+    ({"tools": [R_GET], "tool_choice": {"type": "custom", "name": "patch"}}, "tool_choice",
+     "'patch'"),
+    # A forced custom tool's grammar cannot be enforced inside the call: refused, not ignored.
+    ({"tools": [R_GET, LARK_PATCH], "tool_choice": {"type": "custom", "name": "apply_patch"}},
+     "tools[1].format", "grammar"),
+    ({"tools": [LARK_PATCH], "tool_choice": "required"}, "tools[0].format", "grammar"),
+    ({"tools": [{"type": "custom", "name": "p", "format": {"type": "grammar"}}]},
+     "tools[0].format", "'syntax' and 'definition'"),
+    ({"tools": [{"type": "custom"}]}, "tools[0].name", "missing"),
     ({"tools": [{"type": "function"}]}, "tools[0].name", "missing"),
     ({"tools": [R_GET], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "'nope'"),
