@@ -99,7 +99,7 @@ def _cancelling_child(run: Path, big: int, results: multiprocessing.Queue) -> No
         big_task = asyncio.create_task(pipes.submit(submit("big", "x" * big), timeout=30))
         await asyncio.sleep(0.3)  # the daemon is not reading: the frame is part-written
         big_task.cancel()
-        queued = pipes.queuesubmit(submit("withdrawn"))
+        queued = pipes.queue_submit(submit("withdrawn"))
         withdrawn = pipes.withdraw(queued)  # queued behind "big": never started
         await pipes.submit(submit("after"), timeout=30)
         await asyncio.wait_for(finished.wait(), 10)
