@@ -229,7 +229,7 @@ def test_a_custom_tools_call_and_output_are_a_tool_turn_stored_as_sent() -> None
         Message("assistant", None, [ToolCall("call_p", "apply_patch",
                                              '{"input": "*** Begin Patch\\n\\"é\\""}')]),
         Message("tool", "Done.", tool_call_id="call_p")]
-    stored = decode_request(msgspec.json.encode({"input": CUSTOM_TURN}), SERVED).items
+    stored = _decoded(msgspec.json.encode({"input": CUSTOM_TURN}), SERVED).items
     listed = input_item_objects(stored, ["item_0", "item_1"])
     assert listed == [{**CUSTOM_TURN[0], "id": "item_0"},
                       {**CUSTOM_TURN[1], "id": "item_1", "status": "completed"}]
