@@ -44,23 +44,25 @@ STREAM_TOKENS = 256
 
 
 class Worker:
-    """host_ticks.py in its own process, on one checkout; measures a level when asked."""
+    """A measuring script (host_ticks.py by default) in its own process, on one checkout: each
+    `ask` writes one JSON line to it and reads its one line of figures back."""
 
-    def __init__(self, repo: Path) -> None:
+    def __init__(self, repo: Path, script: Path = WORKER, args: Sequence[str] = ()) -> None:
         env = dict(os.environ)
         # The checkout first; what the path held after it (wheels installed beside, as on the
         # device machine).
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE,
+        self.name = script.name
+        self.proc = subprocess.Popen([sys.executable, str(script), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=repo, text=True)
 
-    def measure(self, streams: int, ticks: int) -> dict[str, Any]:
+    def ask(self, **fields: int) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"streams": streams, "ticks": ticks}) + "\n")
+        self.proc.stdin.write(json.dumps(fields) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"host_ticks.py exited with {self.proc.wait()}")
+            raise RuntimeError(f"{self.name} exited with {self.proc.wait()}")
         return dict(json.loads(line))
 
     def close(self) -> None:
@@ -89,7 +91,7 @@ def run_engine(trees: dict[str, Path], levels: list[int], reps: int,
         for rep in range(reps):
             for level in levels:
                 for name in alternating(list(trees), rep):
-                    runs[name][level].append(workers[name].measure(level, ticks))
+                    runs[name][level].append(workers[name].ask(streams=level, ticks=ticks))
             print(f"  engine rep {rep + 1}/{reps} done", flush=True)
     finally:
         for w in workers.values():

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -28,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import sse_client
-from loadtest.bench_host import alternating
+from loadtest.bench_host import Worker, alternating
 from loadtest.checkpoint import SMOLLM_135M_DIR, ensure_checkpoint
 from loadtest.pair import REPO, ServerPair, served_model
 from loadtest.report import goal_line, results_dir, write_json
@@ -36,31 +33,6 @@ from loadtest.report import goal_line, results_dir, write_json
 WORKER = Path(__file__).with_name("prefill_ticks.py")
 VLLM_TTFT_S = 4.24  # vLLM 0.32 CPU, same checkpoint and prompt length, both cores
 GOAL = 0.8
-
-
-class Worker:
-    """prefill_ticks.py in its own process, on one checkout."""
-
-    def __init__(self, repo: Path, model_dir: Path, threads: int) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), str(model_dir), str(threads)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                     cwd=repo, text=True)
-
-    def measure(self, tokens: int, chunk: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"tokens": tokens, "chunk": chunk}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"prefill_ticks.py exited with {self.proc.wait()}")
-        return dict(json.loads(line))
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(30)
 
 
 def cold_request(base: str, model: str, tokens: int, rng: random.Random) -> float:
@@ -75,14 +47,15 @@ def cold_request(base: str, model: str, tokens: int, rng: random.Random) -> floa
 
 
 def engine_figures(trees: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
-    workers = {n: Worker(t, args.model_dir, args.threads) for n, t in trees.items()}
+    workers = {n: Worker(t, WORKER, [str(args.model_dir), str(args.threads)])
+               for n, t in trees.items()}
     try:
         for w in workers.values():
-            w.measure(64, args.chunk)  # warm: first calls, kernel build
+            w.ask(tokens=64, chunk=args.chunk)  # warm: first calls, kernel build
         runs: dict[str, list[dict[str, Any]]] = {n: [] for n in trees}
         for rep in range(args.reps):
             for n in alternating(list(trees), rep):
-                runs[n].append(workers[n].measure(args.tokens, args.chunk))
+                runs[n].append(workers[n].ask(tokens=args.tokens, chunk=args.chunk))
     finally:
         for w in workers.values():
             w.close()
