@@ -244,8 +244,10 @@ class Engine:
         rids = frozenset([s.rid for s in batch.seqs])
         self.figures.tick(t_start, rids, batch.num_prefill_tokens)
         # The masks of this tick depend only on tokens already sampled: they are computed on a
-        # thread while the forward pass runs.
-        masks = self.guidance.start_masks(batch.sampled()) if self.guidance is not None else None
+        # thread while the forward pass runs. (A fork's siblings share their prompt's grammar.)
+        guidance = (self.guidance if self.guidance is not None
+                    and any(s.constraint is not None for s in batch.seqs) else None)
+        masks = guidance.start_masks(batch.sampled()) if guidance is not None else None
         logits = self.runner.run(batch.chunks)
         to_sample = self.scheduler.postprocess(batch)
         if any(chunk.all_logits for chunk in batch.chunks):
@@ -262,36 +264,36 @@ class Engine:
         rows = [row for row, _ in to_sample]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        if self.guidance is None:
+        if guidance is None:
             tokens = self.sampler(logits, seqs)
         else:
-            tokens = self.sampler(self.guidance.mask(logits, masks), seqs)
-            tokens = self.guidance.accept(seqs, tokens, self.max_model_len, masks)
+            tokens = self.sampler(guidance.mask(logits, masks), seqs)
+            tokens = guidance.accept(seqs, tokens, self.max_model_len, masks)
         self.sampler.count(seqs, tokens)
         return self._emit(seqs, tokens, sampled_logprobs(logits, seqs, tokens))
 
     def _emit(self, seqs: list[Sequence], tokens: list[int],
               logprobs: list[tuple[float, list[tuple[int, float]]] | None]) -> list[ToProxy]:
         out: list[ToProxy] = []
+        append = self._append
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
             if seq.echo is not None:  # the answer starts with the prompt
                 out += seq.echo.deltas(seq.rid, seq.index)
                 seq.echo = None
             if lp is not None:
                 seq.pending_logprobs.append(self._token_logprob(token, lp))
-            text, reason = self._append(seq, token)
+            text, reason, first = append(seq, token)
             # Every sampled id reaches the client once (a stop token's too, though not its text),
             # so token_ids summed over a stream equal usage.completion_tokens.
             pending = seq.pending_token_ids
             if text or (reason is not None and pending):
-                seq.output_text += text
-                delta = Delta(seq.rid, seq.index, text, pending,
-                              seq.pending_logprobs if lp is not None else None)
-                if len(seq.token_ids) - seq.num_prompt_tokens == len(pending):  # its first
-                    delta.prompt_tokens = seq.num_prompt_tokens
-                out.append(delta)
+                seq.output_pieces.append(text)
+                out.append(Delta(seq.rid, seq.index, text, pending,
+                                 seq.pending_logprobs if lp is not None else None,
+                                 prompt_tokens=seq.num_prompt_tokens if first else 0))
                 seq.pending_token_ids = []
-                seq.pending_logprobs = []
+                if lp is not None:
+                    seq.pending_logprobs = []
             if reason is not None:
                 out += self._finish(seq, reason)
         self.figures.num_generation_tokens += len(tokens)
@@ -301,25 +303,29 @@ class Engine:
         raw = self.tokenizer.token_bytes
         return TokenLogprob(raw(token), lp[0], [(raw(t), v) for t, v in lp[1]])
 
-    def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
-        """Add a sampled token; return the text it releases and the finish reason, if any."""
-        seq.token_ids.append(token)
-        seq.pending_token_ids.append(token)
+    def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None, bool]:
+        """Add a sampled token; return the text it releases, the finish reason if any, and
+        whether the pending ids start with the sequence's first generated token."""
+        token_ids = seq.token_ids
+        token_ids.append(token)
+        pending = seq.pending_token_ids
+        pending.append(token)
         p = seq.params
-        num_tokens = len(seq.token_ids)  # read once: this runs for every token of every stream
+        num_tokens = len(token_ids)  # read once: this runs for every token of every stream
         generated = num_tokens - seq.num_prompt_tokens
-        can_stop = generated >= p.min_tokens
-        if can_stop and (token in p.stop_token_ids or (token in self._eos and not p.ignore_eos)):
-            return self._final_text(seq), FinishReason.STOP
+        first = generated == len(pending)
+        if generated >= p.min_tokens and (
+                token in p.stop_token_ids or (token in self._eos and not p.ignore_eos)):
+            return self._final_text(seq), FinishReason.STOP, first
         text = seq.detok.push(token)
         stops = seq.stops
         if stops.stops:  # stop strings to match: most sequences have none
-            text = stops.push(text, can_stop)
+            text = stops.push(text, generated >= p.min_tokens)
             if stops.stopped:
-                return text, FinishReason.STOP
+                return text, FinishReason.STOP, first
         if generated >= seq.max_tokens or num_tokens >= self.max_model_len:
-            return text + self._final_text(seq), FinishReason.LENGTH
-        return text, None
+            return text + self._final_text(seq), FinishReason.LENGTH, first
+        return text, None, first
 
     @staticmethod
     def _final_text(seq: Sequence) -> str:

@@ -86,7 +86,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # Siblings forked from this sequence's blocks once its prompt is prefilled.
     fork_children: list[Sequence] = field(default_factory=list)
-    output_text: str = ""
+    output_pieces: list[str] = field(default_factory=list)  # its text so far, joined at the end
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs
     rng: Any = None  # the sampler's torch.Generator, created lazily from `seed`
@@ -165,7 +165,7 @@ class Session:
                      sum(s.num_cached_tokens or 0 for s in self.sequences))
 
     def output_text(self) -> str:
-        return self.sequences[0].output_text if self.sequences else ""
+        return "".join(self.sequences[0].output_pieces) if self.sequences else ""
 
     def tokens_after(self, t: float) -> tuple[int, int]:
         """(ticks, tokens) of this session's ticks that started after time `t`."""
