@@ -249,19 +249,17 @@ class Engine:
                     and any(s.constraint is not None for s in batch.seqs) else None)
         masks = guidance.start_masks(batch.sampled()) if guidance is not None else None
         logits = self.runner.run(batch.chunks)
-        to_sample = self.scheduler.postprocess(batch)
+        rows, seqs = self.scheduler.postprocess(batch)
         if any(chunk.all_logits for chunk in batch.chunks):
             prompt_logprobs(batch.chunks, batch.seqs, logits, self._token_logprob)
-        seqs = [seq for _, seq in to_sample]
         sampled: Counter[str] = Counter([seq.rid for seq in seqs])
         for rid in rids:
             session = self.sessions[rid]
             if session.placeholder and not session.ticks and self.responses is not None:
                 self.responses.started(rid)
             session.ticks.append(t_start, sampled[rid])
-        if not to_sample:
+        if not seqs:
             return []
-        rows = [row for row, _ in to_sample]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         if guidance is None:

@@ -50,6 +50,8 @@ class Sampler:
         penalised sequences' counts take the emitted tokens from `count`."""
         if not seqs:
             return []
+        if all([s.plain_draw for s in seqs]):  # nothing asked for but the draw itself
+            return _draw(torch.softmax(logits.float(), dim=-1)).tolist()
         logits = self.processors(logits.float(), seqs)
         greedy = [s.params.temperature == 0.0 for s in seqs]
         if all(greedy):

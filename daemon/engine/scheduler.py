@@ -346,9 +346,11 @@ class Scheduler:
 
     # --- after the forward pass -----------------------------------------------------------------
 
-    def postprocess(self, batch: Batch) -> list[tuple[int, Sequence]]:
-        """Advance computed positions and fork siblings; return (logits row, seq) to sample."""
-        to_sample: list[tuple[int, Sequence]] = []
+    def postprocess(self, batch: Batch) -> tuple[list[int], list[Sequence]]:
+        """Advance computed positions and fork siblings; return the logits rows to sample and
+        the sequence of each."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
         row = 0
         bm = self.block_manager
         size = bm.block_size if bm.enable_caching else 0
@@ -360,7 +362,8 @@ class Scheduler:
             row += n if chunk.all_logits else chunk.needs_logits  # chunk.num_logit_rows
             if not chunk.needs_logits:
                 continue
-            to_sample.append((row - 1, seq))
+            rows.append(row - 1)
+            seqs.append(seq)
             for child in seq.fork_children:
                 child.block_table = bm.fork(seq.block_table, seq.num_computed, self.copy_block)
                 child.num_computed = seq.num_computed
@@ -369,9 +372,10 @@ class Scheduler:
                 child.status = SeqStatus.RUNNING
                 self.num_paused += child.paused
                 self.running.append(child)
-                to_sample.append((row - 1, child))
+                rows.append(row - 1)
+                seqs.append(child)
             seq.fork_children.clear()
-        return to_sample
+        return rows, seqs
 
     def _commit(self, seq: Sequence, start_pos: int) -> None:
         """Register the blocks this pass filled (their KV now exists) in the prefix cache."""

@@ -97,12 +97,22 @@ class Sequence:
     bad_words: list[list[int]] = field(default_factory=list)  # as token sequences
     penalty_row: int | None = None  # its row of token counts in the sampler (penalties)
     echo: Echo | None = None  # its prompt, until its answer has started with it
+    # A draw at temperature 1 from the model's distribution is all its sampling asks (no
+    # seed, bias, ban, penalty, min_tokens, truncation or logprobs): what a client that sets
+    # nothing gets. The sampler takes such a batch in one step (Sampler.__call__).
+    plain_draw: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
         if not self.max_tokens and self.params.max_tokens is not None:
             self.max_tokens = self.params.max_tokens
+        p = self.params
+        self.plain_draw = (p.temperature == 1.0 and self.seed is None and p.logprobs is None
+                           and p.top_p >= 1.0 and p.top_k <= 0 and p.min_p == 0.0
+                           and p.min_tokens == 0 and not p.logit_bias and not self.bad_words
+                           and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                           and p.repetition_penalty == 1.0)
 
     @property
     def wants_prompt_logits(self) -> bool:

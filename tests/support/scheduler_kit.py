@@ -28,6 +28,6 @@ def scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64,
 def run_tick(sched: Scheduler, token: int = 1) -> Batch:
     """One tick with a model that always samples `token`."""
     batch = sched.schedule()
-    for _, s in sched.postprocess(batch):
+    for s in sched.postprocess(batch)[1]:
         s.token_ids.append(token)
     return batch

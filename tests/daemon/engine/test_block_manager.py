@@ -111,7 +111,7 @@ def test_scheduler_never_leaks_or_double_books_blocks(program):
         assert batch.num_prefill_tokens + batch.num_decode_tokens <= 24
         for chunk in batch.chunks:
             assert len(chunk.block_table) * 16 >= chunk.start_pos + len(chunk.token_ids)
-        for _, seq in sched.postprocess(batch):
+        for seq in sched.postprocess(batch)[1]:
             seq.token_ids.append(1)
             if seq.num_generated >= seq.params.max_tokens:
                 sched.finish(seq)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from daemon.engine.sampler import Sampler, seed_for
@@ -123,3 +124,29 @@ def test_unseeded_rows_draw_each_token_with_its_probability_and_never_a_banned_o
     freq = torch.bincount(tokens, minlength=len(probs)) / rows
     assert freq[2] == 0 and freq[4] == 0
     assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_a_plain_batch_draws_what_the_full_path_draws():
+    """A batch where nobody asks for anything but a draw skips the per-row passes: same tokens
+    as the full path from the same random state."""
+    logits = torch.randn(32, VOCAB)
+    seqs = [seq(i) for i in range(32)]
+    assert all(s.plain_draw for s in seqs)
+    torch.manual_seed(3)
+    plain = Sampler([EOS])(logits, seqs)
+    for s in seqs:
+        s.plain_draw = False
+    torch.manual_seed(3)
+    assert Sampler([EOS])(logits, seqs) == plain
+
+
+@pytest.mark.parametrize(("params", "held"), [
+    ({"temperature": 0.7}, {}), ({"temperature": 0.0}, {}), ({"top_p": 0.9}, {}),
+    ({"top_k": 5}, {}), ({"min_p": 0.1}, {}), ({"min_tokens": 2}, {}),
+    ({"logit_bias": {3: 1.0}}, {}), ({"logprobs": 0}, {}), ({"presence_penalty": 0.5}, {}),
+    ({"frequency_penalty": 0.5}, {}), ({"repetition_penalty": 1.1}, {}),
+    ({}, {"seed": 1}), ({}, {"bad_words": [[120]]})])
+def test_any_sampling_field_takes_the_full_path(params, held):
+    s = Sequence("r", 0, [1, 2, 3], SamplingParams(**params), IncrementalDetokenizer(TOK),
+                 StopMatcher([]), **held)
+    assert not s.plain_draw

@@ -102,8 +102,8 @@ def test_n_children_fork_the_prompt_blocks_once_it_is_prefilled():
     sched.add(parent)
     batch = sched.schedule()
     assert batch.seqs == [parent]  # the prompt is computed once
-    sampled = sched.postprocess(batch)
-    assert [(row, s.index) for row, s in sampled] == [(0, 0), (0, 1), (0, 2)]
+    rows, sampled = sched.postprocess(batch)
+    assert [(row, s.index) for row, s in zip(rows, sampled, strict=True)] == [(0, 0), (0, 1), (0, 2)]
     full = parent.block_table[0]
     assert all(c.block_table[0] == full for c in children)
     assert sched.block_manager.ref_count(full) == 3
