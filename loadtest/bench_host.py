@@ -1,7 +1,7 @@
 """Host cost per sequence per tick on `sim:0`: the daemon's engine alone, and the whole stack.
 
     python -m loadtest.bench_host [--levels 1,16,64,256] [--reps 5] [--ticks 100]
-                                  [--against DIR] [--stack-reps 2] [--no-stack] [--out DIR]
+                                  [--against DIR ...] [--stack-reps 2] [--no-stack] [--out DIR]
 
 sim:0 has no weights, so what a tick costs is the host's work around the forward pass:
   engine  in process (loadtest/host_ticks.py, one process per checkout): the engine built as
@@ -12,8 +12,9 @@ sim:0 has no weights, so what a tick costs is the host's work around the forward
           each: the daemon's CPU time per tick (psutil, /metrics' tick counter) and tokens/s
 With --against DIR the same is measured for the checkout at DIR (its daemon/ and ipc/ first on
 PYTHONPATH), interleaved with this one rep by rep, the order alternating, so that both see the
-same machine; medians over the reps. Goal (issue 24): <= 8 µs per sequence per tick in the
-daemon. Writes host.json under results/bench-host-<timestamp>/ (or --out).
+same machine; medians over the reps. --against may be given more than once. Goal (issue 24):
+<= 8 µs per sequence per tick in the daemon. Writes host.json under
+results/bench-host-<timestamp>/ (or --out).
 """
 
 from __future__ import annotations
@@ -192,15 +193,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--levels", type=levels_arg, default=[1, 16, 64, 256])
     parser.add_argument("--reps", type=int, default=5, help="interleaved engine reps")
     parser.add_argument("--ticks", type=int, default=100, help="timed ticks per engine rep")
-    parser.add_argument("--against", type=Path, default=None,
-                        help="another checkout, measured interleaved with this one")
+    parser.add_argument("--against", type=Path, action="append", default=[],
+                        help="another checkout, measured interleaved with this one "
+                             "(repeat it for more: each is named by its directory)")
     parser.add_argument("--stack-reps", type=int, default=2)
     parser.add_argument("--no-stack", action="store_true", help="the engine alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     trees = {"this": REPO}
-    if args.against is not None:
-        trees["against"] = args.against.resolve()
+    for path in args.against:
+        name = path.resolve().name
+        trees[name if name not in trees else f"{name}-{len(trees)}"] = path.resolve()
     out = results_dir(args.out, "bench-host")
     res: dict[str, Any] = {"levels": args.levels, "reps": args.reps, "ticks": args.ticks,
                            "trees": {n: str(p) for n, p in trees.items()},
