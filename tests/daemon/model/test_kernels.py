@@ -182,7 +182,7 @@ def test_family_layer_matches_the_torch_layer(kernels: cpu.Kernels, family: str,
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (9, 3, 64), (8, 8, 32),
-                                                             (12, 2, 128)])
+                                                             (12, 2, 128), (10, 2, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_reads_the_blocks_in_place(kernels: cpu.Kernels, heads: int,
                                                     kv_heads: int, head_dim: int,
