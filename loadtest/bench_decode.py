@@ -21,30 +21,12 @@ from typing import Any
 
 import psutil
 
-from loadtest.bench_host import Worker, alternating, levels_arg, medians
+from loadtest.bench_host import levels_arg, run_engine
 from loadtest.checkpoint import ensure_checkpoint
 from loadtest.pair import REPO
 from loadtest.report import results_dir, write_json
 
 SCRIPT = Path(__file__).with_name("decode_ticks.py")
-
-
-def run(trees: dict[str, Path], levels: list[int], reps: int, ticks: int,
-        threads: int) -> dict[str, dict[str, Any]]:
-    args = [str(ensure_checkpoint()), str(max(levels)), str(threads)]
-    workers = {name: Worker(path, SCRIPT, args) for name, path in trees.items()}
-    runs: dict[str, dict[int, list[dict[str, Any]]]] = {n: {lv: [] for lv in levels}
-                                                        for n in trees}
-    try:
-        for rep in range(reps):
-            for level in levels:
-                for name in alternating(list(trees), rep):
-                    runs[name][level].append(workers[name].ask(streams=level, ticks=ticks))
-            print(f"  rep {rep + 1}/{reps} done", flush=True)
-    finally:
-        for w in workers.values():
-            w.close()
-    return {n: {str(lv): medians(r) for lv, r in by.items()} for n, by in runs.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     res: dict[str, Any] = {"levels": args.levels, "reps": args.reps, "ticks": args.ticks,
                            "threads": args.threads, "trees": {n: str(p) for n, p in trees.items()},
                            "load_average": [round(x, 2) for x in psutil.getloadavg()]}
-    res["decode"] = run(trees, args.levels, args.reps, args.ticks, args.threads)
+    res["decode"] = run_engine(trees, args.levels, args.reps, args.ticks, SCRIPT,
+                               [str(ensure_checkpoint()), str(max(args.levels)),
+                                str(args.threads)])
     print(f"\n=== decode tick in process, medians of {args.reps} interleaved reps: "
           "tick ms, forward ms, tok/s (" + " | ".join(trees) + ") ===")
     for level in args.levels:
