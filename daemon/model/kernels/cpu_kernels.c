@@ -35,6 +35,26 @@ INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, 
   }
 }
 
+/* The same sums as `tile` (same order over k), TV vectors of the block at a time. */
+INLINE void half_tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
+                      fvec acc[][NV]) {
+  for (int h = 0; h < NV; h += TV) {
+    fvec a[HT][TV];
+    for (int m = 0; m < mt; m++)
+      for (int j = 0; j < TV; j++) a[m][j] = splat(0.0f);
+    for (int64_t k = 0; k < K; k++) {
+      fvec wv[TV];
+      for (int j = 0; j < TV; j++) wv[j] = loadv(w, k * NB + (h + j) * VL, type);
+      for (int m = 0; m < mt; m++) {
+        fvec xv = splat(x[m * ldx + k]);
+        for (int j = 0; j < TV; j++) a[m][j] += wv[j] * xv;
+      }
+    }
+    for (int m = 0; m < mt; m++)
+      for (int j = 0; j < TV; j++) acc[m][h + j] = a[m][j];
+  }
+}
+
 /* Part of a block's sums: acc[m][h, h + tv) += x[m][k] w[k] over k in [k0, k1), in `tile`'s
  * order over k. Step k also prefetches lines [(k - k0) per_k, (k - k0 + 1) per_k) of the
  * `lines` at pf (a slice of the next chunk, or of the next block: blocks lie back to back). */
@@ -78,6 +98,20 @@ INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void*
 #endif
     case 2: TILE_TYPES(tile, 2)
     default: TILE_TYPES(tile, 1)
+  }
+}
+
+INLINE void half_tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w,
+                          int type, fvec acc[][NV]) {
+  switch (mt) {
+#if HT >= 6
+    case 6: TILE_TYPES(half_tile, 6)
+    case 5: TILE_TYPES(half_tile, 5)
+    case 4: TILE_TYPES(half_tile, 4)
+    case 3: TILE_TYPES(half_tile, 3)
+#endif
+    case 2: TILE_TYPES(half_tile, 2)
+    default: TILE_TYPES(half_tile, 1)
   }
 }
 
@@ -143,7 +177,7 @@ typedef struct {
 } tl_weights;
 
 /* Rows [0, mr) of one block, in groups of at most HT rows (WR while mr <= WM), balanced (8 rows
- * are 3 + 3 + 2, 64 are 9 x 6 + 2 x 5), each walking the block KC k at a time: a chunk's weights
+ * are 3 + 3 + 2, 16 are 6 + 5 + 5), each walking the block KC k at a time: a chunk's weights
  * come from memory once and stay in L1 for every group and vector pair, and each pass over a
  * chunk prefetches its share of the next, so that memory streams while the FMAs run. Walking
  * the whole block group after group (the block from L2 after the first) left memory idle
@@ -171,14 +205,17 @@ INLINE void block_rows(const float* x, int64_t ldx, int mr, int64_t K, const cha
 
 /* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with TL_ADD, y = res + x W^T (res may be y).
  * Up to MT rows stream each block once in a whole-block tile (batch 1's weight-streaming
- * path); more go through block_rows, MR rows per walk over a block. */
+ * path); up to CM, where memory and FMAs take about as long, block_rows; more rows are
+ * compute-bound and walk each block HT rows at a time, half a block at a time (the block
+ * from L2 after the first walk). Walking those chunk by chunk too was as fast at its best
+ * but slower at the median on this shared machine. */
 static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                    int64_t ldy, int add, const float* res, int64_t ldr) {
   const void* w = W->w;
   const float *scale = W->scale, *bias = W->bias;
   int64_t K = W->n_in, n_out = W->n_out, num_blocks = W->blocks;
   int type = W->type, mode = add ? TL_ADD : W->mode;
-  int rows = M > MT ? MR : MT;
+  int rows = M <= MT ? MT : M <= CM ? CM : HT; /* rows per walk over a block */
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < num_blocks; b++) {
     const char* wb = (const char*)w + b * K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1);
@@ -189,9 +226,10 @@ static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
     }
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
       int mt = M - m0 < rows ? (int)(M - m0) : rows;
-      fvec acc[MR][NV];
-      if (rows > MT) block_rows(x + m0 * ldx, ldx, mt, K, wb, type, acc);
-      else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+      fvec acc[CM][NV];
+      if (rows == CM) block_rows(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+      else if (rows > MT) half_tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+      else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc); /* also HT == MT's big tiles */
       for (int m = 0; m < mt; m++) {
         fvec v[NV];
         for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];

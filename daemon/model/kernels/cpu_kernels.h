@@ -14,9 +14,9 @@
 /* Vectors of the machine's own width: GCC lowers a wider generic vector badly (through the
  * stack, lane by lane, for AVX2). Up to MT rows of activations (batch 1's weight streaming)
  * walk whole blocks, MT rows times NV vectors per block row of accumulators, sized to the
- * register file (32 zmm / 16 ymm). More rows walk each block in chunks of KC k (cpu_kernels.c:
- * block_rows) with tiles of up to HT rows times TV vectors, or of WR rows times the whole
- * block while there are at most WM rows. */
+ * register file (32 zmm / 16 ymm). Up to CM rows walk each block in chunks of KC k
+ * (cpu_kernels.c: block_rows) with tiles of up to HT rows times TV vectors, or of WR rows
+ * times the whole block while there are at most WM rows; more rows, HT x TV over all of K. */
 #if defined(__AVX512F__)
 #define VL 16
 #define MT 8
@@ -42,7 +42,7 @@
 #define WM 0 /* no whole-block tier */
 #endif
 #define KC 128 /* k per chunk: 16 KB of fp32 weights, in L1 while every row group walks it */
-#define MR 64  /* rows per walk over a block (their accumulators: MR x NB floats) */
+#define CM 16  /* at most this many rows walk a block chunk by chunk (block_rows) */
 typedef float fvec __attribute__((vector_size(VL * 4)));
 typedef int32_t ivec __attribute__((vector_size(VL * 4)));
 typedef uint16_t hvec __attribute__((vector_size(VL * 2)));

@@ -44,8 +44,9 @@ def test_linear_matches_torch(kernels: cpu.Kernels, n_out: int, n_in: int, rows:
 
 @pytest.mark.parametrize("rows", [*range(1, 18), 63, 64, 65, 130])
 def test_every_row_count_matches_torch(kernels: cpu.Kernels, rows: int) -> None:
-    """Each tile shape and row split (whole blocks, 3-row and 6-row tiles, walks of 64 rows),
-    K across chunk boundaries (300 = 2 x 128 + 44), every weight type and the gated output."""
+    """Each tile shape and row split (whole blocks; 3- and 6-row tiles chunk by chunk, up to
+    16 rows; 6-row half blocks over all of K), K across chunk boundaries (300 = 2 x 128 + 44),
+    every weight type and the gated output."""
     w, b, x = weights(70, 300), torch.randn(70), torch.randn(rows, 300)
     assert torch.allclose(PackedLinear(w, b, kernels, int8=False)(x), F.linear(x, w, b),
                           atol=1e-5)
