@@ -83,9 +83,10 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "reps": len(runs)}
 
 
-def run_engine(trees: dict[str, Path], levels: list[int], reps: int,
-               ticks: int) -> dict[str, dict[str, Any]]:
-    workers = {name: Worker(path) for name, path in trees.items()}
+def run_engine(trees: dict[str, Path], levels: list[int], reps: int, ticks: int,
+               script: Path = WORKER, args: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Each tree's `script` asked for every level, rep by rep, the order alternating."""
+    workers = {name: Worker(path, script, args) for name, path in trees.items()}
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {n: {lv: [] for lv in levels}
                                                         for n in trees}
     try:
@@ -93,7 +94,7 @@ def run_engine(trees: dict[str, Path], levels: list[int], reps: int,
             for level in levels:
                 for name in alternating(list(trees), rep):
                     runs[name][level].append(workers[name].ask(streams=level, ticks=ticks))
-            print(f"  engine rep {rep + 1}/{reps} done", flush=True)
+            print(f"  {script.stem} rep {rep + 1}/{reps} done", flush=True)
     finally:
         for w in workers.values():
             w.close()

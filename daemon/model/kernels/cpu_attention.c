@@ -10,16 +10,87 @@ INLINE float hsum(fvec v) {
   return out;
 }
 
+/* out[i] = the sum of v[i]'s lanes, i < VL: on AVX2 a tree of horizontal adds, 9 instructions for
+ * 8 sums where one at a time took a store and 8 dependent scalar adds each. */
+INLINE void hsums(const fvec v[VL], float* out) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  __m256 r[8];
+  memcpy(r, v, sizeof r);
+  __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+  __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                                      _mm256_permute2f128_ps(b0, b1, 0x31)));
+#else
+  for (int i = 0; i < VL; i++) out[i] = hsum(v[i]);
+#endif
+}
+
+/* p[h][t] = q_h . k_t for the tile's tokens [0, nt), VL at a time (rows of p padded to 16).
+ * Two tokens at a time, each head a chain of FMAs over the head's vectors: 2 G chains in
+ * flight, where one dot at a time waited on its own chain (G is a constant where decode_one
+ * is called, so the chains are registers). */
+INLINE void tile_scores(const fvec* qv, const void* k_cache, int type, int64_t base, int64_t nt,
+                        int64_t G, int64_t nv, int64_t pw, const char* const next[2],
+                        float* p) {
+  int64_t d = nv * VL, row = d * (type == TL_F32 ? 4 : 2);
+  for (int64_t t0 = 0; t0 < nt; t0 += VL) {
+    fvec dots[G][VL];
+    for (int i = 0; i < VL; i += 2) {
+      const int64_t ta = t0 + i, tb = ta + 1 < nt ? ta + 1 : ta; /* tb: past the end, again ta */
+      fvec da[G], db[G];
+      for (int64_t h = 0; h < G; h++) da[h] = db[h] = splat(0.0f);
+      if (next[0]) /* the next tile's keys and values, two tokens' worth per two tokens */
+        for (int64_t off = ta * row; off < (ta + 2) * row; off += 64) {
+          __builtin_prefetch(next[0] + off, 0, 2);
+          __builtin_prefetch(next[1] + off, 0, 2);
+        }
+      if (ta < nt)
+        for (int64_t j = 0; j < nv; j++) {
+          fvec ka = loadv(k_cache, base + ta * d + j * VL, type);
+          fvec kb = loadv(k_cache, base + tb * d + j * VL, type);
+          for (int64_t h = 0; h < G; h++) {
+            da[h] += qv[h * nv + j] * ka;
+            db[h] += qv[h * nv + j] * kb;
+          }
+        }
+      for (int64_t h = 0; h < G; h++) dots[h][i] = da[h], dots[h][i + 1] = db[h];
+    }
+    for (int64_t h = 0; h < G; h++) hsums(dots[h], p + h * pw + t0);
+  }
+}
+
+/* acc[h] += sum over t in [lo, nt) of p[h][t] v_t, two vectors of the head at a time: their
+ * 2 G accumulators stay in registers over the tile's tokens. */
+INLINE void tile_values(const void* v_cache, int type, int64_t base, int64_t lo, int64_t nt,
+                        int64_t G, int64_t nv, int64_t pw, const float* p, fvec* acc) {
+  int64_t d = nv * VL;
+  for (int64_t j = 0; j < nv; j += 2) {
+    int64_t j1 = j + 1 < nv ? j + 1 : j; /* an odd last vector: summed twice, kept once */
+    fvec a0[G], a1[G];
+    for (int64_t h = 0; h < G; h++) a0[h] = acc[h * nv + j], a1[h] = acc[h * nv + j1];
+    for (int64_t t = lo; t < nt; t++) {
+      fvec v0 = loadv(v_cache, base + t * d + j * VL, type);
+      fvec v1 = loadv(v_cache, base + t * d + j1 * VL, type);
+      for (int64_t h = 0; h < G; h++) {
+        fvec pt = splat(p[h * pw + t]);
+        a0[h] += v0 * pt;
+        a1[h] += v1 * pt;
+      }
+    }
+    for (int64_t h = 0; h < G; h++) acc[h * nv + j1] = a1[h], acc[h * nv + j] = a0[h];
+  }
+}
+
 /* One (sequence, KV head) of decode attention; head_dim = VL * nv. q holds the G query heads
  * sharing the KV head, out their outputs. Keys and values are read once each, block by block
  * from the block table, with an online softmax: no gathered or padded copy. Keys before
- * `first` (a sliding window's start; 0 without one) are not read. */
+ * `first` (a sliding window's start; 0 without one) take no part. */
 INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache, int type,
                        const int64_t* table, int64_t len, int64_t first, int64_t G, int64_t nv,
                        int64_t KVH, int64_t g, int64_t bs, float scale, float* out) {
-  int64_t d = nv * VL, esize = type == TL_F32 ? 4 : 2;
+  int64_t d = nv * VL, esize = type == TL_F32 ? 4 : 2, pw = (bs + 15) / 16 * 16;
   fvec qv[G * nv], acc[G * nv];
-  float mx[G], sum[G], p[G][(bs + 15) / 16 * 16];
+  float mx[G], sum[G], p[G * pw];
   for (int64_t i = 0; i < G * nv; i++) {
     memcpy(&qv[i], q + i * VL, sizeof(fvec));
     qv[i] *= scale;
@@ -31,53 +102,34 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
     int64_t lo = first > start ? first - start : 0; /* the window's first token in this block */
     int64_t base = (table[start / bs] * KVH + g) * bs * d; /* this head's [bs, d] tile */
     /* Tiles lie in scattered pages, where the hardware prefetcher starts cold: fetch the
-     * next tile's lines while this one is worked on, a token's worth per token. */
-    const char* next_k = NULL;
-    const char* next_v = NULL;
+     * next tile's lines while this one is worked on (tile_scores). */
+    const char* next[2] = {NULL, NULL};
     if (start + bs < len) {
-      int64_t next = (table[start / bs + 1] * KVH + g) * bs * d * esize;
-      next_k = (const char*)k_cache + next;
-      next_v = (const char*)v_cache + next;
+      int64_t at = (table[start / bs + 1] * KVH + g) * bs * d * esize;
+      next[0] = (const char*)k_cache + at;
+      next[1] = (const char*)v_cache + at;
     }
-    for (int64_t t = 0; t < lo; t++)
-      for (int64_t h = 0; h < G; h++) p[h][t] = -INFINITY;
-    for (int64_t t = lo; t < nt; t++) {
-      if (next_k)
-        for (int64_t off = t * d * esize; off < (t + 1) * d * esize; off += 64) {
-          __builtin_prefetch(next_k + off, 0, 2);
-          __builtin_prefetch(next_v + off, 0, 2);
-        }
-      fvec kv[nv];
-      for (int64_t j = 0; j < nv; j++) kv[j] = loadv(k_cache, base + t * d + j * VL, type);
-      for (int64_t h = 0; h < G; h++) {
-        fvec dot = qv[h * nv] * kv[0];
-        for (int64_t j = 1; j < nv; j++) dot += qv[h * nv + j] * kv[j];
-        p[h][t] = hsum(dot);
-      }
-    }
+    tile_scores(qv, k_cache, type, base, nt, G, nv, pw, next, p);
     for (int64_t h = 0; h < G; h++) {
+      float* ph = p + h * pw;
+      for (int64_t t = 0; t < lo; t++) ph[t] = -INFINITY;
       float bm = mx[h];
-      for (int64_t t = 0; t < nt; t++) bm = p[h][t] > bm ? p[h][t] : bm;
+      for (int64_t t = 0; t < nt; t++) bm = ph[t] > bm ? ph[t] : bm;
       float corr = expf(mx[h] - bm);
       mx[h] = bm;
       for (int64_t t0 = 0; t0 < nt; t0 += VL) { /* p rows are padded to 16 >= VL */
         fvec sv;
-        memcpy(&sv, &p[h][t0], sizeof sv);
+        memcpy(&sv, &ph[t0], sizeof sv);
         sv = vexp(sv - bm);
-        memcpy(&p[h][t0], &sv, sizeof sv);
+        memcpy(&ph[t0], &sv, sizeof sv);
       }
-      for (int64_t t = 0; t < lo; t++) p[h][t] = 0.0f; /* vexp clamps: exp(-inf) is not 0 */
+      for (int64_t t = 0; t < lo; t++) ph[t] = 0.0f; /* vexp clamps: exp(-inf) is not 0 */
       float block_sum = 0.0f;
-      for (int64_t t = 0; t < nt; t++) block_sum += p[h][t];
+      for (int64_t t = 0; t < nt; t++) block_sum += ph[t];
       sum[h] = sum[h] * corr + block_sum;
       for (int64_t j = 0; j < nv; j++) acc[h * nv + j] *= corr;
     }
-    for (int64_t t = lo; t < nt; t++) {
-      fvec vv[nv];
-      for (int64_t j = 0; j < nv; j++) vv[j] = loadv(v_cache, base + t * d + j * VL, type);
-      for (int64_t h = 0; h < G; h++)
-        for (int64_t j = 0; j < nv; j++) acc[h * nv + j] += vv[j] * p[h][t];
-    }
+    tile_values(v_cache, type, base, lo, nt, G, nv, pw, p, acc);
   }
   for (int64_t h = 0; h < G; h++) {
     fvec inv = splat(1.0f / sum[h]);
@@ -88,6 +140,20 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
   }
 }
 
+/* decode_one with G a constant for the common group sizes, so tile_values' accumulators
+ * are registers. */
+#define DECODE(GC) decode_one(qg, k_cache, v_cache, TYPE, table, len, first, GC, nv, KVH, g, bs, \
+                              scale, og)
+#define GROUPS                                 \
+  switch (G) {                                 \
+    case 1: DECODE(1); break;                  \
+    case 2: DECODE(2); break;                  \
+    case 3: DECODE(3); break;                  \
+    case 4: DECODE(4); break;                  \
+    case 8: DECODE(8); break;                  \
+    default: DECODE(G);                        \
+  }
+
 /* Decode attention, one query token per sequence. q [D, H, d] (row stride ldq); caches
  * [blocks, KVH, bs, d] of `type`; block_tables [D, max_blocks]; out [D, H, d]; d % VL == 0
  * (the caller checks d % 16, the widest VL). window > 0: each query sees only the last
@@ -96,7 +162,7 @@ void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const
                          int type, const int64_t* block_tables, int64_t max_blocks,
                          const int64_t* context_lens, int64_t D, int64_t H, int64_t KVH,
                          int64_t d, int64_t bs, float scale, int64_t window, float* out) {
-  int64_t G = H / KVH;
+  int64_t G = H / KVH, nv = d / VL;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < D * KVH; item++) {
     int64_t s = item / KVH, g = item % KVH, len = context_lens[s];
@@ -104,11 +170,16 @@ void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const
     const float* qg = q + s * ldq + g * G * d;
     float* og = out + (s * H + g * G) * d;
     const int64_t* table = block_tables + s * max_blocks;
-    if (type == TL_F32)
-      decode_one(qg, k_cache, v_cache, TL_F32, table, len, first, G, d / VL, KVH, g, bs, scale,
-                 og);
-    else
-      decode_one(qg, k_cache, v_cache, TL_BF16, table, len, first, G, d / VL, KVH, g, bs, scale,
-                 og);
+    if (type == TL_F32) {
+#define TYPE TL_F32
+      GROUPS
+#undef TYPE
+    } else {
+#define TYPE TL_BF16
+      GROUPS
+#undef TYPE
+    }
   }
 }
+#undef GROUPS
+#undef DECODE

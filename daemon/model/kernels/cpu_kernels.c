@@ -22,7 +22,7 @@
 /* ---- linear: y = x W^T (+ bias), W packed [N/32][K][32] ---------------------------------- */
 
 INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
-                 fvec acc[RT][NV]) {
+                 fvec acc[][NV]) {
   for (int m = 0; m < MT; m++)
     for (int j = 0; j < NV; j++) acc[m][j] = splat(0.0f);
   for (int64_t k = 0; k < K; k++) {
@@ -37,9 +37,9 @@ INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, 
 
 /* The same sums as `tile` (same order over k), TV vectors of the block at a time. */
 INLINE void half_tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
-                      fvec acc[RT][NV]) {
+                      fvec acc[][NV]) {
   for (int h = 0; h < NV; h += TV) {
-    fvec a[RT][TV];
+    fvec a[HT][TV];
     for (int m = 0; m < mt; m++)
       for (int j = 0; j < TV; j++) a[m][j] = splat(0.0f);
     for (int64_t k = 0; k < K; k++) {
@@ -55,6 +55,29 @@ INLINE void half_tile(const float* x, int64_t ldx, int mt, int64_t K, const void
   }
 }
 
+/* Part of a block's sums: acc[m][h, h + tv) += x[m][k] w[k] over k in [k0, k1), in `tile`'s
+ * order over k. Step k also prefetches lines [(k - k0) per_k, (k - k0 + 1) per_k) of the
+ * `lines` at pf (a slice of the next chunk, or of the next block: blocks lie back to back). */
+INLINE void part_tile(const float* x, int64_t ldx, int mt, int64_t k0, int64_t k1, const void* w,
+                      int type, int h, int tv, const char* pf, int64_t lines, int64_t per_k,
+                      fvec acc[][NV]) {
+  fvec a[HT][NV];
+  for (int m = 0; m < mt; m++)
+    for (int j = 0; j < tv; j++) a[m][j] = acc[m][h + j];
+  for (int64_t k = k0; k < k1; k++) {
+    for (int64_t l = (k - k0) * per_k; l < lines && l < (k - k0 + 1) * per_k; l++)
+      __builtin_prefetch(pf + l * 64, 0, 2);
+    fvec wv[NV];
+    for (int j = 0; j < tv; j++) wv[j] = loadv(w, k * NB + (h + j) * VL, type);
+    for (int m = 0; m < mt; m++) {
+      fvec xv = splat(x[m * ldx + k]);
+      for (int j = 0; j < tv; j++) a[m][j] += wv[j] * xv;
+    }
+  }
+  for (int m = 0; m < mt; m++)
+    for (int j = 0; j < tv; j++) acc[m][h + j] = a[m][j];
+}
+
 /* Constant row count and type per call, so each case compiles to a fully unrolled tile. */
 #define TILE_TYPES(FN, ROWS)                                               \
   if (type == TL_F32) FN(x, ldx, ROWS, K, w, TL_F32, acc);                 \
@@ -63,7 +86,7 @@ INLINE void half_tile(const float* x, int64_t ldx, int mt, int64_t K, const void
   return;
 
 INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
-                     fvec acc[RT][NV]) {
+                     fvec acc[][NV]) {
   switch (mt) {
 #if MT >= 8
     case 8: TILE_TYPES(tile, 8)
@@ -79,7 +102,7 @@ INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void*
 }
 
 INLINE void half_tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w,
-                          int type, fvec acc[RT][NV]) {
+                          int type, fvec acc[][NV]) {
   switch (mt) {
 #if HT >= 6
     case 6: TILE_TYPES(half_tile, 6)
@@ -91,6 +114,44 @@ INLINE void half_tile_any(const float* x, int64_t ldx, int mt, int64_t K, const 
     default: TILE_TYPES(half_tile, 1)
   }
 }
+
+#define PART(ROWS, TVV, TYPE) \
+  part_tile(x, ldx, ROWS, k0, k1, w, TYPE, h, TVV, pf, lines, per_k, acc)
+#define PART_TYPES(ROWS, TVV)                                 \
+  if (type == TL_F32) PART(ROWS, TVV, TL_F32);                \
+  else if (type == TL_BF16) PART(ROWS, TVV, TL_BF16);         \
+  else PART(ROWS, TVV, TL_I8);                                \
+  return;
+
+INLINE void part_tile_any(const float* x, int64_t ldx, int mt, int64_t k0, int64_t k1,
+                          const void* w, int type, int h, int tv, const char* pf, int64_t lines,
+                          int64_t per_k, fvec acc[][NV]) {
+#if WM > 0
+  if (tv == NV) switch (mt) { /* whole-block tiles of WR = 3 rows */
+    case 3: PART_TYPES(3, NV)
+    case 2: PART_TYPES(2, NV)
+    default: PART_TYPES(1, NV)
+  }
+#else
+  (void)tv; /* TV == NV */
+#endif
+  switch (mt) {
+#if HT >= 8
+    case 8: PART_TYPES(8, TV)
+    case 7: PART_TYPES(7, TV)
+#endif
+#if HT >= 6
+    case 6: PART_TYPES(6, TV)
+    case 5: PART_TYPES(5, TV)
+    case 4: PART_TYPES(4, TV)
+    case 3: PART_TYPES(3, TV)
+#endif
+    case 2: PART_TYPES(2, TV)
+    default: PART_TYPES(1, TV)
+  }
+}
+#undef PART_TYPES
+#undef PART
 #undef TILE_TYPES
 
 /* One row of a block's 32 outputs, v[NV] vectors: y[n0 + i] (+= res[n0 + i] with TL_ADD). */
@@ -115,14 +176,46 @@ typedef struct {
   int32_t type, mode;
 } tl_weights;
 
-/* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with TL_ADD, y = res + x W^T (res may be y). */
+/* Rows [0, mr) of one block, in groups of at most HT rows (WR while mr <= WM), balanced (8 rows
+ * are 3 + 3 + 2, 16 are 6 + 5 + 5), each walking the block KC k at a time: a chunk's weights
+ * come from memory once and stay in L1 for every group and vector pair, and each pass over a
+ * chunk prefetches its share of the next, so that memory streams while the FMAs run. Walking
+ * the whole block group after group (the block from L2 after the first) left memory idle
+ * during the later walks: 8 rows cost 2x one row's tick, for ~13 ms of FMAs in a ~28 ms tick. */
+INLINE void block_rows(const float* x, int64_t ldx, int mr, int64_t K, const char* wb, int type,
+                       fvec acc[][NV]) {
+  int64_t row = NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1);
+  int wide = mr <= WM, ht = wide ? WR : HT, tv = wide ? NV : TV;
+  int groups = (mr + ht - 1) / ht, passes = groups * (NV / tv);
+  int64_t lines = (KC * row / 64 + passes - 1) / passes; /* of the next chunk, per pass */
+  for (int m = 0; m < mr; m++)
+    for (int j = 0; j < NV; j++) acc[m][j] = splat(0.0f);
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    int64_t k1 = K - k0 < KC ? K : k0 + KC;
+    int64_t per_k = (lines + (k1 - k0) - 1) / (k1 - k0);
+    for (int g = 0, m = 0, p = 0; g < groups; g++) {
+      int mt = mr / groups + (g < mr % groups);
+      for (int h = 0; h < NV; h += tv, p++)
+        part_tile_any(x + m * ldx, ldx, mt, k0, k1, wb, type, h, tv,
+                      wb + (k0 + KC) * row + p * lines * 64, lines, per_k, acc + m);
+      m += mt;
+    }
+  }
+}
+
+/* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with TL_ADD, y = res + x W^T (res may be y).
+ * Up to MT rows stream each block once in a whole-block tile (batch 1's weight-streaming
+ * path); up to CM, where memory and FMAs take about as long, block_rows; more rows are
+ * compute-bound and walk each block HT rows at a time, half a block at a time (the block
+ * from L2 after the first walk). Walking those chunk by chunk too was as fast at its best
+ * but slower at the median on this shared machine. */
 static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                    int64_t ldy, int add, const float* res, int64_t ldr) {
   const void* w = W->w;
   const float *scale = W->scale, *bias = W->bias;
   int64_t K = W->n_in, n_out = W->n_out, num_blocks = W->blocks;
   int type = W->type, mode = add ? TL_ADD : W->mode;
-  int rows = M >= 8 ? HT : MT; /* rows per register tile; see HT */
+  int rows = M <= MT ? MT : M <= CM ? CM : HT; /* rows per walk over a block */
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < num_blocks; b++) {
     const char* wb = (const char*)w + b * K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1);
@@ -133,9 +226,10 @@ static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
     }
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
       int mt = M - m0 < rows ? (int)(M - m0) : rows;
-      fvec acc[RT][NV];
-      if (rows > MT) half_tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc);
-      else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+      fvec acc[CM][NV];
+      if (rows == CM) block_rows(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+      else if (rows > MT) half_tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+      else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc); /* also HT == MT's big tiles */
       for (int m = 0; m < mt; m++) {
         fvec v[NV];
         for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];

@@ -12,20 +12,25 @@
 #include <string.h>
 
 /* Vectors of the machine's own width: GCC lowers a wider generic vector badly (through the
- * stack, lane by lane, for AVX2). MT rows of activations times NV vectors per block row are
- * the register tile's accumulators, sized to the register file (32 zmm / 16 ymm). */
+ * stack, lane by lane, for AVX2). Up to MT rows of activations (batch 1's weight streaming)
+ * walk whole blocks, MT rows times NV vectors per block row of accumulators, sized to the
+ * register file (32 zmm / 16 ymm). Up to CM rows walk each block in chunks of KC k
+ * (cpu_kernels.c: block_rows) with tiles of up to HT rows times TV vectors, or of WR rows
+ * times the whole block while there are at most WM rows; more rows, HT x TV over all of K. */
 #if defined(__AVX512F__)
 #define VL 16
 #define MT 8
 #elif defined(__AVX2__)
 #define VL 8
 #define MT 2
-/* With 8 rows or more (prefill, large decode batches) AVX2 walks half a block at a time with
- * 6 rows: 12 accumulators and each weight load feeding 6 FMAs. A whole block's 4 vectors x 2
- * rows pulls 128 B of weights from L2 per k for 8 FMAs, which L2's bandwidth caps at ~75% of
- * the FMA peak. */
+/* 6 rows x 2 vectors: 12 accumulators, each weight load feeding 6 FMAs (a whole block's 4
+ * vectors x 2 rows load 128 B of weights per k for 8 FMAs). Up to 8 rows, 3 x 4 vectors: 2 + 2
+ * passes of 4 rows x 2 vectors over each chunk kept too few FMAs in flight (8 accumulators
+ * against 2 pipes of 4 cycles' latency). */
 #define HT 6
 #define TV 2
+#define WR 3
+#define WM 8
 #else
 #define VL 4
 #define MT 2
@@ -33,8 +38,11 @@
 #if !defined(HT)
 #define HT MT /* no half-block tiles: whole blocks of MT rows */
 #define TV NV
+#define WR 1
+#define WM 0 /* no whole-block tier */
 #endif
-#define RT (HT > MT ? HT : MT) /* rows of the accumulator array */
+#define KC 128 /* k per chunk: 16 KB of fp32 weights, in L1 while every row group walks it */
+#define CM 16  /* at most this many rows walk a block chunk by chunk (block_rows) */
 typedef float fvec __attribute__((vector_size(VL * 4)));
 typedef int32_t ivec __attribute__((vector_size(VL * 4)));
 typedef uint16_t hvec __attribute__((vector_size(VL * 2)));

@@ -42,6 +42,25 @@ def test_linear_matches_torch(kernels: cpu.Kernels, n_out: int, n_in: int, rows:
     assert torch.allclose(layer(x), F.linear(x, w, b), atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [*range(1, 18), 63, 64, 65, 130])
+def test_every_row_count_matches_torch(kernels: cpu.Kernels, rows: int) -> None:
+    """Each tile shape and row split (whole blocks; 3- and 6-row tiles chunk by chunk, up to
+    16 rows; 6-row half blocks over all of K), K across chunk boundaries (300 = 2 x 128 + 44),
+    every weight type and the gated output."""
+    w, b, x = weights(70, 300), torch.randn(70), torch.randn(rows, 300)
+    assert torch.allclose(PackedLinear(w, b, kernels, int8=False)(x), F.linear(x, w, b),
+                          atol=1e-5)
+    bf16 = w.bfloat16()
+    assert torch.allclose(PackedLinear(bf16, None, kernels, int8=False)(x),
+                          F.linear(x, bf16.float()), atol=1e-5)
+    q, scale = cpu.quantize_int8(w)
+    assert torch.allclose(PackedLinear(w, None, kernels, int8=True)(x),
+                          F.linear(x, q.float() * scale[:, None]), atol=1e-4)
+    gate, up = F.linear(x, w[:64]).chunk(2, dim=-1)
+    assert torch.allclose(PackedLinear(w[:64], None, kernels, int8=False, gate_up=True)(x),
+                          F.silu(gate) * up, atol=1e-5)
+
+
 @pytest.mark.parametrize("intermediate", [64, 40, 5])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_gate_up_writes_act_times_up(kernels: cpu.Kernels, intermediate: int, act: str) -> None:
@@ -164,7 +183,7 @@ def test_family_layer_matches_the_torch_layer(kernels: cpu.Kernels, family: str,
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (9, 3, 64), (8, 8, 32),
-                                                             (12, 2, 128)])
+                                                             (12, 2, 128), (10, 2, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_reads_the_blocks_in_place(kernels: cpu.Kernels, heads: int,
                                                     kv_heads: int, head_dim: int,
@@ -212,6 +231,10 @@ def test_narrower_vector_builds_compute_the_same(arch: str) -> None:
     lib = cpu.Kernels(cpu._build(arch))
     w, b, x = weights(70, 33), torch.randn(70), torch.randn(5, 33)
     assert torch.allclose(PackedLinear(w, b, lib, int8=False)(x), F.linear(x, w, b), atol=1e-5)
+    for rows in (1, 2, 3, 8, 9, 17, 65):  # every tier of tiles
+        many = torch.randn(rows, 300)
+        assert torch.allclose(PackedLinear(weights(70, 300), b, lib, int8=False)(many),
+                              F.linear(many, weights(70, 300), b), atol=1e-5)
     q, scale = cpu.quantize_int8(w)
     assert torch.allclose(PackedLinear(w, None, lib, int8=True)(x),
                           F.linear(x, q.float() * scale[:, None]), atol=1e-4)
