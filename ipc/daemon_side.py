@@ -147,6 +147,7 @@ class DaemonPipes:
         self._await_hello = TOKENS in inherited
         self._proxy_seen = False
         self._said_goodbye = False  # the proxy's EOF after its Goodbye is a close, not a loss
+        self._held_control: list[ToDaemon] = []  # read ahead at a requests EOF (read_requests)
         self.num_dropped = 0  # records sent while no proxy was there
         self._closing = threading.Event()
         self._keepalive = threading.Thread(target=self._keep_alive, name="tether-keepalive",
@@ -165,6 +166,8 @@ class DaemonPipes:
         # wrote meanwhile, unread in the pipe, for silence.
         now = self.clock()
         records, eof = self._read(self._control)
+        if self._held_control:
+            records, self._held_control = self._held_control + records, []
         if records:
             self._last_control = now
             if any(isinstance(r, Hello) for r in records):
@@ -185,6 +188,15 @@ class DaemonPipes:
     def read_requests(self) -> list[ToDaemon]:
         records, eof = self._read(self._requests)
         if eof:
+            if not self._said_goodbye:
+                # A stopping proxy writes its Goodbye on control, then closes both pipes: one
+                # written after this tick's control read is still there, and makes the EOF a
+                # close. What was read is handed to the next read_control.
+                held, _ = self._read(self._control)
+                self._held_control += held
+                for r in held:
+                    if isinstance(r, Hello | Goodbye):
+                        self._said_goodbye = isinstance(r, Goodbye)
             self._lose(Loss(LossReason.EOF, "proxy closed the requests pipe (EOF)"), reopen=True)
         return records
 

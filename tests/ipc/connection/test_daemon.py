@@ -127,3 +127,18 @@ def test_another_protocol_version_is_refused_by_its_code(pair) -> None:
     assert refusal.code == VERSION_MISMATCH and f"proxy {PROTOCOL_VERSION + 1}" in refusal.message
     proxy.send(submit("a", 1))
     assert conn.read_requests() == [Stale(submit("a", 1))]  # no epoch was opened
+
+
+def test_a_goodbye_still_in_control_at_the_requests_eof_makes_it_a_close(pair) -> None:
+    """A stopping proxy writes its Goodbye, then closes both pipes; the tick may read requests'
+    EOF before control: the Goodbye is read ahead, so the close is no loss."""
+    conn, proxy = pair
+    proxy.send(Hello(PROTOCOL_VERSION, 1, 1, nonce=1))
+    assert conn.read_control()[0] == Connected(1)
+    proxy.send(Goodbye(1))
+    proxy.close()
+    assert conn.read_requests() == []
+    assert conn.read_control() == [Goodbye(1)]  # handed on, and no Lost
+    proxy.open()
+    proxy.send(Hello(PROTOCOL_VERSION, 2, 1, nonce=2))
+    assert conn.read_control() == [Connected(2), welcome(2, 2)]
