@@ -347,8 +347,7 @@ class Scheduler:
     # --- after the forward pass -----------------------------------------------------------------
 
     def postprocess(self, batch: Batch) -> tuple[list[int], list[Sequence]]:
-        """Advance computed positions and fork siblings; return the logits rows to sample and
-        the sequence of each."""
+        """Advance computed positions and fork siblings; the logits rows to sample, their seqs."""
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0
