@@ -9,8 +9,10 @@ SmolLM-135M-shaped fp32 checkpoint (written once to --model-dir, as bench_engine
   stack   `tether serve --threads T` over HTTP: a completion of one token, sent to answer
 With --against DIR the same is measured for the checkout at DIR (its daemon/ first on
 PYTHONPATH), interleaved with this one rep by rep, the order alternating. Goal (issue 24):
-<= 0.8x vLLM 0.32 CPU's TTFT on the same prompt and threads, 4.24 s measured on this machine
-(../shared/notes/peers.md), so <= 3.39 s. Writes prefill.json under results/bench-prefill-*/.
+<= 0.8x vLLM 0.32 CPU's TTFT on the same prompt and threads, 4.24 s measured on an AVX2 host
+(../shared/notes/peers.md), so <= 3.39 s there; vLLM's figure moves with the host (2.39 s on
+an AVX-512 one), so the goal line is only a pointer: bench_vs_vllm.py measures both in one run.
+Writes prefill.json under results/bench-prefill-*/.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from loadtest.pair import REPO, ServerPair, served_model
 from loadtest.report import goal_line, results_dir, write_json
 
 WORKER = Path(__file__).with_name("prefill_ticks.py")
-VLLM_TTFT_S = 4.24  # vLLM 0.32 CPU, same checkpoint and prompt length, both cores
+VLLM_TTFT_S = 4.24  # vLLM 0.32 CPU, same checkpoint and prompt length, both cores, AVX2 host
 GOAL = 0.8
 
 
@@ -96,7 +98,7 @@ def report(res: dict[str, Any]) -> None:
         if "against" in rows:
             print(f"  {part:<6} this / against: {ours / rows['against']['best_s']:.2f}x")
         ratio = ours / VLLM_TTFT_S
-        print(goal_line(f"{part} TTFT / vLLM's {VLLM_TTFT_S} s", ratio, f"<= {GOAL}x",
+        print(goal_line(f"{part} TTFT / vLLM's {VLLM_TTFT_S} s (AVX2 host)", ratio, f"<= {GOAL}x",
                         ratio <= GOAL))
 
 
