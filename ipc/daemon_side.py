@@ -174,9 +174,7 @@ class DaemonPipes:
                 self._await_hello = False
                 self._proxy_seen = True
                 self._tokens.next_try = 0.0  # a proxy is there now: the Welcome must not wait
-            for r in records:
-                if isinstance(r, Hello | Goodbye):
-                    self._said_goodbye = isinstance(r, Goodbye)
+            self._note_goodbye(records)
         elif (self.heartbeat_timeout is not None and self._last_control is not None
               and now - self._last_control > self.heartbeat_timeout):
             self._lose(Loss(LossReason.SILENCE,
@@ -184,6 +182,12 @@ class DaemonPipes:
         if eof:
             self._lose(Loss(LossReason.EOF, "proxy closed the control pipe (EOF)"), reopen=True)
         return records
+
+    def _note_goodbye(self, records: list[ToDaemon]) -> None:
+        """Note whether the last Hello or Goodbye among `records` was a Goodbye."""
+        for r in records:
+            if isinstance(r, Hello | Goodbye):
+                self._said_goodbye = isinstance(r, Goodbye)
 
     def read_requests(self) -> list[ToDaemon]:
         records, eof = self._read(self._requests)
@@ -194,9 +198,7 @@ class DaemonPipes:
                 # close. What was read is handed to the next read_control.
                 held, _ = self._read(self._control)
                 self._held_control += held
-                for r in held:
-                    if isinstance(r, Hello | Goodbye):
-                        self._said_goodbye = isinstance(r, Goodbye)
+                self._note_goodbye(held)
             self._lose(Loss(LossReason.EOF, "proxy closed the requests pipe (EOF)"), reopen=True)
         return records
 
