@@ -147,16 +147,13 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
       }
       float bm = lanes(m, 1), corr = expf(mx[h] - bm);
       mx[h] = bm;
+      /* vexp clamps: a lane at -inf gives exp(-87), ~1.6e-38, not 0. Against a sum of at
+       * least 1 (the lane at the running max gives 1) that is below float's resolution, and
+       * tile_values reads only the lanes in [lo, nt). */
       for (int64_t t0 = 0; t0 < pw; t0 += VL) {
         memcpy(&sv, &ph[t0], sizeof sv);
         sv = vexp(sv - bm);
         memcpy(&ph[t0], &sv, sizeof sv);
-      }
-      /* vexp clamps: exp(-inf) is not 0 */
-      for (int64_t t = 0; t < lo; t++) ph[t] = 0.0f;
-      for (int64_t t = nt; t < pw; t++) ph[t] = 0.0f;
-      for (int64_t t0 = 0; t0 < pw; t0 += VL) {
-        memcpy(&sv, &ph[t0], sizeof sv);
         total += sv;
       }
       sum[h] = sum[h] * corr + lanes(total, 0);
