@@ -19,6 +19,7 @@ from daemon.model.batch import ScheduledChunk
 from daemon.model.config import ModelConfig
 from daemon.model.decode_graphs import DecodeGraphs
 from daemon.model.decoder import DecoderLM
+from daemon.model.device import keep_heap
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,6 +49,7 @@ class ModelRunner:
     def __init__(self, model: DecoderLM, config: ModelConfig, num_blocks: int,
                  block_size: int = 16, device: torch.device | None = None,
                  dtype: torch.dtype | None = None, graph_max_batch: int = 0) -> None:
+        keep_heap()  # a process-wide setting; the runner is what makes a tick's temporaries
         self.model = model
         self.config = config
         self.num_blocks = num_blocks
