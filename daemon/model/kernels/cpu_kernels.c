@@ -21,11 +21,14 @@
 
 /* ---- linear: y = x W^T (+ bias), W packed [N/32][K][32] ---------------------------------- */
 
+/* Rows [0, mt) of a block over all of K; step k < lines also prefetches line k at pf into L2
+ * (a slice of the next block, for the walks of more than CM rows). */
 INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
-                 fvec acc[][NV]) {
+                 const char* pf, int64_t lines, fvec acc[][NV]) {
   for (int m = 0; m < MT; m++)
     for (int j = 0; j < NV; j++) acc[m][j] = splat(0.0f);
   for (int64_t k = 0; k < K; k++) {
+    if (k < lines) __builtin_prefetch(pf + k * 64, 0, 2);
     fvec wv[NV];
     for (int j = 0; j < NV; j++) wv[j] = loadv(w, k * NB + j * VL, type);
     for (int m = 0; m < mt; m++) {
@@ -37,12 +40,13 @@ INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, 
 
 /* The same sums as `tile` (same order over k), TV vectors of the block at a time. */
 INLINE void half_tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
-                      fvec acc[][NV]) {
+                      const char* pf, int64_t lines, fvec acc[][NV]) {
   for (int h = 0; h < NV; h += TV) {
     fvec a[HT][TV];
     for (int m = 0; m < mt; m++)
       for (int j = 0; j < TV; j++) a[m][j] = splat(0.0f);
     for (int64_t k = 0; k < K; k++) {
+      if (h == 0 && k < lines) __builtin_prefetch(pf + k * 64, 0, 2);
       fvec wv[TV];
       for (int j = 0; j < TV; j++) wv[j] = loadv(w, k * NB + (h + j) * VL, type);
       for (int m = 0; m < mt; m++) {
@@ -80,13 +84,13 @@ INLINE void part_tile(const float* x, int64_t ldx, int mt, int64_t k0, int64_t k
 
 /* Constant row count and type per call, so each case compiles to a fully unrolled tile. */
 #define TILE_TYPES(FN, ROWS)                                               \
-  if (type == TL_F32) FN(x, ldx, ROWS, K, w, TL_F32, acc);                 \
-  else if (type == TL_BF16) FN(x, ldx, ROWS, K, w, TL_BF16, acc);          \
-  else FN(x, ldx, ROWS, K, w, TL_I8, acc);                                 \
+  if (type == TL_F32) FN(x, ldx, ROWS, K, w, TL_F32, pf, lines, acc);      \
+  else if (type == TL_BF16) FN(x, ldx, ROWS, K, w, TL_BF16, pf, lines, acc); \
+  else FN(x, ldx, ROWS, K, w, TL_I8, pf, lines, acc);                      \
   return;
 
 INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
-                     fvec acc[][NV]) {
+                     const char* pf, int64_t lines, fvec acc[][NV]) {
   switch (mt) {
 #if MT >= 8
     case 8: TILE_TYPES(tile, 8)
@@ -102,7 +106,7 @@ INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void*
 }
 
 INLINE void half_tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w,
-                          int type, fvec acc[][NV]) {
+                          int type, const char* pf, int64_t lines, fvec acc[][NV]) {
   switch (mt) {
 #if HT >= 6
     case 6: TILE_TYPES(half_tile, 6)
@@ -157,8 +161,9 @@ INLINE void part_tile_any(const float* x, int64_t ldx, int mt, int64_t k0, int64
 /* The walks of more than CM rows, kept out of line: inlined beside block_rows' tiles, GCC
  * compiled them 5-10% slower (64 and 512 rows, the same kernels alternating in one process). */
 static __attribute__((noinline)) void big_tile(const float* x, int64_t ldx, int mt, int64_t K,
-                                               const void* w, int type, fvec acc[][NV]) {
-  half_tile_any(x, ldx, mt, K, w, type, acc);
+                                               const void* w, int type, const char* pf,
+                                               int64_t lines, fvec acc[][NV]) {
+  half_tile_any(x, ldx, mt, K, w, type, pf, lines, acc);
 }
 
 /* One row of a block's 32 outputs, v[NV] vectors: y[n0 + i] (+= res[n0 + i] with TL_ADD). */
@@ -223,9 +228,13 @@ static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
   int64_t K = W->n_in, n_out = W->n_out, num_blocks = W->blocks;
   int type = W->type, mode = add ? TL_ADD : W->mode;
   int rows = M <= MT ? MT : M <= CM ? CM : HT; /* rows per walk over a block */
+  int64_t block = K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1); /* bytes */
+  /* More than CM rows walk each block several times: each walk prefetches its share of the
+   * next block's lines (at most one a k), so that the next block's first walk finds it in L2. */
+  int64_t walks = (M + rows - 1) / rows, lines = M > CM ? (block / 64 + walks - 1) / walks : 0;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < num_blocks; b++) {
-    const char* wb = (const char*)w + b * K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1);
+    const char* wb = (const char*)w + b * block;
     fvec sc[NV], bi[NV];
     for (int j = 0; j < NV; j++) {
       sc[j] = scale ? loadv(scale, b * NB + j * VL, TL_F32) : splat(1.0f);
@@ -234,9 +243,10 @@ static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
       int mt = M - m0 < rows ? (int)(M - m0) : rows;
       fvec acc[CM][NV];
+      const char* pf = wb + block + m0 / rows * lines * 64;
       if (rows == CM) block_rows(x + m0 * ldx, ldx, mt, K, wb, type, acc);
-      else if (rows > MT) big_tile(x + m0 * ldx, ldx, mt, K, wb, type, acc);
-      else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, acc); /* also HT == MT's big tiles */
+      else if (rows > MT) big_tile(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc);
+      else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc); /* and HT == MT's */
       for (int m = 0; m < mt; m++) {
         fvec v[NV];
         for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];
