@@ -218,9 +218,9 @@ INLINE void block_rows(const float* x, int64_t ldx, int mr, int64_t K, const cha
 /* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with TL_ADD, y = res + x W^T (res may be y).
  * Up to MT rows stream each block once in a whole-block tile (batch 1's weight-streaming
  * path); up to CM, where memory and FMAs take about as long, block_rows; more rows are
- * compute-bound and walk each block HT rows at a time, half a block at a time (the block
- * from L2 after the first walk). Walking those chunk by chunk too was as fast at its best
- * but slower at the median on this shared machine. */
+ * compute-bound and walk each block HT rows at a time, TV vectors at a time (the block from
+ * L2: the walks of the block before prefetched it). Walking those chunk by chunk too was as
+ * fast at its best but slower at the median on this shared machine. */
 static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                    int64_t ldy, int add, const float* res, int64_t ldr) {
   const void* w = W->w;
