@@ -52,7 +52,7 @@ def test_a_dead_daemon_shows_no_gauges(tmp_path: Path) -> None:
 
 def test_a_dead_daemons_counters_keep_their_last_values(tmp_path: Path) -> None:
     """Prometheus reads a counter that drops to 0 as a reset: while no daemon is connected its
-    counters stay where they were (README, Metrics)."""
+    counters stay where they were (docs/operations.md, Metrics)."""
     server = start_server(tmp_path)
     try:
         with server.client() as c:

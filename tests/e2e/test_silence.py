@@ -1,9 +1,10 @@
 """A process that hangs alive is caught by silence, on the real pair.
 
 SIGSTOP leaves a process's pipe ends open, so its peer sees no EOF: only the silence bound can
-catch it. The bound and the intervals below are the README's figures, not the code's constants,
-so a change to either shows here. The intervals are read off the frames each process wrote
-while its peer was stopped: each frame carries its writer's own clock.
+catch it. The bound and the intervals below are the documented figures (docs/architecture.md,
+Liveness), not the code's constants, so a change to either shows here. The intervals are read
+off the frames each process wrote while its peer was stopped: each frame carries its writer's
+own clock.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from tests.support.wait import free_port, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
-SILENCE_S = 3.0  # README: "3 s of silence counts as lost"
-HEARTBEAT_S = 0.25  # README: "the proxy heartbeats every 250 ms"
-STATS_S = 0.1  # README: "the daemon sends Stats every 100 ms"
+SILENCE_S = 3.0  # docs/architecture.md: "3 s of silence counts as lost"
+HEARTBEAT_S = 0.25  # docs/architecture.md: "the proxy heartbeats every 250 ms"
+STATS_S = 0.1  # docs/architecture.md: "the daemon sends Stats every 100 ms"
 # How late a lost peer may be declared on a busy machine; being early is never allowed.
 LATE_S = 1.5
 # Frames written while the peer is stopped; read well before it would be declared lost.

@@ -184,7 +184,7 @@ def start(size: int, device_type: str, spawn: Spawn) -> Ranks:
                               timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
     except RuntimeError as e:
         raise StartError(f"the ranks meet on a loopback TCP port, which failed: {e} (under "
-                         "systemd the daemon's unit must allow AF_INET: see README.md)") from e
+                         "systemd the daemon's unit must allow AF_INET: see docs/models.md)") from e
     ranks = Ranks([spawn(rank, store.port) for rank in range(1, size)])
     try:
         ranks.await_joins(store)
