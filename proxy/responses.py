@@ -89,8 +89,9 @@ async def create_response(request: Request) -> Response:
     body = await request.body()
     req, items = parse_request(body, served_models(request))
     engine = _engine(request)
-    decoded = decode_request(body, req, await resolve_references(engine, items))
+    # Refused before any item reference costs the store a lookup.
     use = tool_use(req)
+    decoded = decode_request(body, req, await resolve_references(engine, items))
     if not engine.up:
         raise unavailable(engine.down_reason)
     registry = background_registry(request.app)

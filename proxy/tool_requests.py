@@ -8,6 +8,12 @@ file_search, ...) are accepted and passed over: this server runs none of them.
 A function's ``parameters`` stay the JSON text the client sent (msgspec.Raw: never built into
 Python objects here); they travel to the daemon as that text, which renders them in the chat
 template, and into the grammar of a forced call.
+
+What a request's tools cost the proxy's loop (their checks here, a forced call's grammar) and the
+daemon (the template's prompt, the grammar's compile) is bounded whatever the body's size: at
+most MAX_TOOLS tools, each function's parameters at most MAX_GUIDE_BYTES, as a response
+format's schema, and as much together for the functions a grammar holds
+(proxy/tool_calls/grammar.py); the checks are linear in the tools.
 """
 
 from __future__ import annotations
@@ -20,7 +26,12 @@ import msgspec
 
 from ipc.records import Guide, ToolCallFormat, ToolFunction
 from proxy.errors import ApiError
+from proxy.guides import MAX_GUIDE_BYTES
 from proxy.tool_calls import ToolGrammarError, ToolUse
+
+# OpenAI's limit on a request's tools ("a max of 128 functions are supported"), which every
+# client written for it keeps; a namespace's functions count one each.
+MAX_TOOLS = 128
 
 # OpenAI's rule for function names (and so a safe word in a grammar).
 FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
@@ -56,6 +67,9 @@ def tool_function(name: str, description: str | None, parameters: msgspec.Raw | 
     """The record of one function; `param` names its ``parameters`` in errors."""
     if parameters is msgspec.UNSET:
         return ToolFunction(name, description)
+    if len(parameters) > MAX_GUIDE_BYTES:
+        raise ApiError(400, f"'{param}' is {len(parameters)} bytes, more than the server's limit "
+                       f"of {MAX_GUIDE_BYTES}", param=param, code="invalid_value")
     text = bytes(parameters).decode()
     if text.strip() == "null":
         return ToolFunction(name, description)
@@ -69,11 +83,12 @@ def resolve(functions: Sequence[ToolFunction], choice: ChoiceWord | None, named:
             parallel: bool | None, param: str) -> ToolUse | None:
     """The request's ToolUse (None: no tools); `named` is a named choice's function, `param`
     names ``tools`` as the endpoint spells its functions' place."""
-    names = [f.name for f in functions]
-    duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if duplicate is not None:
-        raise ApiError(400, f"'{param}' names the function '{duplicate}' twice", param=param,
-                       code="invalid_value")
+    seen: set[str] = set()
+    for function in functions:
+        if function.name in seen:
+            raise ApiError(400, f"'{param}' names the function '{function.name}' twice",
+                           param=param, code="invalid_value")
+        seen.add(function.name)
     if not functions:
         if named is not None or choice == "required":
             raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified",
@@ -91,8 +106,17 @@ def resolve(functions: Sequence[ToolFunction], choice: ChoiceWord | None, named:
                    True if parallel is None else parallel)
 
 
+def check_count(count: int, param: str) -> None:
+    """A 400 naming `param` when a request offers more than MAX_TOOLS tools."""
+    if count > MAX_TOOLS:
+        raise ApiError(400, f"'{param}' holds {count} tools, more than the server's limit of "
+                       f"{MAX_TOOLS} (a namespace's functions count one each)", param=param,
+                       code="array_above_max_length")
+
+
 def chat_tool_use(tools: list[ChatTool] | None, choice: ChatToolChoice | None,
                   parallel: bool | None) -> ToolUse | None:
+    check_count(len(tools or ()), "tools")
     functions = [tool_function(t.function.name, t.function.description, t.function.parameters,
                                f"tools[{i}].function.parameters")
                  for i, t in enumerate(tools or [])]
@@ -192,6 +216,8 @@ def custom_input(arguments: str) -> str:
 
 def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolChoice | None,
                        parallel: bool | None) -> ToolUse | None:
+    check_count(sum(len(t.tools or ()) if t.type == "namespace" else 1 for t in tools or ()),
+                "tools")
     functions: list[ToolFunction] = []
     hosted = []
     grammars: dict[str, str] = {}  # custom tools with a grammar format: where it is

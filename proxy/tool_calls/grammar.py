@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ipc.records import Guide, GuideKind, ToolFunction
+from proxy.guides import MAX_GUIDE_BYTES
 
 # As json.dumps and Jinja's tojson write JSON: what the model saw in its prompt.
 _TOOL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -52,6 +53,13 @@ def _json_rule(schema: Any, options: dict[str, Any]) -> str:
 
 
 def _calls_rules(syntax: CallSyntax, tools: Sequence[ToolFunction], parallel: bool) -> list[str]:
+    # The grammar is a guide like any other, bounded as one: checked before any of it is built.
+    size = sum(len(t.parameters.encode()) for t in tools if t.parameters)
+    if size > MAX_GUIDE_BYTES:
+        raise ToolGrammarError(
+            f"the parameters of the {len(tools)} functions a call may be to are {size} bytes, "
+            f"more than the server's limit of {MAX_GUIDE_BYTES} for one grammar; name one "
+            "function in 'tool_choice', or offer fewer")
     calls = " | ".join(f"call_{i}" for i in range(len(tools)))
     repeat = f" ({_literal(syntax.separator)} call)*" if parallel else ""
     around = [_literal(s) for s in (syntax.prefix, syntax.suffix)]
