@@ -177,8 +177,9 @@ def decode_request(body: bytes, req: CreateResponse, items: str | list[InputItem
     return Decoded(req, messages, stored_items(items), spans, sent)
 
 
-def tool_use(req: CreateResponse) -> ToolUse | None:
-    return responses_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
+def tool_use(req: CreateResponse, single: bool = False) -> ToolUse | None:
+    """The request's tools; `single`: the chat template takes one call a turn."""
+    return responses_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, single)
 
 
 def check_conversation(req: CreateResponse) -> None:
@@ -206,24 +207,28 @@ _ECHOED = ("tools", "tool_choice", "parallel_tool_calls", "metadata", "truncatio
            "user", "safety_identifier", "prompt_cache_key", "top_logprobs")
 
 
-def request_echo(decoded: Decoded) -> dict[str, Any]:
+def request_echo(decoded: Decoded, single: bool = False) -> dict[str, Any]:
+    """`single`: the chat template takes one call a turn, which the echo says as
+    ``parallel_tool_calls: false`` (and a stored response's output is parsed again so)."""
     # Through JSON: the tools are kept as the client's raw JSON.
     req = decoded.req
     echo = {name: msgspec.json.decode(msgspec.json.encode(
                 decoded.tools if name == "tools" else getattr(req, name)))
             for name in _ECHOED if getattr(req, name) is not None}
     echo["text"] = text_echo(req.text)
+    if single and req.tools:
+        echo["parallel_tool_calls"] = False
     return echo
 
 
-def response_params(decoded: Decoded, rid: str, model: str,
-                    sampling: SamplingParams) -> ResponseParams:
+def response_params(decoded: Decoded, rid: str, model: str, sampling: SamplingParams,
+                    single: bool = False) -> ResponseParams:
     req = decoded.req
     return ResponseParams(
         id=rid, created_at=int(time.time()), model=model, instructions=req.instructions,
         previous_response_id=req.previous_response_id, background=req.background,
         store=req.store, temperature=sampling.temperature, top_p=sampling.top_p,
-        max_output_tokens=req.max_output_tokens, echo=request_echo(decoded),
+        max_output_tokens=req.max_output_tokens, echo=request_echo(decoded, single),
         conversation=req.conversation_id,
     )
 

@@ -80,9 +80,10 @@ def tool_function(name: str, description: str | None, parameters: msgspec.Raw | 
 
 
 def resolve(functions: Sequence[ToolFunction], choice: ChoiceWord | None, named: str | None,
-            parallel: bool | None, param: str) -> ToolUse | None:
+            parallel: bool | None, param: str, single: bool = False) -> ToolUse | None:
     """The request's ToolUse (None: no tools); `named` is a named choice's function, `param`
-    names ``tools`` as the endpoint spells its functions' place."""
+    names ``tools`` as the endpoint spells its functions' place; `single`: the chat template
+    takes one call a turn, so one is all a turn may hold, whatever `parallel` says."""
     seen: set[str] = set()
     for function in functions:
         if function.name in seen:
@@ -103,7 +104,7 @@ def resolve(functions: Sequence[ToolFunction], choice: ChoiceWord | None, named:
         return ToolUse(tools, "required", forced, parallel=False)
     word = choice or "auto"
     return ToolUse(tools, word, tools if word == "required" else (),
-                   True if parallel is None else parallel)
+                   parallel is not False and not single)
 
 
 def check_count(count: int, param: str) -> None:
@@ -115,14 +116,14 @@ def check_count(count: int, param: str) -> None:
 
 
 def chat_tool_use(tools: list[ChatTool] | None, choice: ChatToolChoice | None,
-                  parallel: bool | None) -> ToolUse | None:
+                  parallel: bool | None, single: bool = False) -> ToolUse | None:
     check_count(len(tools or ()), "tools")
     functions = [tool_function(t.function.name, t.function.description, t.function.parameters,
                                f"tools[{i}].function.parameters")
                  for i, t in enumerate(tools or [])]
     named = choice.function.name if isinstance(choice, ChatNamedChoice) else None
     word = None if isinstance(choice, ChatNamedChoice) else choice
-    return resolve(functions, word, named, parallel, "tools")
+    return resolve(functions, word, named, parallel, "tools", single)
 
 
 def tool_guide(use: ToolUse, fmt: ToolCallFormat, content: Guide | None) -> Guide | None:
@@ -215,7 +216,7 @@ def custom_input(arguments: str) -> str:
 
 
 def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolChoice | None,
-                       parallel: bool | None) -> ToolUse | None:
+                       parallel: bool | None, single: bool = False) -> ToolUse | None:
     check_count(sum(len(t.tools or ()) if t.type == "namespace" else 1 for t in tools or ()),
                 "tools")
     functions: list[ToolFunction] = []
@@ -232,7 +233,7 @@ def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolC
                 grammars[functions[-1].name] = f"tools[{i}].format"
         else:
             functions.append(_function(tool, None, f"tools[{i}]"))
-    use = resolve(functions, *_choice(choice, hosted, functions), parallel, "tools")
+    use = resolve(functions, *_choice(choice, hosted, functions), parallel, "tools", single)
     if use is None:
         return None
     where = next((grammars[f.name] for f in use.forced if f.name in grammars), None)

@@ -58,6 +58,20 @@ def test_tools_resolve_to_what_the_output_may_be() -> None:
     assert use_of() is None and use_of(tools=[], tool_choice="none") is None
 
 
+def test_a_template_of_one_call_a_turn_is_asked_for_one() -> None:
+    """Whatever parallel_tool_calls says, where the daemon's Welcome says the chat template
+    takes one call a turn; a Response object echoes it as false."""
+    for parallel in (None, True):
+        req = decode_body(orjson.dumps({"messages": ASK, "tools": [GET],
+                                        "parallel_tool_calls": parallel}), ChatRequest)
+        assert not chat_tool_use(req.tools, "required", req.parallel_tool_calls, True).parallel
+    body = orjson.dumps({"input": "hi", "tools": [R_GET], "parallel_tool_calls": True})
+    decoded = _decoded(body, ("m",))
+    assert not tool_use(decoded.req, single=True).parallel
+    assert request_echo(decoded, single=True)["parallel_tool_calls"] is False
+    assert request_echo(decoded)["parallel_tool_calls"] is True
+
+
 def test_what_openai_refuses_is_a_400_naming_the_field() -> None:
     assert refused(tool_choice="required").param == "tool_choice"
     assert refused(tools=[GET], tool_choice={"type": "function",
