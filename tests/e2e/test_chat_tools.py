@@ -175,6 +175,23 @@ def test_open_objects_take_only_the_properties_they_list(client: openai.OpenAI) 
             assert set(json.loads(choice.message.content or "")) <= {"a"}, (seed, choice)
 
 
+def test_a_streamed_call_turn_adds_up_to_the_collected_message(client: openai.OpenAI) -> None:
+    """As OpenAI streams a tool-call turn: the first delta has the role and `content: null`, so
+    the openai client's stream helper ends with the collected message's null content (before:
+    "", from a first delta of `content: ""`)."""
+    body: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0,
+                            "tool_choice": "required", "max_tokens": 200}
+    collected = client.chat.completions.create(**body).choices[0].message
+    first = next(iter(client.chat.completions.create(**body, stream=True))).choices[0].delta
+    assert first.role == "assistant" and first.content is None
+    assert "content" in first.model_fields_set  # said, as null
+    with client.chat.completions.stream(**body) as events:
+        streamed = events.get_final_completion().choices[0].message
+    assert collected.content is None and streamed.content is None
+    assert [(c["name"], c["arguments"]) for c in _calls(streamed)] == [
+        (c["name"], c["arguments"]) for c in _calls(collected)]
+
+
 @pytest.fixture(scope="module")
 def merging_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Deltas merged 8 tokens to an event, and paused by flow control after 4 unread."""
