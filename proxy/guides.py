@@ -19,12 +19,18 @@ import msgspec
 from ipc.records import Guide, GuideKind
 from proxy.closed_objects import SchemaTooDeep, close_objects
 from proxy.errors import ApiError
-from proxy.fields import no_op, refused
+from proxy.fields import honoured, no_op, refused
 
 # A spec (a schema as JSON, a regex, a grammar, the choices as JSON) beyond this is refused: real
 # schemas take kilobytes, and one this size compiles in about 0.3 s.
 MAX_GUIDE_BYTES = 256 << 10
 MAX_CHOICES = 1024
+
+# What docs/api.md says of the format fields (proxy/fields.py's `honoured`).
+FORMAT_NOTE = (
+    "a `strict` json_schema's objects take only the properties they list unless they say "
+    "`additionalProperties`; a schema not strict allows other properties wherever JSON Schema "
+    "does (an object without `additionalProperties: false`)")
 
 # OpenAI's rule for a format's name.
 SchemaName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -103,7 +109,7 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
 class GuidedFields(msgspec.Struct, kw_only=True):
     """The guide fields of chat and completions requests."""
 
-    response_format: ResponseFormat | None = None
+    response_format: Annotated[ResponseFormat | None, honoured(FORMAT_NOTE)] = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's names before `structured_outputs`.
     guided_json: Schema | Spec | None = None

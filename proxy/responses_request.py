@@ -23,8 +23,16 @@ from ipc.records import (
     ToolCallFormat,
 )
 from proxy.errors import ApiError
-from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, NO_PRIORITY, no_op, refused
-from proxy.guides import TextConfig, text_echo, text_guide
+from proxy.fields import (
+    CACHE_HINT,
+    END_USER,
+    LATENCY_HINT,
+    NO_PRIORITY,
+    honoured,
+    no_op,
+    refused,
+)
+from proxy.guides import FORMAT_NOTE, TextConfig, text_echo, text_guide
 from proxy.input_items import (
     InputItem,
     ItemReference,
@@ -47,7 +55,14 @@ from proxy.schemas import (
     decode_body,
 )
 from proxy.tool_calls import ToolUse
-from proxy.tool_requests import ResponsesTool, ResponsesToolChoice, responses_tool_use, tool_guide
+from proxy.tool_requests import (
+    PARALLEL_NOTE,
+    TOOLS_NOTE,
+    ResponsesTool,
+    ResponsesToolChoice,
+    responses_tool_use,
+    tool_guide,
+)
 
 # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
 Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
@@ -105,11 +120,12 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     safety_identifier: Annotated[str | None, no_op(
         END_USER, "u-1")] = None
     service_tier: Annotated[str | None, no_op(LATENCY_HINT, "auto")] = None
-    tools: list[ResponsesTool] | None = None
+    tools: Annotated[list[ResponsesTool] | None, honoured(TOOLS_NOTE)] = None
     tool_choice: ResponsesToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Annotated[bool | None, honoured(PARALLEL_NOTE)] = None
     max_tool_calls: Annotated[Any, refused("the number of calls is not capped", 3)] = None
-    text: TextConfig | None = None  # the output's format (proxy/guides.py)
+    # The output's format (proxy/guides.py).
+    text: Annotated[TextConfig | None, honoured(FORMAT_NOTE)] = None
     # Codex CLI asks for its reasoning items' encrypted content and for reasoning summaries on
     # every request: of a model that does not reason, both are nothing, so both ask for nothing.
     include: Annotated[Any, refused("nothing more can be included",

@@ -33,6 +33,17 @@ from proxy.tool_calls import ToolGrammarError, ToolUse
 # client written for it keeps; a namespace's functions count one each.
 MAX_TOOLS = 128
 
+# What docs/api.md says of the fields (proxy/fields.py's `honoured`).
+TOOLS_NOTE = (
+    f"at most {MAX_TOOLS} (a namespace's functions count one each), each function's "
+    f"`parameters` at most {MAX_GUIDE_BYTES} bytes, and those of the functions a grammar holds "
+    "(a forced call's, or calls beside a response format) as much together: 400 above; a "
+    "call's arguments follow its `parameters`, whose objects take only the properties they "
+    "list unless they say `additionalProperties` (OpenAI's strict reading, `strict` or not)")
+PARALLEL_NOTE = (
+    "where the model's chat template takes one call a turn (Llama 3.1 to 3.3's raise for "
+    "more), a turn holds one call whatever this says, and a Response object echoes `false`")
+
 # OpenAI's rule for function names (and so a safe word in a grammar).
 FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
