@@ -9,6 +9,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from daemon.engine.admission import single_tool_call
 from daemon.engine.core import Engine, Runner
 from daemon.engine.grammar import Grammars
 from daemon.engine.guided import Guidance
@@ -86,7 +87,8 @@ def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: No
     server = DaemonServer(engine, pipes, store, options.drain_timeout_s, notify,
                           epochs=EpochCounter(epoch_file), tensor_parallel_size=size,
                           tool_call_format=_tool_call_format(options.tool_call_parser,
-                                                             tokenizer))
+                                                             tokenizer),
+                          single_tool_call=_single_tool_call(tokenizer))
     if ranks is not None:
         ranks.watch(server.fail)
     previous = _install_signals(server)
@@ -109,6 +111,13 @@ def _tool_call_format(parser: str, tokenizer: Tokenizer) -> ToolCallFormat:
              else "the chat template's" if found else "no format in the chat template")
     tokenizer.show_in_text(TOOL_CALL_TOKENS.get(name, ()))
     return ToolCallFormat(name)
+
+
+def _single_tool_call(tokenizer: Tokenizer) -> bool:
+    single = single_tool_call(tokenizer)
+    if single:
+        log.info("the chat template takes one tool call a turn: every turn is asked for one")
+    return single
 
 
 Built = tuple[Runner, Tokenizer, str, int]  # runner, tokenizer, model name, max model length

@@ -63,7 +63,8 @@ class DaemonServer:
                  drain_timeout_s: float, notify: Notify | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  epochs: EpochCounter | None = None, tensor_parallel_size: int = 1,
-                 tool_call_format: ToolCallFormat = ToolCallFormat.HERMES) -> None:
+                 tool_call_format: ToolCallFormat = ToolCallFormat.HERMES,
+                 single_tool_call: bool = False) -> None:
         self.engine = engine
         self.pipes = pipes
         self.store = store
@@ -72,7 +73,7 @@ class DaemonServer:
         self.clock = clock
         self.connection = DaemonConnection(
             pipes, ModelInfo(engine.model_name, engine.max_model_len, tensor_parallel_size,
-                             tool_call_format), epochs)
+                             tool_call_format, single_tool_call), epochs)
         self.stop_deadline: float | None = None
         # Set (from any thread) when the daemon cannot go on, e.g. a tensor-parallel rank died.
         self.failure: str | None = None

@@ -25,7 +25,8 @@ import msgspec
 # 11: conversations (ResponseOp CONVERSATION_* on the requests pipe, ResponseFields.conversation)
 # 12: ResponseFields.echo / StoredResponse.echo (the request fields a Response object echoes),
 # Stats.grammar_pending
-PROTOCOL_VERSION = 12
+# 13: Welcome.single_tool_call
+PROTOCOL_VERSION = 13
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -302,6 +303,9 @@ class Welcome(msgspec.Struct, tag=Kind.WELCOME.value, tag_field="k"):
     nonce: int = 0  # the Hello's, so the proxy knows the Welcome is for this connection
     tensor_parallel_size: int = 1  # ranks the model runs on
     tool_call_format: ToolCallFormat = ToolCallFormat.HERMES  # how the model writes tool calls
+    # The chat template takes one tool call a turn (it raises for more, as Llama 3.1's does):
+    # the proxy asks for one whatever parallel_tool_calls says.
+    single_tool_call: bool = False
 
 
 class Admitted(msgspec.Struct, tag=Kind.ADMITTED.value, tag_field="k"):

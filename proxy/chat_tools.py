@@ -117,9 +117,10 @@ def _joined(pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def chunk_choice(index: int, fields: dict[str, Any], finish: str | None,
                  first: bool) -> dict[str, Any]:
-    """A streamed choice whose delta carries `fields`; the first says the role."""
-    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    """A streamed choice whose delta carries `fields`; the first says the role, and its content
+    null while there is none yet, as OpenAI's first delta of a tool-call turn does: a client
+    that adds the deltas up (the openai client's stream helper) then ends with the collected
+    message's null content, not "" (text that follows replaces the null)."""
+    delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
     delta.update(fields)
-    if first and not fields and finish is None:
-        delta["content"] = ""
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}

@@ -107,7 +107,8 @@ def _chat(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wants]:
     if max_tokens is None:
         max_tokens, param = req.max_tokens, "max_tokens"
     sampling = sampling_params(req, max_tokens, param, engine.max_model_len)
-    use = chat_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
+    use = chat_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls,
+                        engine.single_tool_call)
     fmt = engine.tool_call_format
     if use is not None:
         sampling = msgspec.structs.replace(sampling, guide=tool_guide(use, fmt, sampling.guide))

@@ -124,6 +124,12 @@ class EngineClient:
         return ToolCallFormat.HERMES if welcome is None else welcome.tool_call_format
 
     @property
+    def single_tool_call(self) -> bool:
+        """Whether the chat template takes one tool call a turn (no until a Welcome says)."""
+        welcome = self._connection.welcome
+        return welcome is not None and welcome.single_tool_call
+
+    @property
     def aborts_sent(self) -> dict[AbortCause, int]:
         """Abort records actually written to the daemon, by cause."""
         return self._connection.aborts_written

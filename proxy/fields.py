@@ -3,7 +3,7 @@
 Every field of OpenAI's completions, chat and Responses bodies (and the vLLM extensions kept
 here) is declared on the msgspec type its route decodes with, and a field no type declares is a
 400 naming it (``forbid_unknown_fields``), as OpenAI answers. A declared field is honoured unless
-its annotation carries one of two marks:
+its annotation carries one of two marks (`honoured` adds what the client should know of how):
 
 - `no_op`: accepted and not acted on, because acting on it could not change what the client
   gets (an end-user id, a latency hint, a cache key: the prefix cache needs none);
@@ -35,6 +35,12 @@ LATENCY_HINT = "a latency hint: the answer is the same"
 END_USER = "an end-user id for the provider's abuse monitoring"
 # vLLM's `priority`, which routers (smg) send as 0 on every request.
 NO_PRIORITY = "requests are served fairly in arrival order, with no priorities"
+
+
+def honoured(why: str) -> msgspec.Meta:
+    """The mark of a field honoured, with what is worth knowing of how (a limit, a reading)."""
+    return msgspec.Meta(extra={"tether": HONOURED, "why": why},
+                        extra_json_schema={"x-tether": HONOURED, "x-tether-why": why})
 
 
 def no_op(why: str, example: Any) -> msgspec.Meta:

@@ -17,13 +17,20 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from ipc.records import Guide, GuideKind
+from proxy.closed_objects import SchemaTooDeep, close_objects
 from proxy.errors import ApiError
-from proxy.fields import no_op, refused
+from proxy.fields import honoured, no_op, refused
 
 # A spec (a schema as JSON, a regex, a grammar, the choices as JSON) beyond this is refused: real
 # schemas take kilobytes, and one this size compiles in about 0.3 s.
 MAX_GUIDE_BYTES = 256 << 10
 MAX_CHOICES = 1024
+
+# What docs/api.md says of the format fields (proxy/fields.py's `honoured`).
+FORMAT_NOTE = (
+    "a `strict` json_schema's objects take only the properties they list unless they say "
+    "`additionalProperties`; a schema not strict allows other properties wherever JSON Schema "
+    "does (an object without `additionalProperties: false`)")
 
 # OpenAI's rule for a format's name.
 SchemaName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -39,7 +46,9 @@ class JsonSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
 
     name: SchemaName
     schema: Schema
-    strict: bool | None = None  # every schema is enforced; strict or not changes nothing
+    # Every schema is enforced; a strict one's objects take only the properties they list, as
+    # OpenAI's strict mode reads a schema (proxy/closed_objects.py).
+    strict: bool | None = None
     description: str | None = None
 
 
@@ -100,7 +109,7 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
 class GuidedFields(msgspec.Struct, kw_only=True):
     """The guide fields of chat and completions requests."""
 
-    response_format: ResponseFormat | None = None
+    response_format: Annotated[ResponseFormat | None, honoured(FORMAT_NOTE)] = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's names before `structured_outputs`.
     guided_json: Schema | Spec | None = None
@@ -133,6 +142,16 @@ def _schema_guide(schema: Schema | str, source: str) -> Guide:
     return _bounded(Guide(GuideKind.JSON_SCHEMA, spec, source))
 
 
+def _strict(schema: Schema, strict: bool | None, source: str) -> Schema:
+    """A format's schema as `strict` reads it."""
+    if not strict:
+        return schema
+    try:
+        return close_objects(schema)
+    except SchemaTooDeep as e:
+        raise ApiError(400, f"'{source}': {e}", param=source, code="invalid_value") from None
+
+
 def _bounded(guide: Guide) -> Guide:
     size = len(guide.spec.encode())
     if size > MAX_GUIDE_BYTES:
@@ -153,9 +172,10 @@ def _format_guide(fmt: ResponseFormat | TextFormats | None, source: str) -> Guid
     if isinstance(fmt, JsonObjectFormat):
         return Guide(GuideKind.JSON_OBJECT, source=source)
     if isinstance(fmt, JsonSchemaFormat):
-        return _schema_guide(fmt.json_schema.schema, source)
+        schema = fmt.json_schema
+        return _schema_guide(_strict(schema.schema, schema.strict, source), source)
     if isinstance(fmt, TextJsonSchemaFormat):
-        return _schema_guide(fmt.schema, source)
+        return _schema_guide(_strict(fmt.schema, fmt.strict, source), source)
     return None
 
 

@@ -89,13 +89,15 @@ async def create_response(request: Request) -> Response:
     body = await request.body()
     req, items = parse_request(body, served_models(request))
     engine = _engine(request)
+    # Refused before any item reference costs the store a lookup.
+    use = tool_use(req, engine.single_tool_call)
     decoded = decode_request(body, req, await resolve_references(engine, items))
-    use = tool_use(req)
     if not engine.up:
         raise unavailable(engine.down_reason)
     registry = background_registry(request.app)
     sampling = sampling_params(req, engine.max_model_len)
-    params = response_params(decoded, rid, served_model(request), sampling)
+    params = response_params(decoded, rid, served_model(request), sampling,
+                             engine.single_tool_call)
     fmt = engine.tool_call_format
     submit = build_submit(decoded, params, sampling, t_submit, client_id, use, fmt)
     events = (ResponseEvents(params, use.parser(fmt, call_ids(fmt, rid)), use.custom) if use

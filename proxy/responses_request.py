@@ -23,8 +23,16 @@ from ipc.records import (
     ToolCallFormat,
 )
 from proxy.errors import ApiError
-from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, NO_PRIORITY, no_op, refused
-from proxy.guides import TextConfig, text_echo, text_guide
+from proxy.fields import (
+    CACHE_HINT,
+    END_USER,
+    LATENCY_HINT,
+    NO_PRIORITY,
+    honoured,
+    no_op,
+    refused,
+)
+from proxy.guides import FORMAT_NOTE, TextConfig, text_echo, text_guide
 from proxy.input_items import (
     InputItem,
     ItemReference,
@@ -47,7 +55,14 @@ from proxy.schemas import (
     decode_body,
 )
 from proxy.tool_calls import ToolUse
-from proxy.tool_requests import ResponsesTool, ResponsesToolChoice, responses_tool_use, tool_guide
+from proxy.tool_requests import (
+    PARALLEL_NOTE,
+    TOOLS_NOTE,
+    ResponsesTool,
+    ResponsesToolChoice,
+    responses_tool_use,
+    tool_guide,
+)
 
 # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
 Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
@@ -105,11 +120,12 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     safety_identifier: Annotated[str | None, no_op(
         END_USER, "u-1")] = None
     service_tier: Annotated[str | None, no_op(LATENCY_HINT, "auto")] = None
-    tools: list[ResponsesTool] | None = None
+    tools: Annotated[list[ResponsesTool] | None, honoured(TOOLS_NOTE)] = None
     tool_choice: ResponsesToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Annotated[bool | None, honoured(PARALLEL_NOTE)] = None
     max_tool_calls: Annotated[Any, refused("the number of calls is not capped", 3)] = None
-    text: TextConfig | None = None  # the output's format (proxy/guides.py)
+    # The output's format (proxy/guides.py).
+    text: Annotated[TextConfig | None, honoured(FORMAT_NOTE)] = None
     # Codex CLI asks for its reasoning items' encrypted content and for reasoning summaries on
     # every request: of a model that does not reason, both are nothing, so both ask for nothing.
     include: Annotated[Any, refused("nothing more can be included",
@@ -177,8 +193,9 @@ def decode_request(body: bytes, req: CreateResponse, items: str | list[InputItem
     return Decoded(req, messages, stored_items(items), spans, sent)
 
 
-def tool_use(req: CreateResponse) -> ToolUse | None:
-    return responses_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
+def tool_use(req: CreateResponse, single: bool = False) -> ToolUse | None:
+    """The request's tools; `single`: the chat template takes one call a turn."""
+    return responses_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, single)
 
 
 def check_conversation(req: CreateResponse) -> None:
@@ -206,24 +223,28 @@ _ECHOED = ("tools", "tool_choice", "parallel_tool_calls", "metadata", "truncatio
            "user", "safety_identifier", "prompt_cache_key", "top_logprobs")
 
 
-def request_echo(decoded: Decoded) -> dict[str, Any]:
+def request_echo(decoded: Decoded, single: bool = False) -> dict[str, Any]:
+    """`single`: the chat template takes one call a turn, which the echo says as
+    ``parallel_tool_calls: false`` (and a stored response's output is parsed again so)."""
     # Through JSON: the tools are kept as the client's raw JSON.
     req = decoded.req
     echo = {name: msgspec.json.decode(msgspec.json.encode(
                 decoded.tools if name == "tools" else getattr(req, name)))
             for name in _ECHOED if getattr(req, name) is not None}
     echo["text"] = text_echo(req.text)
+    if single and req.tools:
+        echo["parallel_tool_calls"] = False
     return echo
 
 
-def response_params(decoded: Decoded, rid: str, model: str,
-                    sampling: SamplingParams) -> ResponseParams:
+def response_params(decoded: Decoded, rid: str, model: str, sampling: SamplingParams,
+                    single: bool = False) -> ResponseParams:
     req = decoded.req
     return ResponseParams(
         id=rid, created_at=int(time.time()), model=model, instructions=req.instructions,
         previous_response_id=req.previous_response_id, background=req.background,
         store=req.store, temperature=sampling.temperature, top_p=sampling.top_p,
-        max_output_tokens=req.max_output_tokens, echo=request_echo(decoded),
+        max_output_tokens=req.max_output_tokens, echo=request_echo(decoded, single),
         conversation=req.conversation_id,
     )
 

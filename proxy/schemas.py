@@ -20,11 +20,12 @@ from proxy.fields import (
     LATENCY_HINT,
     NO_PRIORITY,
     check_refused,
+    honoured,
     no_op,
     refused,
 )
 from proxy.guides import GuidedFields, request_guide
-from proxy.tool_requests import ChatTool, ChatToolChoice
+from proxy.tool_requests import PARALLEL_NOTE, TOOLS_NOTE, ChatTool, ChatToolChoice
 
 T = TypeVar("T")
 
@@ -182,9 +183,9 @@ class ChatRequest(_Sampling, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[ChatTool] | None = None
+    tools: Annotated[list[ChatTool] | None, honoured(TOOLS_NOTE)] = None
     tool_choice: ChatToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Annotated[bool | None, honoured(PARALLEL_NOTE)] = None
     metadata: Annotated[dict[str, str] | None, no_op(
         "kept by OpenAI only for stored completions, which are not offered",
         {"k": "v"})] = None

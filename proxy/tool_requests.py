@@ -8,6 +8,12 @@ file_search, ...) are accepted and passed over: this server runs none of them.
 A function's ``parameters`` stay the JSON text the client sent (msgspec.Raw: never built into
 Python objects here); they travel to the daemon as that text, which renders them in the chat
 template, and into the grammar of a forced call.
+
+What a request's tools cost the proxy's loop (their checks here, a forced call's grammar) and the
+daemon (the template's prompt, the grammar's compile) is bounded whatever the body's size: at
+most MAX_TOOLS tools, each function's parameters at most MAX_GUIDE_BYTES, as a response
+format's schema, and as much together for the functions a grammar holds
+(proxy/tool_calls/grammar.py); the checks are linear in the tools.
 """
 
 from __future__ import annotations
@@ -20,7 +26,23 @@ import msgspec
 
 from ipc.records import Guide, ToolCallFormat, ToolFunction
 from proxy.errors import ApiError
+from proxy.guides import MAX_GUIDE_BYTES
 from proxy.tool_calls import ToolGrammarError, ToolUse
+
+# OpenAI's limit on a request's tools ("a max of 128 functions are supported"), which every
+# client written for it keeps; a namespace's functions count one each.
+MAX_TOOLS = 128
+
+# What docs/api.md says of the fields (proxy/fields.py's `honoured`).
+TOOLS_NOTE = (
+    f"at most {MAX_TOOLS} (a namespace's functions count one each), each function's "
+    f"`parameters` at most {MAX_GUIDE_BYTES} bytes, and those of the functions a grammar holds "
+    "(a forced call's, or calls beside a response format) as much together: 400 above; a "
+    "call's arguments follow its `parameters`, whose objects take only the properties they "
+    "list unless they say `additionalProperties` (OpenAI's strict reading, `strict` or not)")
+PARALLEL_NOTE = (
+    "where the model's chat template takes one call a turn (Llama 3.1 to 3.3's raise for "
+    "more), a turn holds one call whatever this says, and a Response object echoes `false`")
 
 # OpenAI's rule for function names (and so a safe word in a grammar).
 FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
@@ -56,6 +78,9 @@ def tool_function(name: str, description: str | None, parameters: msgspec.Raw | 
     """The record of one function; `param` names its ``parameters`` in errors."""
     if parameters is msgspec.UNSET:
         return ToolFunction(name, description)
+    if len(parameters) > MAX_GUIDE_BYTES:
+        raise ApiError(400, f"'{param}' is {len(parameters)} bytes, more than the server's limit "
+                       f"of {MAX_GUIDE_BYTES}", param=param, code="invalid_value")
     text = bytes(parameters).decode()
     if text.strip() == "null":
         return ToolFunction(name, description)
@@ -66,14 +91,16 @@ def tool_function(name: str, description: str | None, parameters: msgspec.Raw | 
 
 
 def resolve(functions: Sequence[ToolFunction], choice: ChoiceWord | None, named: str | None,
-            parallel: bool | None, param: str) -> ToolUse | None:
+            parallel: bool | None, param: str, single: bool = False) -> ToolUse | None:
     """The request's ToolUse (None: no tools); `named` is a named choice's function, `param`
-    names ``tools`` as the endpoint spells its functions' place."""
-    names = [f.name for f in functions]
-    duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if duplicate is not None:
-        raise ApiError(400, f"'{param}' names the function '{duplicate}' twice", param=param,
-                       code="invalid_value")
+    names ``tools`` as the endpoint spells its functions' place; `single`: the chat template
+    takes one call a turn, so one is all a turn may hold, whatever `parallel` says."""
+    seen: set[str] = set()
+    for function in functions:
+        if function.name in seen:
+            raise ApiError(400, f"'{param}' names the function '{function.name}' twice",
+                           param=param, code="invalid_value")
+        seen.add(function.name)
     if not functions:
         if named is not None or choice == "required":
             raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified",
@@ -88,17 +115,26 @@ def resolve(functions: Sequence[ToolFunction], choice: ChoiceWord | None, named:
         return ToolUse(tools, "required", forced, parallel=False)
     word = choice or "auto"
     return ToolUse(tools, word, tools if word == "required" else (),
-                   True if parallel is None else parallel)
+                   parallel is not False and not single)
+
+
+def check_count(count: int, param: str) -> None:
+    """A 400 naming `param` when a request offers more than MAX_TOOLS tools."""
+    if count > MAX_TOOLS:
+        raise ApiError(400, f"'{param}' holds {count} tools, more than the server's limit of "
+                       f"{MAX_TOOLS} (a namespace's functions count one each)", param=param,
+                       code="array_above_max_length")
 
 
 def chat_tool_use(tools: list[ChatTool] | None, choice: ChatToolChoice | None,
-                  parallel: bool | None) -> ToolUse | None:
+                  parallel: bool | None, single: bool = False) -> ToolUse | None:
+    check_count(len(tools or ()), "tools")
     functions = [tool_function(t.function.name, t.function.description, t.function.parameters,
                                f"tools[{i}].function.parameters")
                  for i, t in enumerate(tools or [])]
     named = choice.function.name if isinstance(choice, ChatNamedChoice) else None
     word = None if isinstance(choice, ChatNamedChoice) else choice
-    return resolve(functions, word, named, parallel, "tools")
+    return resolve(functions, word, named, parallel, "tools", single)
 
 
 def tool_guide(use: ToolUse, fmt: ToolCallFormat, content: Guide | None) -> Guide | None:
@@ -191,7 +227,9 @@ def custom_input(arguments: str) -> str:
 
 
 def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolChoice | None,
-                       parallel: bool | None) -> ToolUse | None:
+                       parallel: bool | None, single: bool = False) -> ToolUse | None:
+    check_count(sum(len(t.tools or ()) if t.type == "namespace" else 1 for t in tools or ()),
+                "tools")
     functions: list[ToolFunction] = []
     hosted = []
     grammars: dict[str, str] = {}  # custom tools with a grammar format: where it is
@@ -206,7 +244,7 @@ def responses_tool_use(tools: list[ResponsesTool] | None, choice: ResponsesToolC
                 grammars[functions[-1].name] = f"tools[{i}].format"
         else:
             functions.append(_function(tool, None, f"tools[{i}]"))
-    use = resolve(functions, *_choice(choice, hosted, functions), parallel, "tools")
+    use = resolve(functions, *_choice(choice, hosted, functions), parallel, "tools", single)
     if use is None:
         return None
     where = next((grammars[f.name] for f in use.forced if f.name in grammars), None)

@@ -20,7 +20,7 @@ from daemon.engine.sequence import Detokenizer, Sequence
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import Tokenizer
 from daemon.rejected import Rejected
-from ipc.records import AbortCause, Message, RequestKind, Submit, ToolFunction
+from ipc.records import AbortCause, Message, RequestKind, Submit, ToolCall, ToolFunction
 
 
 def render_prompts(submit: Submit, tokenizer: Tokenizer,
@@ -60,6 +60,29 @@ def chat_text(tokenizer: Tokenizer, messages: list[Message], tools: list[ToolFun
     except Exception as e:  # a template may raise anything (jinja2's raise_exception, ...)
         raise Rejected(f"messages cannot be rendered by the chat template: {e}",
                        param="messages") from None
+
+
+# A turn of one call and one of two, as a probe of the template: ids of nine letters and digits,
+# which Mistral's templates require.
+_PROBE_TOOL = ToolFunction("probe", "A probe.", '{"type": "object", "properties": {}}')
+_PROBE_CALLS = [ToolCall(f"call{i}abcd", "probe", "{}") for i in range(2)]
+
+
+def single_tool_call(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template renders an assistant turn of one tool call but refuses one of
+    two (Llama 3.1 to 3.3's raise "This model only supports single tool-calls at once!"): then
+    the model is never asked for more than one call a turn, since a turn of several could not
+    be sent back. False when the template renders neither: nothing is known of it."""
+    def renders(calls: list[ToolCall]) -> bool:
+        turns = [Message("user", "Probe."), Message("assistant", None, calls),
+                 *(Message("tool", "{}", tool_call_id=c.id) for c in calls)]
+        try:
+            chat_text(tokenizer, turns, [_PROBE_TOOL])
+        except Rejected:
+            return False
+        return True
+
+    return renders(_PROBE_CALLS[:1]) and not renders(_PROBE_CALLS)
 
 
 def template_message(message: Message) -> dict[str, Any]:

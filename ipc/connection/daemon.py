@@ -50,6 +50,7 @@ class ModelInfo:
     max_model_len: int
     tensor_parallel_size: int = 1
     tool_call_format: ToolCallFormat = ToolCallFormat.HERMES
+    single_tool_call: bool = False  # the chat template takes one call a turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,8 @@ class DaemonConnection:
             out.append(Connected(epoch))
         model = self.model
         out.append(Welcome(PROTOCOL_VERSION, os.getpid(), model.name, model.max_model_len,
-                           epoch, rec.nonce, model.tensor_parallel_size, model.tool_call_format))
+                           epoch, rec.nonce, model.tensor_parallel_size, model.tool_call_format,
+                           model.single_tool_call))
         return out
 
     def _goodbye(self, rec: Goodbye) -> list[Goodbye]:

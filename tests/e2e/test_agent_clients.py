@@ -46,7 +46,7 @@ class Report(BaseModel):
     unit: Literal["celsius", "fahrenheit"]
 
 
-def _agent(server: Server, api: str, ran: list[str]) -> Agent[Any]:
+def _agent(server: Server, api: str, ran: list[str], model_name: str = MODEL) -> Agent[Any]:
     """An agent whose tool is forced on its first turn and offered only until it has run: after
     a call the SDK resets tool_choice to auto (reset_tool_choice), and random weights choosing
     freely between another call and the answer could call until the context is full."""
@@ -61,8 +61,8 @@ def _agent(server: Server, api: str, ran: list[str]) -> Agent[Any]:
         return "sunny, 21C"
 
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    model: Any = (OpenAIResponsesModel(MODEL, client) if api == "responses"
-                  else OpenAIChatCompletionsModel(MODEL, client))
+    model: Any = (OpenAIResponsesModel(model_name, client) if api == "responses"
+                  else OpenAIChatCompletionsModel(model_name, client))
     # Hosted tools are accepted and never offered on Responses; the SDK refuses them on chat.
     hosted = [WebSearchTool()] if api == "responses" else []
     return Agent(name="weather", instructions="Look the weather up, then report it.",

@@ -147,6 +147,51 @@ def test_the_clients_stream_helper_parses_the_calls(client: openai.OpenAI) -> No
     assert final.choices[0].finish_reason == "tool_calls" and _valid_calls(final.choices[0].message)
 
 
+def test_open_objects_take_only_the_properties_they_list(client: openai.OpenAI) -> None:
+    """A zero-argument tool as the `llm` CLI sends one, and parameters without
+    additionalProperties: random weights forced to call them write no key nobody listed (before,
+    `{"e>ف…": 0}`); a strict response format's objects likewise."""
+    open_tools: list[Any] = [
+        {"type": "function", "function": {"name": "now", "parameters": {
+            "type": "object", "properties": {}}}},
+        {"type": "function", "function": {"name": "where", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}}}]
+    for seed in range(12):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=open_tools, n=2,
+                                           tool_choice="required", max_tokens=80, seed=seed,
+                                           temperature=1.0, parallel_tool_calls=False)
+        for choice in r.choices:
+            [call] = choice.message.tool_calls or []
+            arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+            listed = {"now": set(), "where": {"city"}}[call.function.name]  # type: ignore[union-attr]
+            assert set(arguments) <= listed, (seed, call)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}}
+    strict = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                     "strict": True}}
+    for seed in range(6):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=strict,  # type: ignore[arg-type]
+                                           max_tokens=40, seed=seed, temperature=1.0, n=2)
+        for choice in r.choices:
+            assert set(json.loads(choice.message.content or "")) <= {"a"}, (seed, choice)
+
+
+def test_a_streamed_call_turn_adds_up_to_the_collected_message(client: openai.OpenAI) -> None:
+    """As OpenAI streams a tool-call turn: the first delta has the role and `content: null`, so
+    the openai client's stream helper ends with the collected message's null content (before:
+    "", from a first delta of `content: ""`)."""
+    body: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0,
+                            "tool_choice": "required", "max_tokens": 200}
+    collected = client.chat.completions.create(**body).choices[0].message
+    first = next(iter(client.chat.completions.create(**body, stream=True))).choices[0].delta
+    assert first.role == "assistant" and first.content is None
+    assert "content" in first.model_fields_set  # said, as null
+    with client.chat.completions.stream(**body) as events:
+        streamed = events.get_final_completion().choices[0].message
+    assert collected.content is None and streamed.content is None
+    assert [(c["name"], c["arguments"]) for c in _calls(streamed)] == [
+        (c["name"], c["arguments"]) for c in _calls(collected)]
+
+
 @pytest.fixture(scope="module")
 def merging_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Deltas merged 8 tokens to an event, and paused by flow control after 4 unread."""

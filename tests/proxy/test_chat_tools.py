@@ -39,6 +39,15 @@ def test_a_stream_names_each_call_once_then_streams_its_arguments() -> None:
     assert len(events) < len(TEXT)  # the text held while the call's head was read sends nothing
 
 
+def test_a_turn_that_opens_with_a_call_says_null_content_first() -> None:
+    """As OpenAI's first delta of a tool-call turn: the role and `content: null`, then the
+    call (a client adding the deltas up ends with null, as the collected message has)."""
+    events = stream(list(TEXT[3:]))
+    first = events[0]["choices"][0]["delta"]
+    assert first == {"role": "assistant", "content": None}
+    assert all("content" not in e["choices"][0]["delta"] for e in events[1:])
+
+
 def test_held_text_still_carries_its_token_ids() -> None:
     events = stream(list(TEXT), token_ids=True)
     assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1]) == len(TEXT)

@@ -19,12 +19,26 @@ from tests.support.peer import Peer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 SPEC = json.dumps(SCHEMA, separators=(",", ":"))
+# As a strict format reads it: its objects take only the properties they list.
+CLOSED = json.dumps({**SCHEMA, "additionalProperties": False}, separators=(",", ":"))
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def chat_guide(**fields: Any) -> Guide | None:
     body = json.dumps({"messages": MESSAGES, **fields}).encode()
     return request_guide(decode_body(body, ChatRequest))
+
+
+def test_a_strict_formats_objects_take_only_the_properties_they_list() -> None:
+    def fmt(strict: bool | None) -> dict[str, Any]:
+        return {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA,
+                                                       "strict": strict}}
+
+    assert chat_guide(response_format=fmt(True)) == Guide(
+        GuideKind.JSON_SCHEMA, CLOSED, "response_format")
+    for strict in (False, None):  # JSON Schema's own reading: others allowed
+        assert chat_guide(response_format=fmt(strict)) == Guide(
+            GuideKind.JSON_SCHEMA, SPEC, "response_format")
 
 
 def refusal(**fields: Any) -> ApiError:
@@ -37,7 +51,7 @@ def refusal(**fields: Any) -> ApiError:
 def test_every_spelling_becomes_its_guide_named_by_its_field() -> None:
     cases = {
         "response_format": ({"type": "json_schema", "json_schema": {
-            "name": "thing", "schema": SCHEMA, "strict": True}}, GuideKind.JSON_SCHEMA, SPEC),
+            "name": "thing", "schema": SCHEMA}}, GuideKind.JSON_SCHEMA, SPEC),
         "structured_outputs": ({"regex": "[0-9]+"}, GuideKind.REGEX, "[0-9]+"),
         "guided_json": (SCHEMA, GuideKind.JSON_SCHEMA, SPEC),
         "guided_regex": ("a|b", GuideKind.REGEX, "a|b"),
@@ -132,8 +146,8 @@ def responses_text(text: Any) -> CreateResponse:
 def test_text_format_is_the_responses_guide_and_is_echoed() -> None:
     fmt = {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}
     req = responses_text({"format": fmt, "verbosity": "low"})
-    assert text_guide(req.text) == Guide(GuideKind.JSON_SCHEMA, SPEC, "text.format")
-    assert text_echo(req.text) == {"format": fmt, "verbosity": "low"}
+    assert text_guide(req.text) == Guide(GuideKind.JSON_SCHEMA, CLOSED, "text.format")
+    assert text_echo(req.text) == {"format": fmt, "verbosity": "low"}  # as the client sent it
     req = responses_text({"format": {"type": "json_object"}})
     assert text_guide(req.text) == Guide(GuideKind.JSON_OBJECT, source="text.format")
     for text in ({"format": {"type": "text"}}, {"verbosity": "high"}):
@@ -166,7 +180,7 @@ async def test_a_response_echoes_its_text_format(client: httpx.AsyncClient, peer
                                                  "text": text})
     assert r.status_code == 200, r.text
     assert r.json()["text"] == text
-    assert peer.submits[-1].sampling.guide == Guide(GuideKind.JSON_SCHEMA, SPEC, "text.format")
+    assert peer.submits[-1].sampling.guide == Guide(GuideKind.JSON_SCHEMA, CLOSED, "text.format")
     r = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3,
                                                  "stream": True, "text": text})
     events = [msgspec.json.decode(line[6:]) for line in r.text.splitlines()

@@ -3,16 +3,26 @@ resolved into what the output may be."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
 import pytest
 
-from ipc.records import ToolFunction
+from ipc.records import ToolCallFormat, ToolFunction
 from proxy.errors import ApiError
+from proxy.guides import MAX_GUIDE_BYTES
 from proxy.responses_request import request_echo, tool_use
 from proxy.schemas import ChatRequest, decode_body
-from proxy.tool_requests import CUSTOM_PARAMETERS, call_name, chat_tool_use, custom_input
+from proxy.tool_requests import (
+    CUSTOM_PARAMETERS,
+    MAX_TOOLS,
+    call_name,
+    chat_tool_use,
+    custom_input,
+    resolve,
+    tool_guide,
+)
 from tests.proxy.test_input_items import _decoded
 
 ASK = [{"role": "user", "content": "hi"}]
@@ -46,6 +56,20 @@ def test_tools_resolve_to_what_the_output_may_be() -> None:
     assert [t.name for t in named.forced] == ["put"] and named.choice == "required"
     assert use_of(tools=[GET], tool_choice="none").parsed is False
     assert use_of() is None and use_of(tools=[], tool_choice="none") is None
+
+
+def test_a_template_of_one_call_a_turn_is_asked_for_one() -> None:
+    """Whatever parallel_tool_calls says, where the daemon's Welcome says the chat template
+    takes one call a turn; a Response object echoes it as false."""
+    for parallel in (None, True):
+        req = decode_body(orjson.dumps({"messages": ASK, "tools": [GET],
+                                        "parallel_tool_calls": parallel}), ChatRequest)
+        assert not chat_tool_use(req.tools, "required", req.parallel_tool_calls, True).parallel
+    body = orjson.dumps({"input": "hi", "tools": [R_GET], "parallel_tool_calls": True})
+    decoded = _decoded(body, ("m",))
+    assert not tool_use(decoded.req, single=True).parallel
+    assert request_echo(decoded, single=True)["parallel_tool_calls"] is False
+    assert request_echo(decoded)["parallel_tool_calls"] is True
 
 
 def test_what_openai_refuses_is_a_400_naming_the_field() -> None:
@@ -193,3 +217,62 @@ def test_responses_tools_refused_are_a_400_naming_the_field(
         responses_use_of(**body)
     assert (info.value.status, info.value.param) == (400, param)
     assert words in info.value.message
+
+
+# --- what a request's tools may cost (issue 34, item 11) ---------------------------------------
+
+
+def _functions(count: int) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": f"f{i}"}} for i in range(count)]
+
+
+def test_more_tools_than_openai_allows_are_a_400_naming_the_limit() -> None:
+    assert len(use_of(tools=_functions(MAX_TOOLS)).tools) == MAX_TOOLS == 128
+    e = refused(tools=_functions(MAX_TOOLS + 1))
+    assert e.param == "tools" and f"{MAX_TOOLS + 1} tools" in e.message
+    assert str(MAX_TOOLS) in e.message and e.code == "array_above_max_length"
+    # On Responses a namespace's functions count one each, and so do hosted tools.
+    members = [{"type": "function", "name": f"f{i}"} for i in range(MAX_TOOLS)]
+    group = {"type": "namespace", "name": "n", "tools": members}
+    assert len(responses_use_of(tools=[group]).tools) == MAX_TOOLS
+    for tools in ([group, R_GET], [group, {"type": "web_search"}]):
+        with pytest.raises(ApiError) as info:
+            responses_use_of(tools=tools)
+        assert info.value.param == "tools" and str(MAX_TOOLS) in info.value.message
+
+
+def test_parameters_over_a_guides_limit_are_a_400_naming_them() -> None:
+    fits = {"type": "object", "description": "x" * (MAX_GUIDE_BYTES - 100)}
+    over = {"type": "object", "description": "x" * MAX_GUIDE_BYTES}
+    assert use_of(tools=[{"type": "function", "function": {"name": "f", "parameters": fits}}])
+    e = refused(tools=[PUT, {"type": "function", "function": {"name": "f", "parameters": over}}])
+    assert e.param == "tools[1].function.parameters" and str(MAX_GUIDE_BYTES) in e.message
+    with pytest.raises(ApiError) as info:
+        responses_use_of(tools=[{"type": "function", "name": "f", "parameters": over}])
+    assert info.value.param == "tools[0].parameters"
+
+
+def test_the_grammar_of_forced_calls_is_bounded_as_a_guide() -> None:
+    """Each function within its limit, together more than one grammar may be: refused before
+    any of it is built (the daemon's compile would refuse it seconds later)."""
+    third = {"type": "object", "description": "x" * (MAX_GUIDE_BYTES // 3)}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": third}}
+             for i in range(4)]
+    use = use_of(tools=tools, tool_choice="required")
+    with pytest.raises(ApiError) as info:
+        tool_guide(use, ToolCallFormat.HERMES, None)
+    assert info.value.param == "tools" and str(MAX_GUIDE_BYTES) in info.value.message
+    named = use_of(tools=tools, tool_choice={"type": "function", "function": {"name": "f2"}})
+    assert tool_guide(named, ToolCallFormat.HERMES, None) is not None  # one of them fits
+    assert tool_guide(use_of(tools=tools), ToolCallFormat.HERMES, None) is None  # auto: none
+
+
+def test_names_are_checked_in_linear_time() -> None:
+    """60,000 functions (a body of them is under the size limit): each name looked up once,
+    not against every name before it (minutes, on the proxy's loop)."""
+    functions = [ToolFunction(f"f{i}") for i in range(60_000)]
+    t0 = time.monotonic()
+    assert resolve(functions, None, None, None, "tools") is not None
+    with pytest.raises(ApiError, match="'f0' twice"):
+        resolve([*functions, ToolFunction("f0")], None, None, None, "tools")
+    assert time.monotonic() - t0 < 5.0  # ~0.05 s here; the quadratic check took minutes

@@ -4,6 +4,7 @@ assert that every one of them completed (status 200, no error event, ``[DONE]`` 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ class StreamResult:
     events: int = 0
     done: bool = False  # the stream ended with [DONE]
     error: str | None = None  # an error event, a non-200 body, or the client's exception
+    max_gap_s: float = 0.0  # the longest wait between two events, after the first
 
     @property
     def ok(self) -> bool:
@@ -36,12 +38,17 @@ def stream_once(url: str, path: str, body: dict[str, Any], headers: dict[str, st
             if r.status_code != 200:
                 result.error = r.read().decode(errors="replace")
                 return result
+            last = None
             for line in r.iter_lines():
                 if line == "data: [DONE]":
                     result.done = True
                 event = sse_json(line)
                 if event is None:
                     continue
+                now = time.monotonic()
+                if last is not None:
+                    result.max_gap_s = max(result.max_gap_s, now - last)
+                last = now
                 result.events += 1
                 if "error" in event:
                     result.error = orjson.dumps(event).decode()

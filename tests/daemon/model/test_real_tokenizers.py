@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from daemon.engine.admission import single_tool_call
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import ChatTemplateError, HFTokenizer, IncrementalDetokenizer
 from tests.support.real_tokenizers import FAMILIES, chat_templates, reference, tokenizer_dir
@@ -249,6 +250,19 @@ def test_every_llama_cpp_template_renders_as_transformers() -> None:
             if mine != theirs:
                 mismatched[name] = (messages, mine, theirs)
     assert not mismatched, mismatched
+
+
+def test_the_templates_that_take_one_call_a_turn_are_found() -> None:
+    """Llama 3.1 to 3.3's raise for an assistant turn of several calls: found by rendering a
+    turn of one and one of two, so the proxy never asks such a model for two. Every other
+    template of the seventy takes several, or renders no call at all (nothing is known)."""
+    pair = load("qwen2")
+    single = {name for name, source in chat_templates().items()
+              if single_tool_call(HFTokenizer(pair.ours._tok, source,
+                                              **pair.ours.template_tokens))}
+    assert single == {"meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
+                      "meta-llama-Llama-3.3-70B-Instruct"}
+    assert all("only supports single tool-calls" in chat_templates()[name] for name in single)
 
 
 # ---- tools: offered, called and answered, rendered as transformers renders them

@@ -53,13 +53,40 @@ def test_forced_calls_always_validate(grammars: Grammars, schemas: list[dict[str
         jsonschema.validate(json.loads(arguments), by_name[name])
 
 
-def test_a_function_without_parameters_takes_any_object(grammars: Grammars) -> None:
-    guide = ToolUse((tool("now", None),), "required", (tool("now", None),)).guide(
-        ToolCallFormat.HERMES, None)
+def _forced_arguments(grammars: Grammars, schema: dict[str, Any] | None,
+                      seeds: range) -> list[Any]:
+    """The arguments of a forced call of a function of `schema`, sampled from random logits."""
+    fn = tool("f", schema)
+    guide = ToolUse((fn,), "required", (fn,), parallel=False).guide(ToolCallFormat.HERMES, None)
     assert guide is not None
-    text, ended = generate(grammars, guide, 64, seed=3)
-    _, calls = merged(parse(ToolCallFormat.HERMES, [text], ("now",)))
-    assert ended and isinstance(json.loads(calls[0][2]), dict)
+    out = []
+    for seed in seeds:
+        text, ended = generate(grammars, guide, 80, seed)
+        _, calls = merged(parse(ToolCallFormat.HERMES, [text], ("f",)))
+        assert ended and len(calls) == 1, text
+        out.append(json.loads(calls[0][2]))
+    return out
+
+
+def test_a_function_of_no_parameters_is_called_with_none(grammars: Grammars) -> None:
+    """As OpenAI reads them, and as the `llm` CLI's zero-argument tools send them: a weak model
+    fills an open object with junk keys, which the function cannot take."""
+    for schema in (None, {"type": "object", "properties": {}}, {"type": "object"}):
+        assert _forced_arguments(grammars, schema, range(24)) == [{}] * 24, schema
+
+
+def test_arguments_hold_only_the_properties_listed(grammars: Grammars) -> None:
+    point = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"at": point, "tags": {
+        "type": "array", "items": point, "maxItems": 2}}}
+    for arguments in _forced_arguments(grammars, schema, range(24)):
+        assert set(arguments) <= {"at", "tags"}, arguments
+        for inner in [arguments.get("at", {}), *arguments.get("tags", [])]:
+            assert set(inner) <= {"x", "y"}, arguments
+    free = {"type": "object", "properties": {"meta": {"type": "object",
+                                                      "additionalProperties": True}}}
+    extra = [a for a in _forced_arguments(grammars, free, range(24)) if a.get("meta")]
+    assert extra  # what a schema says of other properties stands
 
 
 def test_auto_with_a_response_format_is_calls_or_that_content(grammars: Grammars) -> None:
