@@ -17,7 +17,13 @@ from daemon.model.config import ConfigError, ModelConfig
 from daemon.model.decoder import DecoderLM
 from daemon.model.gguf_file import GGUFError, GGUFFile
 from daemon.model.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
-from daemon.model.loader import LoadedModel, ModelLoadError, _check_shardable, _sources
+from daemon.model.loader import (
+    LoadedModel,
+    ModelLoadError,
+    _check_shardable,
+    _sources,
+    generation_defaults,
+)
 from daemon.model.parallel.group import TPGroup
 from daemon.model.parallel.layers import shard_of
 
@@ -62,7 +68,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype,
     except (GGUFError, GGUFTokenizerError) as e:
         raise ModelLoadError(str(e)) from e
     return LoadedModel(config, model.eval(), tokenizer, file.name, config.max_model_len,
-                       generation_defaults=file.sampling_defaults())
+                       generation_defaults=generation_defaults(file.sampling_defaults(), path))
 
 
 class _Names(Collection[str]):

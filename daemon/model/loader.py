@@ -13,6 +13,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from safetensors import safe_open
 
@@ -29,6 +30,7 @@ from daemon.model.tokenizer import (
     TokenizerLoadError,
     read_json_object,
 )
+from ipc.records import GenerationDefaults
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "pick_device", "pick_dtype"]
 
@@ -48,9 +50,10 @@ class LoadedModel:
     name: str  # the model id reported to clients
     max_model_len: int
     kernels: str = "torch"  # what the forward pass runs on: 'cpu', 'triton' or 'torch'
-    # The model's own sampling defaults (generation_config.json, GGUF's general.sampling.*),
-    # by SamplingParams field: what a request that omits the field gets.
-    generation_defaults: dict[str, float | int] = dataclasses.field(default_factory=dict)
+    # The model's own sampling defaults (generation_config.json, GGUF's general.sampling.*):
+    # what a request that omits the field gets.
+    generation_defaults: GenerationDefaults = dataclasses.field(
+        default_factory=GenerationDefaults)
 
 
 def builtin_config(name: str) -> ModelConfig:
@@ -167,7 +170,22 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype,
     _check_shardable(path / "config.json", config, group)
     model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
     load_weights_(model, path)
-    return LoadedModel(config, model.eval(), tokenizer, path.name, config.max_model_len)
+    return LoadedModel(config, model.eval(), tokenizer, path.name, config.max_model_len,
+                       generation_defaults=generation_defaults(
+                           generation, path / "generation_config.json"))
+
+
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(values: dict[str, Any], where: object) -> GenerationDefaults:
+    """The sampling defaults a model states (GenerationDefaults' fields; others ignored), or a
+    ModelLoadError naming the one outside what a request may ask for."""
+    try:
+        return msgspec.convert({k: v for k, v in values.items() if k in GENERATION_FIELDS},
+                               GenerationDefaults)
+    except msgspec.ValidationError as e:
+        raise ModelLoadError(f"{where}: the model's sampling default {e}") from e
 
 
 def _read_json(file: Path, required: bool = True) -> dict[str, Any]:

