@@ -9,6 +9,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from daemon.engine.core import Engine, Runner
 from daemon.engine.grammar import Grammars
 from daemon.engine.guided import Guidance
@@ -151,11 +153,17 @@ def _build_runner(options: ModelOptions) -> tuple[Built, Ranks | None]:
     except (ModelLoadError, ConfigError, StartError, OSError) as e:
         raise ValueError(str(e)) from e
     log.info("forward pass on %s kernels", loaded.kernels)
-    if loaded.generation_defaults != GenerationDefaults():
+    try:
+        defaults = msgspec.convert(loaded.generation_defaults, GenerationDefaults)
+    except msgspec.ValidationError as e:
+        if ranks is not None:
+            ranks.close()
+        raise ValueError(f"{options.model}: the model's sampling default {e} (a request could "
+                         "not ask for it)") from e
+    if loaded.generation_defaults:
         log.info("the model's sampling defaults, for requests that omit them: %s",
                  loaded.generation_defaults)
-    return (runner, loaded.tokenizer, loaded.name, loaded.max_model_len,
-            loaded.generation_defaults), ranks
+    return (runner, loaded.tokenizer, loaded.name, loaded.max_model_len, defaults), ranks
 
 
 def _install_signals(server: DaemonServer) -> dict[int, Callable[..., object] | int | None]:

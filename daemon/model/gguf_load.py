@@ -68,7 +68,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype,
     except (GGUFError, GGUFTokenizerError) as e:
         raise ModelLoadError(str(e)) from e
     return LoadedModel(config, model.eval(), tokenizer, file.name, config.max_model_len,
-                       generation_defaults=generation_defaults(file.sampling_defaults(), path))
+                       generation_defaults=generation_defaults(file.sampling_defaults()))
 
 
 class _Names(Collection[str]):

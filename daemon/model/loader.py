@@ -13,7 +13,6 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 from safetensors import safe_open
 
@@ -30,7 +29,6 @@ from daemon.model.tokenizer import (
     TokenizerLoadError,
     read_json_object,
 )
-from ipc.records import GenerationDefaults
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "pick_device", "pick_dtype"]
 
@@ -50,10 +48,10 @@ class LoadedModel:
     name: str  # the model id reported to clients
     max_model_len: int
     kernels: str = "torch"  # what the forward pass runs on: 'cpu', 'triton' or 'torch'
-    # The model's own sampling defaults (generation_config.json, GGUF's general.sampling.*):
-    # what a request that omits the field gets.
-    generation_defaults: GenerationDefaults = dataclasses.field(
-        default_factory=GenerationDefaults)
+    # The model's own sampling defaults (generation_config.json, GGUF's general.sampling.*),
+    # by SamplingParams field: what a request that omits the field gets (the daemon checks
+    # them against what a request may ask for: ipc.records.GenerationDefaults).
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def builtin_config(name: str) -> ModelConfig:
@@ -171,21 +169,15 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype,
     model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
     load_weights_(model, path)
     return LoadedModel(config, model.eval(), tokenizer, path.name, config.max_model_len,
-                       generation_defaults=generation_defaults(
-                           generation, path / "generation_config.json"))
+                       generation_defaults=generation_defaults(generation))
 
 
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def generation_defaults(values: dict[str, Any], where: object) -> GenerationDefaults:
-    """The sampling defaults a model states (GenerationDefaults' fields; others ignored), or a
-    ModelLoadError naming the one outside what a request may ask for."""
-    try:
-        return msgspec.convert({k: v for k, v in values.items() if k in GENERATION_FIELDS},
-                               GenerationDefaults)
-    except msgspec.ValidationError as e:
-        raise ModelLoadError(f"{where}: the model's sampling default {e}") from e
+def generation_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a model states, by SamplingParams field (others ignored)."""
+    return {k: v for k, v in values.items() if k in GENERATION_FIELDS and v is not None}
 
 
 def _read_json(file: Path, required: bool = True) -> dict[str, Any]:
