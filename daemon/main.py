@@ -9,6 +9,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from daemon.engine.admission import single_tool_call
 from daemon.engine.core import Engine, Runner
 from daemon.engine.grammar import Grammars
@@ -20,7 +22,7 @@ from daemon.responses.conversations import ConversationLimits
 from daemon.responses.store import ResponseStore, StoreError
 from daemon.server import DaemonServer, Notify
 from ipc.pipes import DaemonPipes, EpochCounter, PipeError, inherited_fifos
-from ipc.records import ToolCallFormat
+from ipc.records import GenerationDefaults, ToolCallFormat
 
 if TYPE_CHECKING:
     from daemon.model.parallel.group import Ranks
@@ -45,7 +47,7 @@ def run(options: DaemonOptions, notify: Notify | None = None) -> int:
 
 def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: Notify | None,
            t0: float) -> int:
-    runner, tokenizer, name, max_model_len = built
+    runner, tokenizer, name, max_model_len, defaults = built
     o = options.store
     try:
         limits = ConversationLimits(o.max_conversations, o.conversation_max_age_s,
@@ -88,7 +90,8 @@ def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: No
                           epochs=EpochCounter(epoch_file), tensor_parallel_size=size,
                           tool_call_format=_tool_call_format(options.tool_call_parser,
                                                              tokenizer),
-                          single_tool_call=_single_tool_call(tokenizer))
+                          single_tool_call=_single_tool_call(tokenizer),
+                          generation_defaults=defaults)
     if ranks is not None:
         ranks.watch(server.fail)
     previous = _install_signals(server)
@@ -120,7 +123,8 @@ def _single_tool_call(tokenizer: Tokenizer) -> bool:
     return single
 
 
-Built = tuple[Runner, Tokenizer, str, int]  # runner, tokenizer, model name, max model length
+# runner, tokenizer, model name, max model length, the model's sampling defaults
+Built = tuple[Runner, Tokenizer, str, int, GenerationDefaults]
 
 
 def _build_runner(options: ModelOptions) -> tuple[Built, Ranks | None]:
@@ -144,7 +148,7 @@ def _build_runner(options: ModelOptions) -> tuple[Built, Ranks | None]:
         torch.set_num_threads(threads_per_rank(options.threads, 1))
         tokenizer = sim.SimTokenizer()
         return (sim.SimRunner(tokenizer, options.kv_cache_blocks, tick_s), tokenizer,
-                options.model, sim.SIM_MAX_MODEL_LEN), None
+                options.model, sim.SIM_MAX_MODEL_LEN, GenerationDefaults()), None
     from daemon.model.config import ConfigError
     from daemon.model.loader import ModelLoadError
     from daemon.model.parallel.group import StartError
@@ -158,7 +162,17 @@ def _build_runner(options: ModelOptions) -> tuple[Built, Ranks | None]:
     except (ModelLoadError, ConfigError, StartError, OSError) as e:
         raise ValueError(str(e)) from e
     log.info("forward pass on %s kernels", loaded.kernels)
-    return (runner, loaded.tokenizer, loaded.name, loaded.max_model_len), ranks
+    try:
+        defaults = msgspec.convert(loaded.generation_defaults, GenerationDefaults)
+    except msgspec.ValidationError as e:
+        if ranks is not None:
+            ranks.close()
+        raise ValueError(f"{options.model}: the model's sampling default {e} (a request could "
+                         "not ask for it)") from e
+    if loaded.generation_defaults:
+        log.info("the model's sampling defaults, for requests that omit them: %s",
+                 loaded.generation_defaults)
+    return (runner, loaded.tokenizer, loaded.name, loaded.max_model_len, defaults), ranks
 
 
 def _install_signals(server: DaemonServer) -> dict[int, Callable[..., object] | int | None]:

@@ -38,7 +38,18 @@ from ipc.pipes import (
     ModelInfo,
     Stale,
 )
-from ipc.records import Abort, AbortCause, Error, Goodbye, Pause, Resume, Submit, ToolCallFormat, Welcome
+from ipc.records import (
+    Abort,
+    AbortCause,
+    Error,
+    GenerationDefaults,
+    Goodbye,
+    Pause,
+    Resume,
+    Submit,
+    ToolCallFormat,
+    Welcome,
+)
 from ipc.response_records import ResponseOp, ResponseOpKind, ResponseReply
 from ipc.wire import ToProxy
 
@@ -64,7 +75,8 @@ class DaemonServer:
                  clock: Callable[[], float] = time.monotonic,
                  epochs: EpochCounter | None = None, tensor_parallel_size: int = 1,
                  tool_call_format: ToolCallFormat = ToolCallFormat.HERMES,
-                 single_tool_call: bool = False) -> None:
+                 single_tool_call: bool = False,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         self.engine = engine
         self.pipes = pipes
         self.store = store
@@ -73,7 +85,9 @@ class DaemonServer:
         self.clock = clock
         self.connection = DaemonConnection(
             pipes, ModelInfo(engine.model_name, engine.max_model_len, tensor_parallel_size,
-                             tool_call_format, single_tool_call), epochs)
+                             tool_call_format, single_tool_call,
+                             generation_defaults or GenerationDefaults()),
+            epochs)
         self.stop_deadline: float | None = None
         # Set (from any thread) when the daemon cannot go on, e.g. a tensor-parallel rank died.
         self.failure: str | None = None

@@ -25,7 +25,7 @@ import msgspec
 # 11: conversations (ResponseOp CONVERSATION_* on the requests pipe, ResponseFields.conversation)
 # 12: ResponseFields.echo / StoredResponse.echo (the request fields a Response object echoes),
 # Stats.grammar_pending
-# 13: Welcome.single_tool_call
+# 13: Welcome.single_tool_call, Welcome.generation_defaults (the model's own sampling defaults)
 PROTOCOL_VERSION = 13
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
@@ -294,6 +294,18 @@ class Resume(msgspec.Struct, tag=Kind.RESUME.value, tag_field="k"):
 # --- daemon -> proxy: tokens pipe ---------------------------------------------------------------
 
 
+class GenerationDefaults(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The model's own sampling defaults (generation_config.json, GGUF's general.sampling.*), as
+    vLLM's --generation-config auto takes them: what a request that omits the field gets. None:
+    the model says nothing, and the API's default holds."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # 0 and -1: no top-k
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+
+
 class Welcome(msgspec.Struct, tag=Kind.WELCOME.value, tag_field="k"):
     version: int
     pid: int
@@ -306,6 +318,7 @@ class Welcome(msgspec.Struct, tag=Kind.WELCOME.value, tag_field="k"):
     # The chat template takes one tool call a turn (it raises for more, as Llama 3.1's does):
     # the proxy asks for one whatever parallel_tool_calls says.
     single_tool_call: bool = False
+    generation_defaults: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
 
 
 class Admitted(msgspec.Struct, tag=Kind.ADMITTED.value, tag_field="k"):

@@ -235,4 +235,6 @@ class Health(msgspec.Struct):
     model: str | None = None
     max_model_len: int | None = None
     tensor_parallel_size: int | None = None  # ranks the daemon runs the model on
+    # The model's sampling defaults a request that omits them gets (ipc.records.GenerationDefaults)
+    generation_defaults: dict[str, float] | None = None
     reason: str | None = None

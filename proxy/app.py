@@ -7,6 +7,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -99,7 +100,9 @@ async def health(request: Request) -> Response:
     if engine.up:
         return JSONResponse({"status": "ok", "model": engine.model,
                              "max_model_len": engine.max_model_len,
-                             "tensor_parallel_size": engine.tensor_parallel_size})
+                             "tensor_parallel_size": engine.tensor_parallel_size,
+                             "generation_defaults": msgspec.to_builtins(
+                                 engine.generation_defaults)})
     return JSONResponse({"status": "unavailable", "reason": engine.down_reason}, status_code=503)
 
 

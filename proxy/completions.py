@@ -89,7 +89,8 @@ def _completion(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wa
     check_completion(req)
     check_model(req.model, served_models(request))
     engine: EngineClient = request.app.state.engine
-    sampling = sampling_params(req, req.max_tokens, "max_tokens", engine.max_model_len)
+    sampling = sampling_params(req, req.max_tokens, "max_tokens", engine.max_model_len,
+                               engine.generation_defaults)
     _check_size(request, req, req.num_prompts, sampling, "max_tokens")
     submit = Submit(rid=begun.rid, kind=RequestKind.COMPLETION, sampling=sampling,
                     n=req.n, prompts=req.prompts, prompt_ids=req.prompt_ids,
@@ -106,7 +107,8 @@ def _chat(request: Request, begun: Begun, body: bytes) -> tuple[Submit, Wants]:
     max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, param = req.max_tokens, "max_tokens"
-    sampling = sampling_params(req, max_tokens, param, engine.max_model_len)
+    sampling = sampling_params(req, max_tokens, param, engine.max_model_len,
+                               engine.generation_defaults)
     use = chat_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls,
                         engine.single_tool_call)
     fmt = engine.tool_call_format

@@ -23,7 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from ipc.pipes import DaemonUnavailable, Loss, ProxyConnection
-from ipc.records import Abort, AbortCause, Admitted, Delta, Error, Finish, Submit, ToolCallFormat
+from ipc.records import (
+    Abort,
+    AbortCause,
+    Admitted,
+    Delta,
+    Error,
+    Finish,
+    GenerationDefaults,
+    Submit,
+    ToolCallFormat,
+)
 from ipc.response_records import CONVERSATION_OPS, ItemsPage, ResponseOp, ResponseOpKind, ResponseReply
 from ipc.stats import Stats
 from ipc.wire import ToProxy
@@ -116,6 +126,12 @@ class EngineClient:
     def tensor_parallel_size(self) -> int | None:
         welcome = self._connection.welcome
         return None if welcome is None else welcome.tensor_parallel_size
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The model's sampling defaults for requests that omit them (none until a Welcome)."""
+        welcome = self._connection.welcome
+        return GenerationDefaults() if welcome is None else welcome.generation_defaults
 
     @property
     def tool_call_format(self) -> ToolCallFormat:

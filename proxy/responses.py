@@ -95,7 +95,7 @@ async def create_response(request: Request) -> Response:
     if not engine.up:
         raise unavailable(engine.down_reason)
     registry = background_registry(request.app)
-    sampling = sampling_params(req, engine.max_model_len)
+    sampling = sampling_params(req, engine.max_model_len, engine.generation_defaults)
     params = response_params(decoded, rid, served_model(request), sampling,
                              engine.single_tool_call)
     fmt = engine.tool_call_format

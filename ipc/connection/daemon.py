@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ipc.connection.epochs import EpochCounter
 from ipc.daemon_side import DaemonPipes
@@ -28,6 +28,7 @@ from ipc.records import (
     VERSION_MISMATCH,
     Abort,
     Error,
+    GenerationDefaults,
     Goodbye,
     Hello,
     Pause,
@@ -51,6 +52,7 @@ class ModelInfo:
     tensor_parallel_size: int = 1
     tool_call_format: ToolCallFormat = ToolCallFormat.HERMES
     single_tool_call: bool = False  # the chat template takes one call a turn
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +143,7 @@ class DaemonConnection:
         model = self.model
         out.append(Welcome(PROTOCOL_VERSION, os.getpid(), model.name, model.max_model_len,
                            epoch, rec.nonce, model.tensor_parallel_size, model.tool_call_format,
-                           model.single_tool_call))
+                           model.single_tool_call, model.generation_defaults))
         return out
 
     def _goodbye(self, rec: Goodbye) -> list[Goodbye]:

@@ -29,6 +29,7 @@ from ipc.pipes import TOKENS
 from ipc.wire import Record
 from tests.support import raw_http
 from tests.support.metrics import m, parse_metrics
+from tests.support.systemd import TEST_MODEL
 from tests.support.wait import free_port, wait_for
 
 READY_TIMEOUT_S = 120.0
@@ -43,6 +44,8 @@ class Server:
     # Run in each child before it starts (resource limits); added to each child's environment.
     preexec: Callable[[], None] | None = None
     environ: dict[str, str] = field(default_factory=dict)
+    # The model unless `extra` names one; None: no --model at all (the server's default).
+    model: str | None = TEST_MODEL
     daemon: subprocess.Popen[bytes] | None = None
     proxy: subprocess.Popen[bytes] | None = None
 
@@ -64,7 +67,8 @@ class Server:
                    "sys.exit(main(sys.argv[1:]))"]
         cmd = [*run, what,
                "--runtime-dir", str(self.tmp / "run"), "--state-dir", str(self.tmp / "state"),
-               "--port", str(self.port), "--log-format", "json", *self.extra]
+               "--port", str(self.port), "--log-format", "json",
+               *(["--model", self.model] if self.model else []), *self.extra]  # extra's wins
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd
@@ -73,6 +77,8 @@ class Server:
         log = open(self.tmp / f"{what}.log", "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("NOTIFY_SOCKET", None)
+        if self.model is None:
+            env.pop("TETHER_MODEL", None)
         env.update(self.environ)
         return subprocess.Popen(self._cmd(what, protocol_version), stdout=log,
                                 stderr=subprocess.STDOUT, env=env, preexec_fn=self.preexec)
@@ -217,8 +223,9 @@ def wait_aborts(server: Server, cause: str, count: float, timeout: float = 30.0)
 
 def start_server(tmp: Path, extra: list[str] | None = None, api_key: str | None = None,
                  preexec: Callable[[], None] | None = None,
-                 environ: dict[str, str] | None = None) -> Server:
-    server = Server(tmp, free_port(), extra or [], api_key, preexec, environ or {})
+                 environ: dict[str, str] | None = None,
+                 model: str | None = TEST_MODEL) -> Server:
+    server = Server(tmp, free_port(), extra or [], api_key, preexec, environ or {}, model)
     server.start_daemon()
     server.start_proxy()
     try:

@@ -62,11 +62,18 @@ def unit_environment(unit: Path) -> dict[str, str]:
     return env
 
 
+# The model a test's processes serve unless it names one: random weights that load at once (the
+# default, a real model, is for people; tests that want it say so).
+TEST_MODEL = "builtin:tiny"
+
+
 def child_env(**overrides: str) -> dict[str, str]:
-    """This environment minus anything a supervisor would set, plus `overrides`."""
+    """This environment minus anything a supervisor would set, the tests' model, and
+    `overrides`."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TETHER_", "NOTIFY_", "WATCHDOG_", "LISTEN_", "JOURNAL_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    env["TETHER_MODEL"] = TEST_MODEL
     env.update(overrides)
     return env

@@ -19,6 +19,7 @@ import pytest
 from proxy.http_protocol import FD_RESERVE
 from tests.support.systemd import (
     INSTALLED_TETHER,
+    TEST_MODEL,
     UNITS,
     child_env,
     unit_command,
@@ -153,7 +154,7 @@ def test_exec_start_reports_ready_and_feeds_the_watchdog(
         if unit == PROXY:
             # No daemon behind it: the proxy is up and says so with a 503, not a refused port.
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10.0,
-                           json={"model": Settings().model, "prompt": "hi", "max_tokens": 1})
+                           json={"model": TEST_MODEL, "prompt": "hi", "max_tokens": 1})
             assert r.status_code == 503, r.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
