@@ -194,8 +194,11 @@ def test_a_pathological_body_is_refused_without_being_walked() -> None:
     junk = b",".join([b"[]"] * 1_300_000)
     body = b'{"input": [{"role": "user", "content": "hi", "junk": [' + junk + b"]}]}"
     t0 = time.perf_counter()
+    msgspec.json.decode(body)  # what walking it costs, on this machine, now
+    walked = time.perf_counter() - t0
+    t0 = time.perf_counter()
     error = _refused(body)
-    assert time.perf_counter() - t0 < 0.05
+    assert time.perf_counter() - t0 < walked / 4
     assert error.param == "input[0].junk"
 
 
