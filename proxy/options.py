@@ -47,3 +47,4 @@ class ProxyOptions:
     # Browsers and the access log (the share of successful requests written).
     cors: CorsOptions = CorsOptions()
     access_log_sample: float = 1.0
+    version: str = ""  # tether's, shown by /health

@@ -14,6 +14,7 @@ import resource
 import sys
 from collections.abc import Callable, Sequence
 
+import tether
 from tether import logs, options, sdnotify, settings
 from tether.settings import Settings
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible LLM server that stops work the moment a client goes away.",
         epilog=_env_summary(),
     )
+    parser.add_argument("--version", action="version", version=f"tether {tether.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text,

@@ -295,7 +295,7 @@ class Launcher:
             with opener.open(request, timeout=2.0) as response:
                 return str(json.load(response)["data"][0]["id"])
         except (OSError, ValueError, KeyError, IndexError, TypeError):
-            return self.settings.model
+            return self.settings.served_model_name or self.settings.model
 
     def _announce(self) -> None:
         url = self._base_url()

@@ -39,6 +39,7 @@ class Settings:
     replica_id: str = ""
     replica_lease_s: float = 10.0
     model: str = "builtin:tiny"
+    served_model_name: str = ""
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 0
@@ -103,6 +104,9 @@ _HELP: dict[str, str] = {
     "model": "'builtin:tiny' (default demo model), 'builtin:small' (135M, for benchmarks), "
     "a local HF-format checkpoint directory, or 'sim:<ms>' (no weights: a simulated model "
     "for tests and benchmarks whose every tick lasts <ms> and yields one word a sequence)",
+    "served_model_name": "the model id clients see in /v1/models and send as `model`; empty = "
+    "--model's (a checkpoint directory's name; a Hugging Face cache snapshot, "
+    ".../models--org--name/snapshots/<commit>, is org/name)",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "auto | cpu | cuda (auto: CUDA when present)",
     "threads": "CPU threads for the forward pass (0: one per core, less one left to the proxy), "
