@@ -171,7 +171,8 @@ def create_app(options: ProxyOptions) -> Starlette:
                       allow_headers=cors.headers, expose_headers=["X-Request-Id"])]
           if (cors := options.cors).origins else []),
         Middleware(RequestIdMiddleware),
-        Middleware(ApiKeyMiddleware, keys=options.api_keys),
+        Middleware(ApiKeyMiddleware, keys=options.api_keys,
+                   everywhere=options.api_key_everywhere),
         Middleware(BodyLimitMiddleware, max_bytes=options.max_body_bytes),
     ]
     app = Starlette(routes=routes, middleware=middleware,

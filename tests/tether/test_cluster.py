@@ -62,6 +62,16 @@ def test_cluster_serves_through_smg_shares_the_store_and_stops_on_ctrl_c(tmp_pat
             proc.wait()
 
 
+def test_a_key_over_every_route_is_refused_as_smg_could_not_probe_the_replicas(
+        tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "cluster", "--api-key", "k", "--api-key-scope",
+         "all", "--runtime-dir", str(tmp_path / "run"), "--log-format", "text"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "--api-key-scope all" in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()  # refused before any replica started
+
+
 def test_kill_9_of_the_cluster_leaves_no_orphans(tmp_path: Path) -> None:
     port = free_port_block(3)  # smg, one replica, smg's metrics
     log = tmp_path / "cluster.log"
