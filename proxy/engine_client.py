@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
-from ipc.pipes import DaemonUnavailable, Loss, ProxyConnection
+from ipc.pipes import DaemonUnavailable, Loss, LossReason, ProxyConnection
 from ipc.records import Abort, AbortCause, Admitted, Delta, Error, Finish, Submit, ToolCallFormat
 from ipc.response_records import CONVERSATION_OPS, ItemsPage, ResponseOp, ResponseOpKind, ResponseReply
 from ipc.stats import Stats
@@ -292,7 +292,10 @@ class EngineClient:
         for future in self._ops.values():
             if not future.done():
                 future.set_exception(error)
-        log.warning("daemon lost: %s", loss.detail)
+        if loss.reason is LossReason.STOPPED:
+            log.info("%s; answering 503 until a daemon connects", loss.detail)
+        else:
+            log.warning("daemon lost: %s", loss.detail)
 
 
     # --- what would otherwise wait forever ------------------------------------------------------

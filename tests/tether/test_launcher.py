@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import signal
 import socket
@@ -149,3 +150,23 @@ def test_serve_fails_fast_when_a_child_cannot_start(tmp_path: Path) -> None:
     assert "proxy exited with status" in server.log() and "before it was ready" in server.log()
     assert "tether: ready at" not in server.log()
     _assert_fifos_unused(tmp_path / "run")
+
+
+def _complete(port: int, model: str | None = None) -> httpx.Response:
+    body = {"prompt": "hi", "max_tokens": 2, **({"model": model} if model else {})}
+    return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60.0)
+
+
+def test_ctrl_c_stops_the_pair_without_a_warning(serve: Serve) -> None:
+    serve.wait_ready()
+    assert _complete(serve.port).status_code == 200
+    serve.proc.send_signal(signal.SIGINT)
+    assert serve.proc.wait(DRAIN_S + 30) == 0
+    lines = serve.log().splitlines()
+    logged = [json.loads(line) for line in lines if line.startswith("{")]
+    assert {line["component"] for line in logged} >= {"serve", "daemon", "proxy"}
+    loud = [line for line in logged if line["level"] not in ("debug", "info")]
+    assert not loud, loud
+    # Python's own warnings (torch's) bypass the JSON log: only the launcher's lines remain.
+    others = [line for line in lines if not line.startswith(("{", "tether: ", "  curl "))]
+    assert not others, others
