@@ -61,6 +61,7 @@ class EngineClient:
                                            self._on_delivered)
         self._flow = Flow(max_buffered, merge_tokens, self._connection.control)
         self._sweeper: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()  # set while up: what readiness waits for
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -99,6 +100,10 @@ class EngineClient:
     @property
     def down_reason(self) -> str:
         return self._connection.down_reason
+
+    async def wait_up(self) -> None:
+        """Until the daemon has welcomed us: a request sent then is served."""
+        await self._connected.wait()
 
     # What the daemon serves, as its last Welcome said (None until the first).
 
@@ -279,11 +284,13 @@ class EngineClient:
 
     def _on_state(self, loss: Loss | None) -> None:
         if loss is None:
+            self._connected.set()
             welcome = self._connection.welcome
             assert welcome is not None  # up means welcomed
             log.info("daemon %d serves %s (max_model_len %d, tensor parallel %d)", welcome.pid,
                      welcome.model, welcome.max_model_len, welcome.tensor_parallel_size)
             return
+        self._connected.clear()
         # The next connection gets a new epoch: a daemon that only stalled then evicts the
         # sessions we just failed here, and refuses their Submits still in the pipe.
         error = unavailable(loss.detail)

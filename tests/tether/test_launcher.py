@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 
 from tests.support.raw_http import post_raw, read_events
 from tests.support.serve import DRAIN_S, READY_TIMEOUT_S, Serve, gone
+from tests.support.systemd import child_env
 from tests.support.wait import free_port, wait_for
 
 
@@ -155,6 +158,33 @@ def test_serve_fails_fast_when_a_child_cannot_start(tmp_path: Path) -> None:
 def _complete(port: int, model: str | None = None) -> httpx.Response:
     body = {"prompt": "hi", "max_tokens": 2, **({"model": model} if model else {})}
     return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60.0)
+
+
+def test_a_request_sent_the_moment_ready_is_printed_is_served(tmp_path: Path) -> None:
+    """Ready means a request sent then is served: five starts in a row on one directory, each
+    sending a request the instant the line is read. sim:5 loads in no time, which leaves the
+    proxy the least time to connect before the daemon says READY=1."""
+    command = [sys.executable, "-m", "tether.cli", "serve", "--runtime-dir", str(tmp_path / "run"),
+               "--state-dir", str(tmp_path / "state"), "--model", "sim:5",
+               "--served-model-name", "team/demo", "--log-format", "json"]
+    for attempt in range(5):
+        port = free_port()
+        with open(tmp_path / "serve.log", "ab") as log:
+            proc = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.PIPE,
+                                    stderr=log, stdin=subprocess.DEVNULL, env=child_env())
+        try:
+            assert proc.stdout is not None
+            line = b""
+            while b"tether: ready at" not in line:
+                line = proc.stdout.readline()
+                assert line, f"tether serve exited {proc.wait()}"
+            answer = _complete(port, "team/demo")
+            assert answer.status_code == 200, (attempt, answer.text)
+            # The curl line names the model as clients must send it.
+            assert '"model": "team/demo"' in proc.stdout.readline().decode()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(DRAIN_S + 30) == 0
 
 
 def test_ctrl_c_stops_the_pair_without_a_warning(serve: Serve) -> None:
