@@ -15,6 +15,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 import tether
+from ipc import dir_lock
+from ipc.dir_lock import Role
+from ipc.fifo import PipeError
 from tether import logs, options, sdnotify, settings
 from tether.settings import Settings
 
@@ -77,15 +80,35 @@ def _serve(s: Settings, args: argparse.Namespace) -> int | None:
 
 
 def _daemon(s: Settings, args: argparse.Namespace) -> int | None:
-    from daemon import main as server
+    def run() -> int | None:
+        from daemon import main as server
 
-    return server.run(options.daemon_options(s), notify=sdnotify.notify)
+        return server.run(options.daemon_options(s), notify=sdnotify.notify)
+
+    return _owning(s, Role.DAEMON, run)
 
 
 def _proxy(s: Settings, args: argparse.Namespace) -> int | None:
-    from proxy import server
+    def run() -> int | None:
+        from proxy import server
 
-    return server.run(options.proxy_options(s), notify=sdnotify.notify)
+        return server.run(options.proxy_options(s), notify=sdnotify.notify)
+
+    return _owning(s, Role.PROXY, run)
+
+
+def _owning(s: Settings, role: Role, run: Callable[[], int | None]) -> int | None:
+    """`run` while this process holds `role`'s lock on the runtime directory (ipc/dir_lock.py);
+    taken before the model or the app is loaded, so a second pair is refused at once."""
+    try:
+        lock = dir_lock.take(s.runtime_dir, role, s.pipe_group)
+    except PipeError as exc:
+        log.error("%s", exc)
+        return 1
+    try:
+        return run()
+    finally:
+        lock.release()
 
 
 def _cluster(s: Settings, args: argparse.Namespace) -> int | None:

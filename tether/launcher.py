@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 
 import tether
+from ipc import dir_lock
 from ipc.pipes import PipeError, ensure_fifos
 from ipc.processes import describe_exit, die_with_parent
 from tether.sdnotify import Notification, NotifyListener
@@ -113,9 +114,11 @@ class Launcher:
 
     def run(self) -> int:
         try:
+            # Refused before either child touches the FIFOs: another pair's are live there.
+            dir_lock.check_free(self.settings.runtime_dir, self.settings.pipe_group)
             fifos = ensure_fifos(self.settings.runtime_dir, self.settings.pipe_group)
         except PipeError as exc:
-            log.error("cannot prepare the FIFOs: %s", exc)
+            log.error("%s", exc)
             self.close()
             return 1
         print(f"tether: FIFOs {', '.join(str(p) for p in fifos.values())}", flush=True)

@@ -18,6 +18,8 @@ import httpx
 import psutil
 import pytest
 
+from ipc.dir_lock import Role, lock_path
+from tests.support.pair import start_server
 from tests.support.raw_http import post_raw, read_events
 from tests.support.serve import DRAIN_S, READY_TIMEOUT_S, Serve, gone
 from tests.support.systemd import child_env
@@ -200,3 +202,53 @@ def test_ctrl_c_stops_the_pair_without_a_warning(serve: Serve) -> None:
     # Python's own warnings (torch's) bypass the JSON log: only the launcher's lines remain.
     others = [line for line in lines if not line.startswith(("{", "tether: ", "  curl "))]
     assert not others, others
+
+
+def test_a_second_pair_on_the_directory_is_refused_and_the_first_keeps_serving(
+        serve: Serve, tmp_path: Path) -> None:
+    serve.wait_ready()
+    first = serve.children()
+    for command, holder in (("serve", "daemon"), ("daemon", "daemon"), ("proxy", "proxy")):
+        other = subprocess.Popen(
+            [sys.executable, "-m", "tether.cli", command, "--runtime-dir", str(serve.run_dir),
+             "--state-dir", str(tmp_path / "other"), "--port", str(free_port()),
+             "--model", "sim:5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=child_env())
+        try:
+            said = other.communicate(timeout=60)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            other.kill()
+            raise AssertionError(f"a second `tether {command}` was not refused: "
+                                 f"{other.communicate()[0].decode(errors='replace')}") from None
+        assert other.returncode != 0, said
+        assert (f"runtime directory {serve.run_dir} is in use by another tether {holder} "
+                f"(pid {first[holder].pid})") in said and "--runtime-dir" in said, said
+    assert {n: p.pid for n, p in serve.children().items()} == {
+        n: p.pid for n, p in first.items()}
+    assert serve.health() == 200 and _complete(serve.port).status_code == 200
+    assert "daemon lost" not in serve.log() and "proxy lost" not in serve.log()
+
+
+def test_a_pair_killed_with_sigkill_leaves_a_lock_the_next_pair_takes_over(
+        tmp_path: Path) -> None:
+    bare = start_server(tmp_path, ["--model", "sim:5"])  # as the systemd units run them
+    try:
+        assert bare.daemon is not None and bare.proxy is not None
+        held = {Role.DAEMON: bare.daemon.pid, Role.PROXY: bare.proxy.pid}
+        bare.kill("daemon")
+        bare.kill("proxy")
+    finally:
+        bare.stop()
+    run = tmp_path / "run"
+    assert {role: lock_path(run, role).read_text() for role in Role} == {
+        role: f"{pid}\n" for role, pid in held.items()}
+    serve = Serve(tmp_path, free_port(), extra=["--model", "sim:5"])
+    try:
+        serve.wait_ready()
+        assert _complete(serve.port).status_code == 200
+        children = serve.children()
+        assert {role: lock_path(run, role).read_text() for role in Role} == {
+            role: f"{children[role.value].pid}\n" for role in Role}
+    finally:
+        serve.proc.send_signal(signal.SIGTERM)
+        assert serve.proc.wait(DRAIN_S + 30) == 0

@@ -168,11 +168,12 @@ def _completion(port: int) -> int:
         "model": Settings().model, "prompt": "hi", "max_tokens": 1}).status_code
 
 
-def test_the_proxy_unit_is_ready_once_the_daemon_is(
+def test_the_unit_pair_shares_its_directory_and_the_proxy_is_ready_once_the_daemon_is(
         tmp_path: Path, listener: NotifyListener) -> None:
     """The proxy started alone binds its port, answers 503 and pings the watchdog, each ping
     extending its start, but says READY=1 only once the daemon has connected (ready means
-    served)."""
+    served). Each ExecStart holds its role's lock on the one RuntimeDirectory: the pair runs, a
+    second daemon there is refused."""
     port = free_port()
     proxy = _start_unit(PROXY, tmp_path, listener, port)
     procs = [proxy]
@@ -189,6 +190,11 @@ def test_the_proxy_unit_is_ready_once_the_daemon_is(
         procs.append(_start_unit(DAEMON, tmp_path, listener, port))
         wait_notification(listener, proxy.pid, "READY", "1", READY_TIMEOUT_S[DAEMON.name], alive)
         assert _completion(port) == 200
+        second = subprocess.run(unit_command(DAEMON), env=child_env(**_unit_env(DAEMON, tmp_path)),
+                                capture_output=True, timeout=60)
+        said = (second.stdout + second.stderr).decode(errors="replace")
+        assert second.returncode != 0, said
+        assert f"is in use by another tether daemon (pid {procs[1].pid})" in said, said
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         assert [proc.wait(30) for proc in procs] == [0, 0]
