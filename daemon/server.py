@@ -284,6 +284,8 @@ class DaemonServer:
             self._out += self.engine.fail_all(self.failure)
         self._out += self.engine.abort_all(AbortCause.SHUTDOWN)
         self._flush_records(self.clock(), force=True)
+        if self.failure is None and (goodbye := self.connection.goodbye()) is not None:
+            self.pipes.send([goodbye])  # last of all: the proxy takes our EOF for a stop
         deadline = self.clock() + FLUSH_TIMEOUT_S
         while self.pipes.proxy_connected and self.pipes.tokens_backlog \
                 and self.clock() < deadline:

@@ -26,7 +26,8 @@ import msgspec
 # 12: ResponseFields.echo / StoredResponse.echo (the request fields a Response object echoes),
 # Stats.grammar_pending
 # 13: Welcome.single_tool_call, Welcome.generation_defaults (the model's own sampling defaults)
-PROTOCOL_VERSION = 13
+# 14: the daemon's Goodbye on tokens (a clean stop, told from a crash)
+PROTOCOL_VERSION = 14
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -267,6 +268,9 @@ class Heartbeat(msgspec.Struct, tag=Kind.HEARTBEAT.value, tag_field="k"):
 
 
 class Goodbye(msgspec.Struct, tag=Kind.GOODBYE.value, tag_field="k"):
+    """The last record of a side that stops cleanly (the proxy on control, the daemon on
+    tokens): the EOF that follows is a close, not a loss."""
+
     epoch: int
 
 

@@ -13,21 +13,22 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.errors import ApiError, error_response
 
-# The API lives under /v1, and vLLM's /tokenize and /detokenize beside it; /health and /metrics
-# stay open for probes and scrapers.
+# The API lives under /v1, and vLLM's /tokenize and /detokenize beside it; /health, /metrics and
+# /openapi.json stay open for probes and scrapers unless the key guards everything.
 PROTECTED_PREFIX = ("/v1", "/tokenize", "/detokenize")
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Sequence[str], everywhere: bool = False) -> None:
         self.app = app
         self.keys = [key.encode() for key in keys]
+        self.prefix = ("/",) if everywhere else PROTECTED_PREFIX
 
     # A plain function returning the inner app's awaitable: no frame of ours stays alive for
     # the request's lifetime (thousands of requests can be held open at once).
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         if (scope["type"] != "http" or not self.keys
-                or not scope["path"].startswith(PROTECTED_PREFIX) or self._allowed(scope)):
+                or not scope["path"].startswith(self.prefix) or self._allowed(scope)):
             return self.app(scope, receive, send)
         exc = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
-from ipc.pipes import DaemonUnavailable, Loss, ProxyConnection
+from ipc.pipes import DaemonUnavailable, Loss, LossReason, ProxyConnection
 from ipc.records import (
     Abort,
     AbortCause,
@@ -71,6 +71,7 @@ class EngineClient:
                                            self._on_delivered)
         self._flow = Flow(max_buffered, merge_tokens, self._connection.control)
         self._sweeper: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()  # set while up: what readiness waits for
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -109,6 +110,10 @@ class EngineClient:
     @property
     def down_reason(self) -> str:
         return self._connection.down_reason
+
+    async def wait_up(self) -> None:
+        """Until the daemon has welcomed us: a request sent then is served."""
+        await self._connected.wait()
 
     # What the daemon serves, as its last Welcome said (None until the first).
 
@@ -295,11 +300,13 @@ class EngineClient:
 
     def _on_state(self, loss: Loss | None) -> None:
         if loss is None:
+            self._connected.set()
             welcome = self._connection.welcome
             assert welcome is not None  # up means welcomed
             log.info("daemon %d serves %s (max_model_len %d, tensor parallel %d)", welcome.pid,
                      welcome.model, welcome.max_model_len, welcome.tensor_parallel_size)
             return
+        self._connected.clear()
         # The next connection gets a new epoch: a daemon that only stalled then evicts the
         # sessions we just failed here, and refuses their Submits still in the pipe.
         error = unavailable(loss.detail)
@@ -308,7 +315,10 @@ class EngineClient:
         for future in self._ops.values():
             if not future.done():
                 future.set_exception(error)
-        log.warning("daemon lost: %s", loss.detail)
+        if loss.reason is LossReason.STOPPED:
+            log.info("%s; answering 503 until a daemon connects", loss.detail)
+        else:
+            log.warning("daemon lost: %s", loss.detail)
 
 
     # --- what would otherwise wait forever ------------------------------------------------------
