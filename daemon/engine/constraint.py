@@ -19,6 +19,7 @@ import llguidance
 from daemon.engine.bitmask import Bitmask, bit, fill_row
 from daemon.engine.closing import Closing, SearchBound, utf8_rest
 from daemon.engine.grammar import Compiled, Grammars, parser_limit_error
+from daemon.engine.json_numbers import NumberGuard
 
 TICK_SEARCH_STEPS = 4096  # matcher steps one search on the tick may take
 SEARCH_S = 0.02  # and seconds
@@ -45,11 +46,14 @@ class Constraint:
     closing is not found within the search's bound, is taken back, and the output closes from
     where it was."""
 
-    __slots__ = ("_closing", "_forced", "_grammars", "_mask", "_mask_ready", "matcher")
+    __slots__ = ("_closing", "_forced", "_grammars", "_mask", "_mask_ready", "_numbers",
+                 "matcher")
 
-    def __init__(self, grammars: Grammars, compiled: Compiled) -> None:
+    def __init__(self, grammars: Grammars, compiled: Compiled,
+                 numbers: NumberGuard | None = None) -> None:
         self._grammars = grammars
         self.matcher = compiled.matcher
+        self._numbers = numbers  # a JSON output's numbers, kept finite
         self._forced: list[int] = []  # the closing being spelled, token by token
         self._mask = array("i", bytes(4 * grammars.mask_width))  # from the matcher's state
         self._mask_ready = False
@@ -100,8 +104,15 @@ class Constraint:
         included; `allowed`: whether this tick's mask let it through, when known): the sampled
         token, or the next of the closing when the sampled one would leave too few to close
         the output, or when its closing is not found within `bound` (by default, one search's
-        bound on the tick). The matcher has consumed what it returns. GrammarError when the
-        matcher reached its parser limits."""
+        bound on the tick), or when it would make a JSON number infinite. The matcher has
+        consumed what it returns. GrammarError when the matcher reached its parser limits."""
+        token = self._accept(token, left, allowed, bound)
+        if self._numbers is not None:
+            self._numbers.push(self._grammars.token_bytes[token])
+        return token
+
+    def _accept(self, token: int, left: int, allowed: bool | None,
+                bound: SearchBound | None) -> int:
         self._mask_ready = False
         matcher = self.matcher
         if matcher.is_error():  # the last mask's step reached a limit
@@ -119,6 +130,13 @@ class Constraint:
         if bound is None:
             bound = SearchBound.within(TICK_SEARCH_STEPS, SEARCH_S)
         grammars = self._grammars
+        if self._numbers is not None and not self._numbers.fits(grammars.token_bytes[token]):
+            # A number would grow past binary64: end it. The closing held may go on with its
+            # digits (it was kept from before them); a fresh one ends the number first.
+            fresh = grammars.exact_closing(matcher, bound)
+            if isinstance(fresh, Closing) and fresh.cost < left:
+                self._closing = fresh
+            return self._close()
         self._consume(token)
         if token in grammars.eos_ids:
             return token

@@ -21,6 +21,7 @@ import torch
 from daemon.engine.bitmask import Bitmask, apply_bitmask, fill_row
 from daemon.engine.constraint import TICK_SEARCH_S, Constraint, search_bound
 from daemon.engine.grammar import Compiled, GrammarError, Grammars
+from daemon.engine.json_numbers import NumberGuard, guards_numbers
 from daemon.engine.sequence import Sequence, Session
 from daemon.rejected import Rejected
 from ipc.records import Guide, RequestKind, Submit
@@ -114,8 +115,10 @@ class Guidance:
                            f"{pending.guide.kind.value} allows, which takes {need} tokens: "
                            f"set {name} to at least {need}", param=name,
                            code="max_tokens_too_small")
+        json = guards_numbers(pending.guide)
         for seq in seqs:
-            seq.constraint = Constraint(self.grammars, template.copy())
+            seq.constraint = Constraint(self.grammars, template.copy(),
+                                        NumberGuard() if json else None)
 
     # --- one tick -------------------------------------------------------------------------------
 
