@@ -2,7 +2,7 @@
 
     python -m loadtest.bench_structured [--schemas 300] [--streams 8,64] [--tokens 256]
                                         [--reps 3] [--models builtin:tiny,sim:0]
-                                        [--attacks nested,no_close,ambiguous,compiles]
+                                        [--attacks nested,no_close,ambiguous,ambiguous_x4,compiles]
                                         [--out DIR]
 
 Figures, all measured in this run:

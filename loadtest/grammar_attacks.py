@@ -8,6 +8,7 @@ whose tick stalls past 30 s).
   nested     the 60-byte grammar whose closing search walked 4,096 bytes on the tick
   no_close   six at once of a grammar with no closing the search knows (each its own text)
   ambiguous  an ambiguous grammar, n=8, 300 tokens: each token's parse grew with the output
+  ambiguous_x4  four of them at once: 32 sequences, all the pair runs at once
   compiles   three schemas of 8,000 optional properties, then a one-property schema
 """
 
@@ -42,10 +43,12 @@ def _optional(i: int, count: int) -> dict[str, Any]:
 CHEAP = {"prompt": "a", "max_tokens": 20, "guided_json": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
 
+AMBIGUOUS = _grammar('start: e\ne: e e e | e e | /[a-z]/ | ""\n', max_tokens=300, n=8)
 ATTACKS: dict[str, list[dict[str, Any]]] = {
     "nested": [_grammar('start: "(" e ")"\ne: e e | "(" e ")" | /[a-z]/ | ""\n')],
     "no_close": [_grammar(f'start: "<{i}" e "!"\ne: /[a-z]/ e | ""\n') for i in range(6)],
-    "ambiguous": [_grammar('start: e\ne: e e e | e e | /[a-z]/ | ""\n', max_tokens=300, n=8)],
+    "ambiguous": [AMBIGUOUS],
+    "ambiguous_x4": [AMBIGUOUS] * 4,
     "compiles": [_optional(i, 8000) for i in range(3)],
 }
 
@@ -118,7 +121,7 @@ def attack_lines(results: list[dict[str, Any]]) -> list[str]:
         gap = r["bystander_max_gap_s"]
         cheap = r["cheap"]
         lines.append(
-            f"  {r['attack']:<10} bystander's longest gap "
+            f"  {r['attack']:<12} bystander's longest gap "
             + ("n/a" if gap is None else f"{gap:.2f} s")
             + f", attack answered {r['answers']} within {r['attack_s']:.1f} s"
             + ("" if cheap is None else f", the cheap schema {cheap['status']} "
