@@ -96,7 +96,7 @@ _guides = st.one_of(
     st.just(Guide(GuideKind.JSON_OBJECT, source="response_format")),
     st.builds(lambda s: Guide(GuideKind.JSON_SCHEMA, json.dumps(s), "response_format"), _value))
 
-_settings = settings(max_examples=30, deadline=None, derandomize=True,
+_settings = settings(max_examples=20, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow,
                                             HealthCheck.function_scoped_fixture])
 
