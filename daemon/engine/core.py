@@ -262,13 +262,32 @@ class Engine:
             return []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        failed: list[tuple[Sequence, Rejected]] = []
         if guidance is None:
             tokens = self.sampler(logits, seqs)
         else:
             tokens = self.sampler(guidance.mask(logits, masks), seqs)
-            tokens = guidance.accept(seqs, tokens, self.max_model_len, masks)
+            tokens, failed = guidance.accept(seqs, tokens, self.max_model_len, masks)
         self.sampler.count(seqs, tokens)
-        return self._emit(seqs, tokens, sampled_logprobs(logits, seqs, tokens))
+        logprobs = sampled_logprobs(logits, seqs, tokens)
+        if not failed:
+            return self._emit(seqs, tokens, logprobs)
+        out = self._refuse_running(failed)
+        kept = [i for i, seq in enumerate(seqs) if seq.rid in self.sessions]
+        return out + self._emit([seqs[i] for i in kept], [tokens[i] for i in kept],
+                                [logprobs[i] for i in kept])
+
+    def _refuse_running(self, failed: list[tuple[Sequence, Rejected]]) -> list[ToProxy]:
+        """Running sessions that their own request ended (a grammar reached its parser
+        limits): released as a failure is, and their clients told with the request's error in
+        place of the Finishes."""
+        out: list[ToProxy] = []
+        for seq, rejected in failed:
+            session = self.sessions.get(seq.rid)
+            if session is not None:
+                self._evict(session, None, error=rejected.message)
+                out.append(rejected.to_error(seq.rid))
+        return out
 
     def _emit(self, seqs: list[Sequence], tokens: list[int],
               logprobs: list[tuple[float, list[tuple[int, float]]] | None]) -> list[ToProxy]:

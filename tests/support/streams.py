@@ -23,14 +23,16 @@ class StreamResult:
     done: bool = False  # the stream ended with [DONE]
     error: str | None = None  # an error event, a non-200 body, or the client's exception
     max_gap_s: float = 0.0  # the longest wait between two events, after the first
+    stopped: bool = False  # its own client ended it early (Bystanders.stop), as asked
 
     @property
     def ok(self) -> bool:
-        return self.status == 200 and self.done and self.error is None
+        return self.status == 200 and (self.done or self.stopped) and self.error is None
 
 
 def stream_once(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-                timeout: float = 120.0) -> StreamResult:
+                timeout: float = 120.0, until: threading.Event | None = None) -> StreamResult:
+    """One stream read to its end, or until `until` is set."""
     result = StreamResult()
     try:
         with httpx.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
@@ -38,7 +40,7 @@ def stream_once(url: str, path: str, body: dict[str, Any], headers: dict[str, st
             if r.status_code != 200:
                 result.error = r.read().decode(errors="replace")
                 return result
-            last = None
+            last: float | None = None
             for line in r.iter_lines():
                 if line == "data: [DONE]":
                     result.done = True
@@ -50,6 +52,9 @@ def stream_once(url: str, path: str, body: dict[str, Any], headers: dict[str, st
                     result.max_gap_s = max(result.max_gap_s, now - last)
                 last = now
                 result.events += 1
+                if until is not None and until.is_set():
+                    result.stopped = True
+                    break
                 if "error" in event:
                     result.error = orjson.dumps(event).decode()
     except httpx.HTTPError as exc:
@@ -67,6 +72,7 @@ class Bystanders:
     body: dict[str, Any] = field(default_factory=lambda: {"prompt": "a bystander", **STREAM})
     results: list[StreamResult] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> Bystanders:
         self.results = [StreamResult() for _ in range(self.count)]
@@ -77,7 +83,16 @@ class Bystanders:
         return self
 
     def _run(self, i: int) -> None:
-        self.results[i] = stream_once(self.url, self.path, self.body)
+        self.results[i] = stream_once(self.url, self.path, self.body, until=self._stop)
+
+    def running(self) -> int:
+        """How many streams are still going."""
+        return sum(1 for thread in self._threads if thread.is_alive())
+
+    def stop(self) -> list[StreamResult]:
+        """Ends every stream still going at its next event (each `stopped`, not failed)."""
+        self._stop.set()
+        return self.join()
 
     def join(self, timeout: float = 180.0) -> list[StreamResult]:
         for thread in self._threads:
