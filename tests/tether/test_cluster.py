@@ -35,7 +35,8 @@ def test_cluster_serves_through_smg_shares_the_store_and_stops_on_ctrl_c(tmp_pat
     proc = subprocess.Popen(
         [sys.executable, "-m", "tether.cli", "cluster", "--replicas", "2", "--port", str(port),
          "--runtime-dir", str(tmp_path / "run"), "--state-dir", str(tmp_path / "state"),
-         "--threads", "1", "--drain-timeout-s", "2", "--log-format", "text"],
+         "--threads", "1", "--drain-timeout-s", "2", "--log-format", "text",
+         "--model", "builtin:tiny"],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     try:
         wait_for(lambda: announced(proc, log, "tether cluster: 2 replicas behind smg"),
