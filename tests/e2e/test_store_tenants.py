@@ -96,17 +96,19 @@ def test_one_keys_flood_evicts_none_of_anothers(server: Server) -> None:
     conversation = victim.conversations.create()
     flood = [other.responses.create(model="sim:0", input=f"flood {i}", max_output_tokens=1).id
              for i in range(3 * MAX_RESPONSES)]
-    for _ in range(3 * MAX_CONVERSATIONS):
-        other.conversations.create()
+    floods = [other.conversations.create().id for _ in range(3 * MAX_CONVERSATIONS)]
 
-    def pruned() -> bool:
+    def pruned() -> bool:  # one pass prunes all it prunes, in one transaction
         try:
-            other.responses.retrieve(flood[-MAX_RESPONSES])
+            other.responses.retrieve(flood[0])
         except openai.NotFoundError:
-            return True
+            try:
+                other.conversations.retrieve(floods[0])
+            except openai.NotFoundError:
+                return True
         return False
 
-    wait_for(pruned, 30, "the flood's oldest responses pruned")
+    wait_for(pruned, 30, "the flood's oldest response and conversation pruned")
     assert victim.responses.retrieve(kept.id).output_text == kept.output_text
     assert victim.conversations.retrieve(conversation.id).id == conversation.id
     went_on = victim.responses.create(model="sim:0", input="and?", previous_response_id=kept.id,
