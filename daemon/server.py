@@ -14,18 +14,23 @@ said Goodbye) end at once as aborted with cause ``proxy_lost``.
 The proxy is never dropped for reading slowly, only for not reading (ipc/daemon_side.py); what
 waits for it is bounded here instead. While the tokens backlog is over its bound the loop runs
 no forward pass, and ResponseOps, whose replies can be large (a stored response, a page of
-input items), wait in order and are answered one by one while the backlog is under the bound:
-however many arrive at once, the backlog holds at most one reply beyond it.
+input items), wait and are answered one by one while the backlog is under the bound: however
+many arrive at once, the backlog holds at most one reply beyond it.
+
+ResponseOps wait in a queue fair between clients (daemon/responses/op_queue.py), and a tick
+answers them only until it has spent OPS_TIME_S or OPS_BYTES on them (one at least), so that
+however many a client sends, the forward pass comes round as often: a stream beside them keeps
+its pace. An op whose proxy has stopped waiting (its ``deadline``) is answered unapplied.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable
 
 from daemon.engine.core import Engine
+from daemon.responses.op_queue import OpQueue
 from daemon.responses.store import ResponseStore
 from ipc.framing import FrameTooLarge
 from ipc.pipes import (
@@ -63,8 +68,10 @@ GRAMMAR_POLL_S = 0.001
 WATCHDOG_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
 FLUSH_TIMEOUT_S = 1.0
-# ResponseOps waiting for the tokens pipe; past this a new one is refused at once (503).
-MAX_WAITING_OPS = 1024
+# The store work of one tick: ops are answered until either is spent (the first whatever it
+# costs; a store op's own size is bounded at the edge).
+OPS_TIME_S = 0.05
+OPS_BYTES = 8 << 20
 
 
 class DaemonServer:
@@ -92,7 +99,7 @@ class DaemonServer:
         # Set (from any thread) when the daemon cannot go on, e.g. a tensor-parallel rank died.
         self.failure: str | None = None
         self._out: list[ToProxy] = []
-        self._ops: collections.deque[ResponseOp] = collections.deque()
+        self._ops = OpQueue()
         self._last_stats = 0.0
         self._last_sessions: tuple[int, int, int] | None = None
         self._last_watchdog = 0.0
@@ -117,7 +124,7 @@ class DaemonServer:
         self.notify("READY=1")
         while not self._done():
             ran = self.tick()
-            if not ran:
+            if not ran and not self._ops_ready:
                 # A grammar compiles on its own thread, in a millisecond or so: look again soon.
                 self.pipes.wait_readable(GRAMMAR_POLL_S if self.engine.waiting_for_grammar
                                          else IDLE_WAIT_S)
@@ -234,16 +241,19 @@ class DaemonServer:
     # --- ResponseOps: answered as fast as the proxy reads the replies -------------------------
 
     def _queue_op(self, op: ResponseOp) -> None:
-        if len(self._ops) >= MAX_WAITING_OPS:
-            self._out.append(ResponseReply(
-                op.op_id, 503, message=f"{MAX_WAITING_OPS} response operations are waiting "
-                "for the proxy to read earlier replies; retry"))
-        else:
-            self._ops.append(op)
+        refused = self._ops.put(op)
+        if refused is not None:
+            self._out.append(refused)
+
+    @property
+    def _ops_ready(self) -> bool:
+        """Ops wait that this tick's budget left, and the proxy is reading: go round at once."""
+        return bool(len(self._ops)) and not self.pipes.backlogged
 
     def _answer_ops(self) -> None:
-        while self._ops and not self.pipes.backlogged:
-            op = self._ops.popleft()
+        """Answers waiting ops, fairly between clients, until the tick's budget is spent."""
+        until, spent = self.clock() + OPS_TIME_S, 0
+        while not self.pipes.backlogged and (op := self._ops.take()) is not None:
             reply = self._response_op(op)
             out, self._out = self._out, []
             self.pipes.send(out)  # in order: what came before, and a cancel's aborts
@@ -252,10 +262,18 @@ class DaemonServer:
             except FrameTooLarge as exc:  # only that request's error
                 log.warning("the reply to %s %s does not fit a frame: %s", op.op,
                             op.response_id, exc)
-                self.pipes.send([ResponseReply(op.op_id, 500, message=f"the reply is too large "
-                                               f"for the daemon's pipe: {exc}")])
+                self.pipes.send([ResponseReply(op.op_id, 413, message=f"the answer is too "
+                                               f"large for the daemon's pipe ({exc}): ask for "
+                                               "less at once")])
+            spent += _op_bytes(op, reply)
+            if self.clock() >= until or spent >= OPS_BYTES:
+                return
 
     def _response_op(self, op: ResponseOp) -> ResponseReply:
+        if op.deadline is not None and self.clock() >= op.deadline:
+            return ResponseReply(op.op_id, 503, message="the operation waited in the daemon's "
+                                 "queue until its proxy stopped waiting; it was not applied: "
+                                 "retry")
         running = self.engine.is_running(op.response_id)
         responses = self.engine.responses
         reply = (responses.handle_op(op, running) if responses is not None else
@@ -291,3 +309,13 @@ class DaemonServer:
                 and self.clock() < deadline:
             self.pipes.wait_readable(0.01)
         log.info("stopped")
+
+
+def _op_bytes(op: ResponseOp, reply: ResponseReply) -> int:
+    """About what an op moved: the items it brought and the ones (or the text) its reply
+    carries."""
+    stored = reply.response
+    return (2 * len(op.items.items) if op.items is not None else 0) \
+        + len(reply.input_items or "") + sum(
+            len(r.output_text or "") + len(r.instructions or "") + len(r.echo)
+            for r in [*reply.responses, *([stored] if stored is not None else [])])

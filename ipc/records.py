@@ -27,7 +27,9 @@ import msgspec
 # Stats.grammar_pending
 # 13: Welcome.single_tool_call, Welcome.generation_defaults (the model's own sampling defaults)
 # 14: the daemon's Goodbye on tokens (a clean stop, told from a crash)
-PROTOCOL_VERSION = 14
+# 15: ResponseOp.tenant / client / deadline, ITEMS (every reference of a request in one op, on
+# the requests pipe) in place of ITEM; ResponseFields.tenant
+PROTOCOL_VERSION = 15
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -207,6 +209,9 @@ class ResponseFields(msgspec.Struct, frozen=True):
     # The request fields the Response object echoes (text, tools, tool_choice, metadata, ...),
     # as JSON text of an object: stored as they are, read by the proxy only.
     echo: str = "{}"
+    # Whose response it is: the API key's tag ("" without keys). Retention is fair between
+    # tenants, and a tenant's item references reach only its own items.
+    tenant: str = ""
 
 
 # --- proxy -> daemon: requests pipe -------------------------------------------------------------

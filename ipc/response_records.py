@@ -1,10 +1,15 @@
 """The records of the daemon's Responses and Conversations store, on the wire.
 
 A Submit of kind RESPONSE carries its ResponseFields (ipc/records.py); everything else the store
-is asked goes as a ResponseOp (GET, DELETE, cancel and input items of a stored response, and
-an item by id, on the control pipe; the CONVERSATION_* ops on the requests pipe, their items can
-be big) and is answered by one ResponseReply on the tokens pipe, carrying a StoredResponse or a
-StoredConversation.
+is asked goes as a ResponseOp (GET, DELETE, cancel and input items of a stored response on the
+control pipe; the items a request's references name and the CONVERSATION_* ops on the requests
+pipe, as they can be big) and is answered by one ResponseReply on the tokens pipe, carrying a
+StoredResponse or a StoredConversation.
+
+Every op names its ``tenant`` (whose stored things it may reach: the API key's tag, "" without
+keys) and its ``client`` (whose turn it waits for in the daemon's queue), and the moment past
+which the daemon must not apply it (``deadline``): the proxy has stopped waiting by then, so an
+op answered "not applied" never was, and a client's retry stores once.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ class ResponseStatus(enum.StrEnum):
     INCOMPLETE = "incomplete"
 
 
+# Why a response is incomplete, beside OpenAI's reasons ("max_output_tokens", ...): the server
+# stopped before it finished (a background response, stored with what it had).
+SHUTDOWN_REASON = "server_shutdown"
+
 # A placeholder is a stored response whose session has not ended yet.
 PLACEHOLDER_STATUSES = frozenset({ResponseStatus.QUEUED, ResponseStatus.IN_PROGRESS})
 
@@ -35,7 +44,8 @@ class ResponseOpKind(enum.StrEnum):
     DELETE = "delete"
     CANCEL = "cancel"
     INPUT_ITEMS = "input_items"
-    ITEM = "item"  # an item of a stored response, by its id (`item_id`): an item_reference
+    # Items of stored responses by id (`item_ids`): a request's item_references, all at once.
+    ITEMS = "items"
     # Conversations (`response_id` is then the conversation's id): on the requests pipe.
     CONVERSATION_CREATE = "conv_create"
     CONVERSATION_GET = "conv_get"
@@ -48,6 +58,8 @@ class ResponseOpKind(enum.StrEnum):
 
 
 CONVERSATION_OPS = frozenset(k for k in ResponseOpKind if k.value.startswith("conv_"))
+# Ops that can be bigger than a control record (PIPE_BUF): they go on the requests pipe.
+REQUESTS_PIPE_OPS = CONVERSATION_OPS | {ResponseOpKind.ITEMS}
 
 
 class ItemsPage(msgspec.Struct, frozen=True):
@@ -68,19 +80,24 @@ class ConversationItems(msgspec.Struct, frozen=True):
 
 
 class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
-    """GET / DELETE / cancel of a stored response, a page of its input items or one item of
-    any stored response by its id; or an
-    operation on a conversation (CONVERSATION_*, on the requests pipe); answered by a
-    ResponseReply with ``op_id``."""
+    """GET / DELETE / cancel of a stored response, a page of its input items or the items of
+    stored responses a request references (ITEMS); or an operation on a conversation
+    (CONVERSATION_*); answered by a ResponseReply with ``op_id``."""
 
     op_id: str
     op: ResponseOpKind
     response_id: str
     epoch: int = 0
     page: ItemsPage | None = None  # INPUT_ITEMS, CONVERSATION_ITEMS
-    item_id: str | None = None  # ITEM, CONVERSATION_ITEM_*
+    item_id: str | None = None  # CONVERSATION_ITEM_*
     items: ConversationItems | None = None  # CONVERSATION_CREATE, CONVERSATION_ADD_ITEMS
     metadata: dict[str, str] | None = None  # CONVERSATION_CREATE, CONVERSATION_UPDATE
+    item_ids: list[str] = []  # ITEMS
+    tenant: str = ""  # whose stored things it reaches (the API key's tag; "" without keys)
+    client: str = ""  # whose turn it waits for in the daemon's queue
+    # CLOCK_MONOTONIC (one clock for both processes): past it the proxy no longer waits, and
+    # the daemon answers without applying the op.
+    deadline: float | None = None
 
 
 class StoredResponse(msgspec.Struct, frozen=True):
@@ -115,9 +132,10 @@ class StoredConversation(msgspec.Struct, frozen=True):
 class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):
     """The answer to a ResponseOp: with status 200, the response (GET, CANCEL), one page of its
     input items (INPUT_ITEMS: the page's items as stored, JSON text of a list, with the id each
-    is listed under), ``deleted`` (DELETE) or, for ITEM, an input item (``input_items``, a list
-    of one) or the response whose output holds it; for a conversation, ``conversation`` or its items
-    in the same fields; else ``message`` (and the ``param`` at fault)."""
+    is listed under), ``deleted`` (DELETE) or, for ITEMS, the input items found (in
+    ``input_items`` and ``item_ids``) and the responses whose output holds the others
+    (``responses``); for a conversation, ``conversation`` or its items in the same fields; else
+    ``message`` (and the ``param`` at fault)."""
 
     op_id: str
     status: int  # HTTP status the proxy should answer with
@@ -125,6 +143,7 @@ class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"
     conversation: StoredConversation | None = None
     input_items: str | None = None
     item_ids: list[str] = []
+    responses: list[StoredResponse] = []  # ITEMS: the responses output ids name
     has_more: bool = False  # more items follow the page
     deleted: bool = False
     message: str | None = None

@@ -1,6 +1,7 @@
 """Which records each direction carries: the tagged unions the pipes' decoders decode.
 
-- ``requests`` (proxy -> daemon): Submit, ResponseOp of a conversation (its items can be big)
+- ``requests`` (proxy -> daemon): Submit, ResponseOp of a conversation or a request's item
+  references (they can be big)
 - ``control``  (proxy -> daemon): Hello, Heartbeat, Goodbye, Abort, Pause, Resume, ResponseOp
 - ``tokens``   (daemon -> proxy): Welcome, Admitted, Delta, Finish, Error, Stats, Alive,
   ResponseReply, Goodbye

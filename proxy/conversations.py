@@ -23,13 +23,14 @@ from proxy.errors import ApiError
 from proxy.input_items import (
     MAX_ITEM_ID,
     decode_items,
-    input_item_objects,
+    listed_items,
     stored_items,
     to_messages,
 )
 from proxy.responses import item_list, items_page
 from proxy.responses_request import Metadata
 from proxy.schemas import REQUEST_ID_PATTERN, decode_body, new_id
+from proxy.tenancy import who
 
 K = ResponseOpKind
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI's bound on the items of one create or append
@@ -75,7 +76,7 @@ def check_conversation_id(cid: str, param: str = "conversation_id") -> str:
 
 async def _op(request: Request, op: ResponseOpKind, cid: str, **fields: Any) -> ResponseReply:
     engine: EngineClient = request.app.state.engine
-    reply = await engine.response_op(op, cid, **fields)
+    reply = await engine.response_op(op, cid, who=who(request), **fields)
     if reply.status != 200:
         code = "not_found" if reply.status == 404 else None
         raise ApiError(reply.status, reply.message or f"conversation operation failed "
@@ -134,22 +135,25 @@ async def list_items(request: Request) -> Response:
     cid = check_conversation_id(request.path_params["conversation_id"])
     _no_include(request)
     page = items_page(request.query_params, f"no item of conversation {cid!r}")
-    return JSONResponse(item_list(await _op(request, K.CONVERSATION_ITEMS, cid, page=page)))
+    return item_list(await _op(request, K.CONVERSATION_ITEMS, cid, page=page))
 
 
 async def add_items(request: Request) -> Response:
     cid = check_conversation_id(request.path_params["conversation_id"])
     _no_include(request)
     req = decode_body(await request.body(), AddItems)
-    reply = await _op(request, K.CONVERSATION_ADD_ITEMS, cid, items=conversation_items(req.items))
-    return JSONResponse(item_list(reply))
+    items = conversation_items(req.items)
+    reply = await _op(request, K.CONVERSATION_ADD_ITEMS, cid, items=items)
+    # The daemon answers with the ids it listed them under: the items are ours already.
+    return item_list(msgspec.structs.replace(reply, input_items=items.items))
 
 
 async def get_item(request: Request) -> Response:
     cid, item_id = _path_ids(request)
     _no_include(request)
     reply = await _op(request, K.CONVERSATION_ITEM_GET, cid, item_id=item_id)
-    return JSONResponse(input_item_objects(reply.input_items or "[]", reply.item_ids)[0])
+    listed = listed_items(reply.input_items or "[]", reply.item_ids)
+    return Response(listed[1:-1], media_type="application/json")  # the list's one item
 
 
 async def delete_item(request: Request) -> Response:

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
+from ipc.framing import MAX_FRAME_BYTES, FrameTooLarge
 from ipc.pipes import DaemonUnavailable, Loss, LossReason, ProxyConnection
 from ipc.records import (
     Abort,
@@ -34,22 +35,41 @@ from ipc.records import (
     Submit,
     ToolCallFormat,
 )
-from ipc.response_records import CONVERSATION_OPS, ItemsPage, ResponseOp, ResponseOpKind, ResponseReply
+from ipc.response_records import (
+    REQUESTS_PIPE_OPS,
+    ItemsPage,
+    ResponseOp,
+    ResponseOpKind,
+    ResponseReply,
+)
 from ipc.stats import Stats
 from ipc.wire import ToProxy
 from proxy.batching import Batch
 from proxy.errors import ApiError
 from proxy.session import Flow, Phase, Session
+from proxy.tenancy import ANYONE, Who
 
 log = logging.getLogger("tether.proxy")
 
 StatsListener = Callable[[Stats], None]
 
 SWEEP_S = 0.5
+# How long past an op's deadline its answer is waited for: the daemon answers an op it did not
+# get to by then at once, unapplied; only one already under way (a store waiting on a lock:
+# SQLite's busy timeout is 5 s) can take longer.
+REPLY_GRACE_S = 10.0
 
 
 def unavailable(reason: str) -> ApiError:
     return ApiError(503, f"the engine is unavailable: {reason}", code="engine_unavailable")
+
+
+def too_large(exc: FrameTooLarge) -> ApiError:
+    """A request that, as the engine would be sent it (its item references resolved, its text
+    escaped), outgrows the pipe's frame."""
+    return ApiError(413, f"the request is too large for the engine as sent: {exc} (the limit "
+                    f"of one request as the daemon is sent it, {MAX_FRAME_BYTES} bytes)",
+                    code="request_too_large")
 
 
 class EngineClient:
@@ -183,6 +203,8 @@ class EngineClient:
             session.frame = self._connection.queue_submit(submit)
         except DaemonUnavailable as exc:
             session.fail(unavailable(str(exc) or self.down_reason))
+        except FrameTooLarge as exc:
+            session.fail(too_large(exc))
         return session
 
     def close_session(self, session: Session, abort: bool = True) -> None:
@@ -218,26 +240,38 @@ class EngineClient:
             self.abort(session.rid, cause, t_disconnect)
 
     async def response_op(self, op: ResponseOpKind, response_id: str, timeout: float = 5.0,  # noqa: ASYNC109
-                          page: ItemsPage | None = None, **fields: Any) -> ResponseReply:
+                          page: ItemsPage | None = None, who: Who = ANYONE,
+                          **fields: Any) -> ResponseReply:
         """One ResponseOp and its reply. A conversation's (``fields``: its items, metadata or
-        item id) travels on the requests pipe, as big as a Submit; the others on control."""
+        item id) and a request's item references travel on the requests pipe, as big as a
+        Submit; the others on control.
+
+        The daemon applies the op only within ``timeout``; past it, it answers without
+        applying it. So this waits for that answer rather than give up at ``timeout``: a 503
+        that says "not applied" is true, and a client's retry stores once. Only a daemon that
+        says nothing for REPLY_GRACE_S longer (lost, or stuck in one operation) is answered
+        with a 503 that cannot say."""
         if not self.up:
             raise unavailable(self.down_reason)
         op_id = uuid.uuid4().hex
         future: asyncio.Future[ResponseReply] = asyncio.get_running_loop().create_future()
         self._ops[op_id] = future
-        record = ResponseOp(op_id, op, response_id, page=page, **fields)
+        record = ResponseOp(op_id, op, response_id, tenant=who.tenant, client=who.client,
+                            deadline=time.monotonic() + timeout, page=page, **fields)
         try:
-            if op in CONVERSATION_OPS:
+            if op in REQUESTS_PIPE_OPS:
                 try:
                     self._connection.queue_submit(record)
                 except DaemonUnavailable:
                     raise unavailable(self.down_reason) from None
+                except FrameTooLarge as exc:
+                    raise too_large(exc) from None
             elif not self._connection.control(record):
                 raise unavailable(self.down_reason)
-            return await asyncio.wait_for(future, timeout)
+            return await asyncio.wait_for(future, timeout + REPLY_GRACE_S)
         except TimeoutError:
-            raise unavailable(f"no answer from the daemon within {timeout:g} s") from None
+            raise unavailable(f"no answer from the daemon within {timeout + REPLY_GRACE_S:g} s; "
+                              "the operation may or may not have been applied") from None
         finally:
             self._ops.pop(op_id, None)
 

@@ -19,6 +19,7 @@ from daemon.engine.admission import (
     build_sequences,
     check_limits,
     check_sequences,
+    max_token_bytes,
     render_prompts,
 )
 from daemon.engine.block_manager import BlockManager
@@ -30,7 +31,7 @@ from daemon.engine.sequence import Detokenizer, Sequence, Session
 from daemon.engine.tokenize import tokenize
 from daemon.model.batch import ScheduledChunk
 from daemon.model.tokenizer import Tokenizer
-from daemon.rejected import Rejected
+from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.lifecycle import Aborted, Completed, Ending, Failed, Responses, Store
 from ipc.records import (
     AbortCause,
@@ -75,6 +76,8 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_seqs_per_request = max_seqs_per_request  # None: only n <= max_num_seqs
         self.max_model_len = max_model_len
+        # The most text a prompt that fits can hold: what a longer one is refused by, untokenized.
+        self.context_bytes = ContextBytes(max_model_len, max_token_bytes(tokenizer))
         self.model_name = model_name
         self.clock = clock
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -116,7 +119,7 @@ class Engine:
         try:
             check_guide(rec, self.guidance)
             history = self.responses.history if self.responses is not None else None
-            prompts = render_prompts(rec, self.tokenizer, history)
+            prompts = render_prompts(rec, self.tokenizer, history, self.context_bytes)
             check_sequences(rec, self.max_num_seqs, self.max_seqs_per_request)
             check_limits(rec, prompts, self.max_model_len, self.block_manager,
                          self.tokenizer.vocab_size)
@@ -228,7 +231,8 @@ class Engine:
         if self.guidance is not None:
             self.guidance.drop(session.rid)
         self._end_response(session, Failed(error or "internal error") if cause is None
-                           else Aborted(cause, session.background))
+                           else Aborted(cause, session.background, session.output_text(),
+                                        session.usage))
         del self.sessions[session.rid]
         self.figures.evicted(session, reason, cause, t_read)
         return [Finish(session.rid, s.index, reason, s.usage, cause=cause, message=error)

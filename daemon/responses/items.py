@@ -2,9 +2,11 @@
 
 The proxy stores the items as JSON text (ResponseFields.input_items): a list of objects, each
 maybe with its own ``id``. The daemon answers with the page the client asked for, never with
-every item, so a reply's size follows the page. Of an item it reads only the ``id``; the rest
-travels as stored. An item stored without an id (the proxy never makes one up) is listed under
-``msg_<the response id without resp_>_<its position>``, and ``after`` names it so.
+every item, so a reply's size follows the page; and a page ends early (``has_more``) where its
+items would pass PAGE_BYTES, so that however large the items, a reply fits a frame. Of an item
+it reads only the ``id``; the rest travels as stored. An item stored without an id (the proxy
+never makes one up) is listed under ``msg_<the response id without resp_>_<its position>``, and
+``after`` names it so.
 """
 
 from __future__ import annotations
@@ -15,6 +17,20 @@ from typing import Any
 import msgspec
 
 from ipc.response_records import ItemsPage, ResponseOp, ResponseReply
+
+# A page holds items of at most this many bytes together (or its first item, whatever its size):
+# in a reply they travel as a JSON string, at most twice as long, well inside MAX_FRAME_BYTES.
+PAGE_BYTES = 4 << 20
+
+
+def within_bytes(sizes: list[int], budget: int) -> int:
+    """How many of the first ``sizes`` fit ``budget`` together; at least one, if any."""
+    total = 0
+    for n, size in enumerate(sizes):
+        total += size
+        if total > budget and n > 0:
+            return n
+    return len(sizes)
 
 
 class _Id(msgspec.Struct):
@@ -55,9 +71,10 @@ def page_of(response_id: str, input_items: str, page: ItemsPage) -> Page | None:
         except ValueError:
             return None
         order = order[start:]
-    chosen = order[:page.limit]
+    wanted = order[:page.limit]
+    chosen = wanted[:within_bytes([len(raws[i]) for i in wanted], PAGE_BYTES)]
     text = b"[" + b",".join([bytes(raws[i]) for i in chosen]) + b"]"
-    return Page(text.decode(), [ids[i] for i in chosen], len(order) > page.limit)
+    return Page(text.decode(), [ids[i] for i in chosen], len(order) > len(chosen))
 
 
 def items_reply(op: ResponseOp, input_items: str) -> ResponseReply:

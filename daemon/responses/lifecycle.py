@@ -3,7 +3,8 @@
 The engine calls it at a few named points of a Responses session: `history` to render the
 prompt, `admitted` when the session opens (the placeholder row), `started` at its first tick and
 `ended` however it ends (`Completed`, `Failed`, `Aborted`). The server has it answer ResponseOps
-and hand over the cancels that reached another replica.
+and hand over the cancels that reached another replica. A background response that the daemon's
+shutdown stops is stored as what it is, incomplete, with the text and usage it had.
 
 A failing store costs one session, never the daemon. A store can fail at any call (a full disk,
 a read-only database, a lost connection to a database server). The engine's records never wait on
@@ -21,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from daemon.rejected import Rejected
+from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.conversations import not_found
 from daemon.responses.store import previous_not_found
 from ipc.records import AbortCause, FinishReason, Message, Submit, Usage
-from ipc.response_records import ResponseOp, ResponseReply
+from ipc.response_records import SHUTDOWN_REASON, ResponseOp, ResponseReply
 
 log = logging.getLogger("tether.store")
 
@@ -33,7 +34,8 @@ log = logging.getLogger("tether.store")
 class Store(Protocol):
     """A store backend: ResponseStore (daemon/responses/store.py), over SQLite or PostgreSQL."""
 
-    def conversation(self, submit: Submit) -> list[Message] | None: ...
+    def conversation(self, submit: Submit,
+                     bound: ContextBytes | None = None) -> list[Message] | None: ...
     def begin(self, submit: Submit) -> None: ...
     def start(self, rid: str) -> None: ...
     def complete(self, rid: str, output_text: str, usage: Usage, *,
@@ -68,6 +70,8 @@ class Failed:
 class Aborted:
     cause: AbortCause
     background: bool  # a background response outlives its client; a foreground one goes with it
+    output_text: str = ""  # what it had generated
+    usage: Usage | None = None
 
 
 Ending = Completed | Failed | Aborted
@@ -82,11 +86,13 @@ class Responses:
 
     # --- admission: a failure is that request's error ------------------------------------------
 
-    def history(self, submit: Submit) -> list[Message]:
+    def history(self, submit: Submit, bound: ContextBytes | None = None) -> list[Message]:
         """The messages to render: instructions, the previous response's conversation, the
-        request's input."""
+        request's input. A stored history whose text cannot fit ``bound`` is refused unread."""
         try:
-            messages = self.store.conversation(submit)
+            messages = self.store.conversation(submit, bound)
+        except Rejected:
+            raise
         except Exception as exc:
             raise self._refusal("read the history of", submit.rid, exc) from None
         conversation = submit.response.conversation if submit.response else None
@@ -149,6 +155,13 @@ class Responses:
         elif ending.cause is AbortCause.CANCEL:  # the row stays, cancelled
             self._attempt_or_fail("mark as cancelled", rid, self.store.cancel,
                                   "cancelled; the cancellation could not be stored")
+        elif ending.cause is AbortCause.SHUTDOWN:  # stopped short: what it had is its result
+            error = self._attempt("store the partial result of", rid, self.store.complete, rid,
+                                  ending.output_text, ending.usage or Usage(0, 0),
+                                  incomplete_reason=SHUTDOWN_REASON)
+            if error is not None:
+                self._fail(rid, f"aborted: shutdown; its partial result could not be stored: "
+                           f"{error}")
         else:
             self._fail(rid, f"aborted: {ending.cause.value}")
         return None

@@ -1,6 +1,7 @@
 """The proxy's side of the store: GET / DELETE / cancel of a stored response, a page of its
-input items and an item by id (daemon/responses/item_index.py), each a ResponseOp answered by
-one ResponseReply (a conversation's ops go to daemon/responses/conversations.py).
+input items and the items a request references (daemon/responses/item_index.py), each a
+ResponseOp answered by one ResponseReply (a conversation's ops go to
+daemon/responses/conversations.py).
 
 A cancel or delete of a response another replica runs is marked in its row (the store's
 ``cancel``) and left in ``cancel_requests`` for its owner, whose watcher hands it to its tick.
@@ -13,7 +14,7 @@ from typing import Any
 
 from daemon.responses.conversations import Conversations
 from daemon.responses.db import Database
-from daemon.responses.item_index import item_reply
+from daemon.responses.item_index import references_reply
 from daemon.responses.items import items_reply
 from daemon.responses.rows import stored_response
 from ipc.response_records import (
@@ -48,8 +49,8 @@ class StoreOps:
         """
         if op.op in CONVERSATION_OPS:
             return self.conversations.handle_op(op)
-        if op.op is ResponseOpKind.ITEM:
-            return item_reply(self.db, op)
+        if op.op is ResponseOpKind.ITEMS:
+            return references_reply(self.db, op)
         row = self._row(op.response_id)
         if row is None:
             return ResponseReply(op.op_id, 404,

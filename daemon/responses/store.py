@@ -15,7 +15,9 @@ reach it through daemon/responses/lifecycle.py (`Responses`), never directly. Th
   reading it): a live background response is cancelled first, as a cancel would.
 
 Each row records its ``size`` (the bytes of its text), so that the watcher's prune bounds the
-store by bytes as well as by count and age.
+store by bytes as well as by count and age, fairly between tenants (daemon/responses/
+retention.py), and ``text_bytes``, the bytes of message text its conversation and output render:
+a turn whose history cannot fit the context (`ContextBytes`) is refused before it is read.
 
 Rows keep the whole conversation (history included, instructions excluded, as OpenAI does not
 carry instructions over ``previous_response_id``), so a chain is one lookup however long it is,
@@ -39,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from daemon.rejected import ContextBytes
 from daemon.responses.conversations import (
     ConversationCounts,
     ConversationLimits,
@@ -57,6 +60,7 @@ from daemon.responses.rows import (
     json_text,
     messages_decoder,
     row_size,
+    text_bytes,
     text_column,
 )
 from daemon.responses.schema import SCHEMA_VERSION
@@ -139,13 +143,15 @@ class ResponseStore:
 
     # --- the engine's side: one session's life ------------------------------------------------
 
-    def conversation(self, submit: Submit) -> list[Message] | None:
+    def conversation(self, submit: Submit, bound: ContextBytes | None = None
+                     ) -> list[Message] | None:
         """Messages to render for this response: instructions, history, then the new input.
 
-        None when ``previous_response_id`` is unknown (answer with ``previous_not_found``).
+        None when ``previous_response_id`` is unknown (answer with ``previous_not_found``);
+        Rejected, unread, when the history's text and the request's cannot fit ``bound``.
         """
         fields = _fields(submit)
-        turn = self._turn(fields)
+        turn = self._turn(fields, bound)
         if turn is None:
             return None
         self._last_turn = (submit, turn)
@@ -179,15 +185,17 @@ class ResponseStore:
         inserted = executor.execute(
             "INSERT INTO responses (id, status, created_at, stored_at, model, instructions,"
             " previous_response_id, background, input_items, messages, temperature, top_p,"
-            " max_output_tokens, owner, size, conversation_id, echo, tool_call_format) VALUES"
-            " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            " max_output_tokens, owner, size, conversation_id, echo, tool_call_format, tenant,"
+            " text_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO NOTHING",
             (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
              instructions, fields.previous_response_id, int(fields.background),
              fields.input_items, messages, submit.sampling.temperature,
              submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id,
              row_size(fields.input_items, messages, instructions, fields.echo),
              fields.conversation, fields.echo,
-             None if fields.tool_call_format is None else fields.tool_call_format.value),
+             None if fields.tool_call_format is None else fields.tool_call_format.value,
+             fields.tenant, text_bytes(turn)),
         ).rowcount
         if inserted != 1:
             raise ValueError(f"response id {submit.rid!r} is already stored")
@@ -197,16 +205,26 @@ class ResponseStore:
         self._db.execute("UPDATE responses SET status = ? WHERE id = ? AND status = ?",
                          (ResponseStatus.IN_PROGRESS.value, rid, ResponseStatus.QUEUED.value))
 
-    def history(self, previous_response_id: str) -> list[Message] | None:
+    def history(self, previous_response_id: str, bound: ContextBytes | None = None,
+                adding: int = 0) -> list[Message] | None:
         """The whole conversation up to and including that response's output.
 
         None when the id is unknown, or still queued / in progress (its output does not exist).
+        Rejected, unread, when its text and the turn's own (``adding`` bytes) cannot fit
+        ``bound``.
         """
-        row = self._db.execute(
-            "SELECT status, messages, output_text FROM responses WHERE id = ?",
-            (previous_response_id,),
-        ).one()
-        if row is None or row["status"] in PLACEHOLDER_STATUSES:
+        head = self._db.execute("SELECT status, text_bytes FROM responses WHERE id = ?",
+                                (previous_response_id,)).one()
+        if head is None or head["status"] in PLACEHOLDER_STATUSES:
+            return None
+        holds = head["text_bytes"] + adding
+        if bound is not None and holds > bound.max_bytes:
+            raise bound.refusal("the conversation (previous_response_id's history and input)",
+                                holds, "previous_response_id",
+                                "start a new conversation without previous_response_id")
+        row = self._db.execute("SELECT messages, output_text FROM responses WHERE id = ?",
+                               (previous_response_id,)).one()
+        if row is None:  # deleted in between (another replica)
             return None
         messages = messages_decoder.decode(row["messages"])
         if row["output_text"] is not None:
@@ -219,8 +237,9 @@ class ResponseStore:
         """Completed; or incomplete when ``incomplete_reason`` is given (``max_output_tokens``)."""
         status = ResponseStatus.COMPLETED if incomplete_reason is None else ResponseStatus.INCOMPLETE
         self._end(rid, status, output_row(rid, output_text, status.value),
-                  output_text=text_column(output_text), usage=json_text(usage),
-                  incomplete_reason=incomplete_reason, completed_at=self._clock())
+                  len(output_text.encode()), output_text=text_column(output_text),
+                  usage=json_text(usage), incomplete_reason=incomplete_reason,
+                  completed_at=self._clock())
 
     def fail(self, rid: str, message: str) -> None:
         self._end(rid, ResponseStatus.FAILED, error=text_column(message))
@@ -237,23 +256,26 @@ class ResponseStore:
     def num_placeholders(self) -> int:
         return len(self._placeholders)
 
-    def _turn(self, fields: ResponseFields) -> list[Message] | None:
+    def _turn(self, fields: ResponseFields, bound: ContextBytes | None = None
+              ) -> list[Message] | None:
         """History, then this request's input: what the row stores (no instructions)."""
         history: list[Message] | None = []
+        own = text_bytes(fields.input) + len((fields.instructions or "").encode())
         if fields.previous_response_id is not None:
-            history = self.history(fields.previous_response_id)
+            history = self.history(fields.previous_response_id, bound, own)
         elif fields.conversation is not None:
-            history = self.conversations.history(fields.conversation)
+            history = self.conversations.history(fields.conversation, bound, own)
         if history is None:
             return None
         return history + fields.input
 
     def _end(self, rid: str, status: ResponseStatus, output: ItemRow | None = None,
-             **columns: Any) -> None:
+             output_bytes: int = 0, **columns: Any) -> None:
         sets = "".join(f", {name} = ?" for name in columns)
-        self._settle(rid, f"UPDATE responses SET status = ?, size = size + ?{sets} WHERE id = ? "
-                     f"AND status IN {_PLACEHOLDERS_SQL}",
-                     (status.value, row_size(*columns.values()), *columns.values(), rid), output)
+        self._settle(rid, f"UPDATE responses SET status = ?, size = size + ?, text_bytes = "
+                     f"text_bytes + ?{sets} WHERE id = ? AND status IN {_PLACEHOLDERS_SQL}",
+                     (status.value, row_size(*columns.values()), output_bytes,
+                      *columns.values(), rid), output)
 
     def _settle(self, rid: str, sql: str, params: tuple[Any, ...],
                 output: ItemRow | None = None) -> None:

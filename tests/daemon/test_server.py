@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon import server as server_module
 from daemon.engine.core import Engine
 from daemon.model.tokenizer import ByteTokenizer
 from daemon.responses.store import ResponseStore
@@ -389,9 +390,54 @@ def test_a_reply_too_large_for_a_frame_is_an_error_for_its_op_only(daemon, tmp_p
     proxy.send(ResponseOp("op1", ResponseOpKind.GET, "resp_huge", 1))
     proxy.send(ResponseOp("op2", ResponseOpKind.GET, "resp_missing", 1))
     huge = proxy.wait_for(lambda r: isinstance(r, ResponseReply) and r.op_id == "op1")
-    assert isinstance(huge, ResponseReply) and huge.status == 500
+    assert isinstance(huge, ResponseReply) and huge.status == 413
     assert huge.message is not None and "too large" in huge.message
+    assert str(MAX_FRAME_BYTES) in huge.message
     missing = proxy.wait_for(lambda r: isinstance(r, ResponseReply) and r.op_id == "op2")
     assert isinstance(missing, ResponseReply) and missing.status == 404
     proxy.send(completion("after", max_tokens=3))
     assert isinstance(proxy.wait_for(finish_of("after")), Finish)
+
+
+def _op(op_id: str, kind: ResponseOpKind = ResponseOpKind.GET, rid: str = "resp_missing",
+        **fields) -> ResponseOp:
+    return ResponseOp(op_id, kind, rid, 1, **fields)
+
+
+def test_an_op_past_its_deadline_is_answered_and_not_applied(daemon):
+    """The proxy stops waiting at an op's deadline: past it the daemon must not apply the op,
+    or a client told 503 finds it applied, and its retry applies it twice."""
+    _, proxy, _ = daemon
+    hello(proxy)
+    late, timely = time.monotonic() - 0.01, time.monotonic() + 30
+    proxy.send(_op("late", ResponseOpKind.CONVERSATION_CREATE, "conv_late", deadline=late))
+    proxy.send(_op("timely", ResponseOpKind.CONVERSATION_CREATE, "conv_timely", deadline=timely))
+    for op_id, status in (("late", 503), ("timely", 200)):
+        reply = proxy.wait_for(lambda r, i=op_id: isinstance(r, ResponseReply) and r.op_id == i)
+        assert isinstance(reply, ResponseReply) and reply.status == status, reply
+    assert "not applied" in (proxy.received[-2].message or "")  # type: ignore[union-attr]
+    for cid, status in (("conv_late", 404), ("conv_timely", 200)):
+        proxy.send(_op(f"get-{cid}", ResponseOpKind.CONVERSATION_GET, cid))
+        reply = proxy.wait_for(lambda r, c=cid: isinstance(r, ResponseReply)
+                               and r.op_id == f"get-{c}")
+        assert isinstance(reply, ResponseReply) and reply.status == status
+
+
+def test_a_tick_answers_ops_only_within_its_budget_and_clients_take_turns(daemon, monkeypatch):
+    """A flood of ops from one client: the forward pass still comes round between them (the
+    tick's store budget, here one op), and another client's op waits for one of the flood's,
+    not for all of them."""
+    _, proxy, _ = daemon
+    monkeypatch.setattr(server_module, "OPS_TIME_S", 0.0)  # one op a tick
+    hello(proxy)
+    proxy.send(completion("stream", max_tokens=490, ignore_eos=True))
+    proxy.wait_for(lambda r: isinstance(r, Delta) and r.rid == "stream")
+    for i in range(30):
+        proxy.send(_op(f"flood-{i}", client="flooder"))
+    proxy.send(_op("bystander", client="bystander"))
+    proxy.wait_for(lambda r: isinstance(r, ResponseReply) and r.op_id == "flood-29")
+    replies = [r.op_id for r in proxy.received if isinstance(r, ResponseReply)]
+    assert replies.index("bystander") <= 1, replies
+    first = next(i for i, r in enumerate(proxy.received) if isinstance(r, ResponseReply))
+    between = [r for r in proxy.received[first:] if isinstance(r, Delta) and r.rid == "stream"]
+    assert len(between) >= 12, f"{len(between)} tokens of the stream while 31 ops were answered"

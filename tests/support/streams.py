@@ -3,6 +3,7 @@ assert that every one of them completed (status 200, no error event, ``[DONE]`` 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -103,3 +104,56 @@ class Bystanders:
     def assert_all_ok(self, timeout: float = 180.0) -> None:
         bad = [r for r in self.join(timeout) if not r.ok]
         assert not bad, f"{len(bad)} of {self.count} bystander streams failed: {bad[:3]}"
+
+
+@dataclass
+class Paced:
+    """One streaming chat client in a thread that notes when each event arrives: the longest
+    gap between two events of a window says what a fault cost a bystander."""
+
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
+    arrivals: list[float] = field(default_factory=list)
+    error: str | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self, first_events: int = 5, timeout: float = 60.0) -> Paced:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while len(self.arrivals) < first_events:
+            assert self.error is None and time.monotonic() < deadline, self.error
+            time.sleep(0.01)
+        return self
+
+    def _run(self) -> None:
+        body = {"messages": [{"role": "user", "content": "a bystander"}], "max_tokens": 30_000,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body,
+                              headers=self.headers, timeout=60.0) as r:
+                if r.status_code != 200:
+                    self.error = r.read().decode(errors="replace")
+                    return
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.arrivals.append(time.monotonic())
+                    if self._stop.is_set():
+                        return
+            self.error = "the stream ended before it was stopped"
+        except httpx.HTTPError as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def longest_gap(self, since: float) -> float:
+        """The longest wait for an event from `since` to now (the wait still open included)."""
+        now = time.monotonic()
+        before = [t for t in self.arrivals if t < since][-1:]
+        times = before + [t for t in self.arrivals if t >= since] + [now]
+        return max(b - a for a, b in itertools.pairwise(times))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        assert self.error is None, self.error

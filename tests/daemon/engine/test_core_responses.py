@@ -13,7 +13,7 @@ from ipc.records import (
     SamplingParams,
     Submit,
 )
-from ipc.response_records import ResponseOp, ResponseOpKind
+from ipc.response_records import SHUTDOWN_REASON, ResponseOp, ResponseOpKind
 from tests.support.engine_kit import EOS, TOK, completion, make_engine, run
 
 
@@ -87,3 +87,21 @@ def test_proxy_loss_keeps_background_responses_running():
     assert {r.rid for r in out} == {"c"}
     run(engine)
     assert get(store, "resp_bg")[1]["status"] in ("completed", "incomplete")  # type: ignore[index]
+
+
+def test_a_background_response_stopped_by_shutdown_is_stored_incomplete_with_what_it_had():
+    """What it generated is its result: incomplete, its text and usage kept (failed, empty,
+    before); a foreground one still leaves no placeholder."""
+    store = ResponseStore(None, 100, 3600.0)
+    engine, _ = make_engine(lambda ctx: ord("a"), store=store)
+    engine.submit(response("resp_bg", "y", background=True))
+    engine.submit(response("resp_fg", "z"))
+    for _ in range(5):
+        engine.step()
+    engine.abort_all(AbortCause.SHUTDOWN)
+    _, body = get(store, "resp_bg")
+    assert body is not None and body["status"] == "incomplete"
+    assert body["incomplete_reason"] == SHUTDOWN_REASON and body["error"] is None
+    assert body["output_text"] == "aaaaa"
+    assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] > 0
+    assert get(store, "resp_fg")[0] == 404

@@ -6,8 +6,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from daemon.rejected import Rejected
+from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.conversations import ConversationLimits
+from daemon.responses.items import PAGE_BYTES
 from daemon.responses.store import ResponseStore
 from ipc.records import Message, RequestKind, ResponseFields, SamplingParams, Submit, Usage
 from ipc.response_records import ConversationItems, ItemsPage, ResponseOp, ResponseOpKind, ResponseReply
@@ -73,7 +74,8 @@ def test_create_get_update_delete(store: ResponseStore) -> None:
 def test_items_page_append_get_delete(store: ResponseStore) -> None:
     op(store, K.CONVERSATION_CREATE, items=user_items("a", "b"))
     added = op(store, K.CONVERSATION_ADD_ITEMS, items=user_items("c", "d", "e"))
-    assert texts(added) == ["c", "d", "e"] and all(i.startswith("msg_") for i in added.item_ids)
+    assert added.input_items is None and len(added.item_ids) == 3  # the ids: the proxy lists
+    assert all(i.startswith("msg_") for i in added.item_ids)
     page = op(store, K.CONVERSATION_ITEMS, page=ItemsPage(limit=2, order="asc"))
     assert texts(page) == ["a", "b"] and page.has_more
     after = op(store, K.CONVERSATION_ITEMS, page=ItemsPage(limit=10, order="asc",
@@ -170,3 +172,54 @@ def test_prune_by_count_age_and_bytes(open_store: Open, clock: Clock) -> None:
     assert store.conversations.prune() == 1  # by age
     rows = store.db.execute("SELECT count(*) AS n FROM conversation_items").one()
     assert rows["n"] == 0
+
+
+def test_a_turn_whose_conversation_cannot_fit_is_refused_before_its_items_are_read(
+        store: ResponseStore) -> None:
+    """Its items' text and the turn's own is more than the context's tokens can spell: the
+    items are never read (one could hold gigabytes)."""
+    op(store, K.CONVERSATION_CREATE, items=user_items("x" * 600, "y" * 600))
+    reads: list[str] = []
+    store.db.trace = reads.append
+    with pytest.raises(Rejected) as exc:
+        store.conversation(turn("resp_1", "hi"), ContextBytes(100, 12))  # 1,202 > 1,200 bytes
+    assert (exc.value.status, exc.value.param, exc.value.code) == (
+        400, "conversation", "context_length_exceeded")
+    assert "1202" in exc.value.message and "1200" in exc.value.message
+    assert not [sql for sql in reads if "conversation_items" in sql]
+    assert store.conversation(turn("resp_1", "hi"), ContextBytes(101, 12)) is not None
+    listed = op(store, K.CONVERSATION_ITEMS, page=ItemsPage(order="asc"))
+    op(store, K.CONVERSATION_ITEM_DELETE, item_id=listed.item_ids[0])  # its text goes with it
+    assert store.conversation(turn("resp_1", "hi"), ContextBytes(51, 12)) is not None
+
+
+def test_a_page_of_items_stops_short_of_its_bytes_bound(store: ResponseStore) -> None:
+    """Items each near half the page's bytes: a page holds as many as fit (never none), says
+    there are more, and the next page goes on from it."""
+    big = [c * (PAGE_BYTES // 3) for c in "abc"]
+    op(store, K.CONVERSATION_CREATE, items=user_items(*big))
+    seen: list[str] = []
+    after = None
+    for _ in range(4):
+        page = op(store, K.CONVERSATION_ITEMS, page=ItemsPage(limit=20, order="asc",
+                                                              after=after))
+        assert 1 <= len(page.item_ids) < 3 and len(page.input_items or "") <= PAGE_BYTES
+        seen += texts(page)
+        after = page.item_ids[-1]
+        if not page.has_more:
+            break
+    assert seen == big
+
+
+def test_retention_is_fair_between_tenants(open_store: Open, clock: Clock) -> None:
+    """One tenant's flood of conversations costs another tenant, holding less than its share,
+    nothing: the flood's own oldest go."""
+    store = open_store(conversations=ConversationLimits(max_count=4, max_bytes=1 << 30))
+    op(store, K.CONVERSATION_CREATE, "conv_mine", tenant="a")
+    for i in range(6):
+        clock.now += 1
+        op(store, K.CONVERSATION_CREATE, f"conv_{i}", tenant="b")
+    assert store.conversations.prune() == 3
+    kept = [cid for cid in ["conv_mine", *[f"conv_{i}" for i in range(6)]]
+            if op(store, K.CONVERSATION_GET, cid).status == 200]
+    assert kept == ["conv_mine", "conv_3", "conv_4", "conv_5"]

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from openai.types.responses import Response
 
+from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.store import CRASHED_MESSAGE, SCHEMA_VERSION, ResponseStore, StoreError
 from ipc.records import Message, RequestKind, ResponseFields, SamplingParams, Submit, Usage
 from ipc.response_records import ResponseOp, ResponseOpKind, ResponseReply
@@ -32,6 +33,7 @@ def submit(
     background: bool = False,
     store: bool = True,
     instructions: str | None = None,
+    tenant: str = "",
 ) -> Submit:
     fields = ResponseFields(
         store=store,
@@ -42,6 +44,7 @@ def submit(
         input_items=msgspec.json.encode([{"role": "user", "content": text}]).decode(),
         created_at=1_700_000_000,
         model="tiny",
+        tenant=tenant,
     )
     return Submit(rid, RequestKind.RESPONSE, SamplingParams(max_tokens=8), response=fields, epoch=1)
 
@@ -244,10 +247,27 @@ def test_admission_then_begin_reads_the_history_once(store: ResponseStore) -> No
     second = submit("resp_2", "two", previous="resp_1")
     store.conversation(second)
     store.begin(second)
-    assert len(reads) == 1
+    assert len([sql for sql in reads if "messages" in sql]) == 1
     store.complete("resp_2", "TWO", Usage(1, 1))
     history = store.history("resp_2")
     assert history is not None and [m.content for m in history] == ["one", "ONE", "two", "TWO"]
+
+
+def test_a_continuation_whose_history_cannot_fit_is_refused_before_it_is_read(
+        store: ResponseStore) -> None:
+    """The previous response's conversation and output, with the new input, hold more text than
+    the context's tokens can spell: its row's conversation is never read."""
+    store.begin(submit("resp_1", "x" * 600))
+    store.complete("resp_1", "y" * 600, Usage(1, 1))
+    reads: list[str] = []
+    store.db.trace = reads.append
+    with pytest.raises(Rejected) as exc:
+        store.conversation(submit("resp_2", "hi", previous="resp_1"), ContextBytes(100, 12))
+    assert (exc.value.param, exc.value.code) == ("previous_response_id", "context_length_exceeded")
+    assert "1202" in exc.value.message and "1200" in exc.value.message
+    assert not [sql for sql in reads if "messages" in sql]
+    fits = store.conversation(submit("resp_2", "hi", previous="resp_1"), ContextBytes(101, 12))
+    assert fits is not None and [m.content for m in fits] == ["x" * 600, "y" * 600, "hi"]
 
 
 def test_unknown_or_running_previous_gives_none(store: ResponseStore) -> None:
