@@ -21,8 +21,9 @@ from typing import Any
 from daemon.engine.block_manager import BlockManager
 from daemon.engine.echo import make_echoes
 from daemon.engine.logits_processors import bad_word_ids
+from daemon.engine.output import Detokenizer, Output
 from daemon.engine.sampler import seed_for
-from daemon.engine.sequence import Detokenizer, Sequence
+from daemon.engine.sequence import Sequence
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import Tokenizer
 from daemon.rejected import ContextBytes, Rejected
@@ -312,27 +313,32 @@ def _too_long(submit: Submit, max_model_len: int) -> tuple[str, str, str]:
 
 def build_sequences(submit: Submit, prompts: list[list[int]],
                     make_detok: Callable[[list[int]], Detokenizer], tokenizer: Tokenizer,
-                    max_model_len: int, block_manager: BlockManager) -> list[Sequence]:
-    """All sequences in index order; sample 0 of each prompt carries its siblings to fork. An
-    omitted max_tokens becomes each prompt's room for the output (`output_room`)."""
+                    max_model_len: int, block_manager: BlockManager,
+                    ) -> tuple[list[Sequence], list[Output]]:
+    """All sequences in index order, and their outputs; sample 0 of each prompt carries its
+    siblings to fork. An omitted max_tokens becomes each prompt's room for the output
+    (`output_room`)."""
     params = submit.sampling
     bad_words = bad_word_ids(params.bad_words,
                              lambda text: tokenizer.encode(text, add_special_tokens=False))
     seqs: list[Sequence] = []
+    outputs: list[Output] = []
     for p, (ids, echo) in enumerate(zip(prompts, make_echoes(submit, prompts, tokenizer),
                                         strict=True)):
         max_tokens = params.max_tokens or output_room(len(ids), submit.n, max_model_len,
                                                       block_manager)
+        gathered = echo if echo is not None and echo.num_logprobs is not None else None
         group = [
             Sequence(rid=submit.rid, index=p * submit.n + s, token_ids=list(ids), params=params,
-                     detok=make_detok(ids), stops=StopMatcher(params.stop),
                      seed=None if params.seed is None else seed_for(params.seed, s),
-                     max_tokens=max_tokens, bad_words=bad_words, echo=echo)
+                     max_tokens=max_tokens, bad_words=bad_words, prompt_logprobs=gathered)
             for s in range(submit.n)
         ]
         group[0].fork_children = group[1:]
         seqs.extend(group)
-    return seqs
+        outputs += [Output(make_detok(ids), StopMatcher(params.stop), echo)
+                    for _ in range(submit.n)]
+    return seqs, outputs
 
 
 class Tombstones:

@@ -1,8 +1,11 @@
 """The engine: sessions in, Delta/Finish records out. No I/O; the server drives it.
 
-A tick is: schedule -> forward -> sample -> detokenize -> emit. Aborts are applied by the caller
-between ticks (`abort` evicts at once), so no forward pass that starts after an abort was read
-includes the aborted session.
+A step is four phases, each a method and each timed: schedule (the scheduler's batch) ->
+execute (the forward pass, sampling beside it: daemon/engine/execute.py) -> update (the
+scheduler's bookkeeping from the sampled ids: daemon/engine/update.py) -> emit (text, stop
+strings, records: daemon/engine/output.py). Aborts are applied by the caller between steps
+(`abort` evicts at once), so no forward pass that starts after an abort was read includes the
+aborted session.
 """
 
 from __future__ import annotations
@@ -10,9 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Protocol
-
-import torch
+from time import perf_counter
 
 from daemon.engine.admission import (
     Tombstones,
@@ -22,21 +23,24 @@ from daemon.engine.admission import (
     max_token_bytes,
     render_prompts,
 )
+from daemon.engine.batch import Batch
 from daemon.engine.block_manager import BlockManager
+from daemon.engine.execute import Executed, Executor, Runner
 from daemon.engine.figures import Figures
 from daemon.engine.guided import Guidance, check_guide
-from daemon.engine.sampler import Sampler, prompt_logprobs, sampled_logprobs
+from daemon.engine.output import Detokenizer
+from daemon.engine.sampler import Logprob, Sampler, sampled_logprobs
 from daemon.engine.scheduler import Scheduler
-from daemon.engine.sequence import Detokenizer, Sequence, Session
+from daemon.engine.sequence import Sequence
+from daemon.engine.session import Session
 from daemon.engine.tokenize import tokenize
-from daemon.model.batch import ScheduledChunk
+from daemon.engine.update import Advanced, Ends
 from daemon.model.tokenizer import Tokenizer
 from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.lifecycle import Aborted, Completed, Ending, Failed, Responses, Store
 from ipc.records import (
     AbortCause,
     Admitted,
-    Delta,
     Finish,
     FinishReason,
     RequestKind,
@@ -47,13 +51,7 @@ from ipc.records import (
 from ipc.stats import Stats
 from ipc.wire import ToProxy
 
-
-class Runner(Protocol):
-    block_size: int
-    num_blocks: int
-
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
-    def copy_block(self, src: int, dst: int) -> None: ...
+__all__ = ["Engine", "Runner"]
 
 
 def _default_detokenizer(tokenizer: Tokenizer) -> Callable[[list[int]], Detokenizer]:
@@ -86,7 +84,8 @@ class Engine:
                                    runner.copy_block)
         self.sampler = Sampler(tokenizer.eos_token_ids)
         self.guidance = guidance  # constrained decoding; None: guided requests are refused
-        self._eos = frozenset(tokenizer.eos_token_ids)
+        self.executor = Executor(runner, self.sampler, guidance, self._token_logprob)
+        self.ends = Ends(tokenizer.eos_token_ids, max_model_len)
         self._make_detok = make_detokenizer or _default_detokenizer(tokenizer)
         self.sessions: dict[str, Session] = {}
         self.tombstones = Tombstones(clock=clock)
@@ -175,11 +174,10 @@ class Engine:
             self.scheduler.set_paused(session.sequences, paused)
 
     def _open_session(self, rec: Submit, prompts: list[list[int]]) -> Session:
-        session = Session(rid=rec.rid, epoch=rec.epoch, kind=rec.kind,
-                          sequences=build_sequences(rec, prompts, self._make_detok,
-                                                    self.tokenizer, self.max_model_len,
-                                                    self.block_manager),
-                          t_arrival=self.clock(), client_id=rec.client_id)
+        sequences, outputs = build_sequences(rec, prompts, self._make_detok, self.tokenizer,
+                                             self.max_model_len, self.block_manager)
+        session = Session(rid=rec.rid, epoch=rec.epoch, kind=rec.kind, sequences=sequences,
+                          outputs=outputs, t_arrival=self.clock(), client_id=rec.client_id)
         fields = rec.response
         if rec.kind is RequestKind.RESPONSE and fields is not None and self.responses is not None:
             session.background = fields.background
@@ -238,48 +236,83 @@ class Engine:
         return [Finish(session.rid, s.index, reason, s.usage, cause=cause, message=error)
                 for s in ended]
 
-    # --- one tick -------------------------------------------------------------------------------
+    # --- one step: schedule -> execute -> update -> emit --------------------------------------
 
     def step(self) -> list[ToProxy]:
-        batch = self.scheduler.schedule()
+        """One step, phase by phase, each timed (Figures.phases). Aborts were applied before
+        it: the server drains control first, so no session evicted then is in its batch."""
+        laps = [perf_counter()]  # when each phase ended, in order
+        batch = self.schedule()
         if not batch:
             return []
-        t_start = self.clock()
-        rids = frozenset([s.rid for s in batch.seqs])
-        self.figures.tick(t_start, rids, batch.num_prefill_tokens)
-        # The masks of this tick depend only on tokens already sampled: they are computed on a
-        # thread while the forward pass runs. (A fork's siblings share their prompt's grammar.)
-        guidance = (self.guidance if self.guidance is not None
-                    and any(s.constraint is not None for s in batch.seqs) else None)
-        masks = guidance.start_masks(batch.sampled()) if guidance is not None else None
-        logits = self.runner.run(batch.chunks)
-        rows, seqs = self.scheduler.postprocess(batch)
-        if any(chunk.all_logits for chunk in batch.chunks):
-            prompt_logprobs(batch.chunks, batch.seqs, logits, self._token_logprob)
-        sampled: Counter[str] = Counter([seq.rid for seq in seqs])
-        for rid in rids:
-            session = self.sessions[rid]
+        laps.append(perf_counter())
+        executed = self.execute(batch)
+        laps.append(perf_counter())
+        advanced, out = self.update(batch, executed)
+        laps.append(perf_counter())
+        out += self.emit(advanced)
+        laps.append(perf_counter())
+        self.figures.timed(laps)
+        return out
+
+    def schedule(self) -> Batch:
+        """What this step's forward pass computes (the scheduler's decisions), counted."""
+        batch = self.scheduler.schedule()
+        if batch:
+            self.figures.tick(self.clock(), frozenset([s.rid for s in batch.seqs]),
+                              batch.num_prefill_tokens)
+        return batch
+
+    def execute(self, batch: Batch) -> Executed:
+        """The forward pass and sampling: the sampled ids, still where the logits are."""
+        return self.executor(batch)
+
+    def update(self, batch: Batch, executed: Executed) -> tuple[Advanced, list[ToProxy]]:
+        """The bookkeeping the sampled ids call for: positions computed, blocks cached and
+        forked, each sequence's new tokens (as its grammar lets them through, up to the one
+        that ends it), the penalty counts, their log-probabilities. Also the Errors of the
+        sessions whose grammar failed (ended here)."""
+        self.scheduler.update(batch)
+        seqs, rows, starts = executed.seqs, executed.rows(), executed.starts
+        self._count_tick(seqs, rows, starts is not None)
+        failed: list[tuple[Sequence, Rejected]] = []
+        if executed.masks is not None and self.guidance is not None:
+            rows, failed = self.guidance.accept(seqs, rows, self.max_model_len, executed.masks)
+        refused = self._refuse_running(failed) if failed else []
+        if refused:  # their sequences, and their siblings, get nothing more
+            at = [i for i, seq in enumerate(seqs) if seq.rid in self.sessions]
+            seqs, rows = [seqs[i] for i in at], [rows[i] for i in at]
+            starts = [i if starts is None else starts[i] for i in at]
+        ended = self.ends.append(seqs, rows)  # cuts a row at the token that ends it
+        logprobs = sampled_logprobs(executed.logits, seqs, rows, starts, self._token_logprob)
+        self.sampler.count(seqs, rows)
+        self.figures.num_generation_tokens += len(rows) if starts is None else sum(map(len, rows))
+        return Advanced(seqs, rows, logprobs, ended), refused
+
+    def emit(self, advanced: Advanced) -> list[ToProxy]:
+        """The records of the step's new tokens: text, stop strings, Deltas, Finishes."""
+        out: list[ToProxy] = []
+        sessions = self.sessions
+        for seq, tokens, logprobs, ended in zip(advanced.seqs, advanced.rows, advanced.logprobs,
+                                                advanced.ended, strict=True):
+            output = sessions[seq.rid].outputs[seq.index]
+            reason = output.push(seq, tokens, logprobs, ended, out)
+            if reason is not None:
+                out += self._finish(seq, reason)
+        return out
+
+    def _count_tick(self, seqs: list[Sequence], rows: list[list[int]], several: bool) -> None:
+        """Each session in the step: the tokens it got (for "tokens after the client left"),
+        and a stored response's first step marks it started."""
+        tick = self.figures.tick_log[-1]
+        sampled = Counter([seq.rid for seq, row in zip(seqs, rows, strict=True) for _ in row]
+                          if several else [seq.rid for seq in seqs]).get
+        sessions, start = self.sessions, tick.start
+        for rid in tick.rids:
+            session = sessions[rid]
             if session.placeholder and not session.ticks and self.responses is not None:
                 self.responses.started(rid)
-            session.ticks.append(t_start, sampled[rid])
-        if not seqs:
-            return []
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        failed: list[tuple[Sequence, Rejected]] = []
-        if guidance is None:
-            tokens = self.sampler(logits, seqs)
-        else:
-            tokens = self.sampler(guidance.mask(logits, masks), seqs)
-            tokens, failed = guidance.accept(seqs, tokens, self.max_model_len, masks)
-        self.sampler.count(seqs, tokens)
-        logprobs = sampled_logprobs(logits, seqs, tokens)
-        if not failed:
-            return self._emit(seqs, tokens, logprobs)
-        out = self._refuse_running(failed)
-        kept = [i for i, seq in enumerate(seqs) if seq.rid in self.sessions]
-        return out + self._emit([seqs[i] for i in kept], [tokens[i] for i in kept],
-                                [logprobs[i] for i in kept])
+            session.ticks.append(start, sampled(rid, 0))
 
     def _refuse_running(self, failed: list[tuple[Sequence, Rejected]]) -> list[ToProxy]:
         """Running sessions that their own request ended (a grammar reached its parser
@@ -293,66 +326,9 @@ class Engine:
                 out.append(rejected.to_error(seq.rid))
         return out
 
-    def _emit(self, seqs: list[Sequence], tokens: list[int],
-              logprobs: list[tuple[float, list[tuple[int, float]]] | None]) -> list[ToProxy]:
-        out: list[ToProxy] = []
-        append = self._append
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            if seq.echo is not None:  # the answer starts with the prompt
-                out += seq.echo.deltas(seq.rid, seq.index)
-                seq.echo = None
-            if lp is not None:
-                seq.pending_logprobs.append(self._token_logprob(token, lp))
-            text, reason, first = append(seq, token)
-            # Every sampled id reaches the client once (a stop token's too, though not its text),
-            # so token_ids summed over a stream equal usage.completion_tokens.
-            pending = seq.pending_token_ids
-            if text or (reason is not None and pending):
-                seq.output_pieces.append(text)
-                out.append(Delta(seq.rid, seq.index, text, pending,
-                                 seq.pending_logprobs if lp is not None else None,
-                                 prompt_tokens=seq.num_prompt_tokens if first else 0))
-                seq.pending_token_ids = []
-                if lp is not None:
-                    seq.pending_logprobs = []
-            if reason is not None:
-                out += self._finish(seq, reason)
-        self.figures.num_generation_tokens += len(tokens)
-        return out
-
-    def _token_logprob(self, token: int, lp: tuple[float, list[tuple[int, float]]]) -> TokenLogprob:
+    def _token_logprob(self, token: int, lp: Logprob) -> TokenLogprob:
         raw = self.tokenizer.token_bytes
         return TokenLogprob(raw(token), lp[0], [(raw(t), v) for t, v in lp[1]])
-
-    def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None, bool]:
-        """Add a sampled token; return the text it releases, the finish reason if any, and
-        whether the pending ids start with the sequence's first generated token."""
-        token_ids = seq.token_ids
-        token_ids.append(token)
-        pending = seq.pending_token_ids
-        pending.append(token)
-        p = seq.params
-        num_tokens = len(token_ids)  # read once: this runs for every token of every stream
-        generated = num_tokens - seq.num_prompt_tokens
-        first = generated == len(pending)
-        if generated >= p.min_tokens and (
-                token in p.stop_token_ids or (token in self._eos and not p.ignore_eos)):
-            return self._final_text(seq), FinishReason.STOP, first
-        text = seq.detok.push(token)
-        stops = seq.stops
-        if stops.stops:  # stop strings to match: most sequences have none
-            text = stops.push(text, generated >= p.min_tokens)
-            if stops.stopped:
-                return text, FinishReason.STOP, first
-        if generated >= seq.max_tokens or num_tokens >= self.max_model_len:
-            return text + self._final_text(seq), FinishReason.LENGTH, first
-        return text, None, first
-
-    @staticmethod
-    def _final_text(seq: Sequence) -> str:
-        """Text held back by the detokenizer and the stop matcher, at the end of a sequence."""
-        text = seq.stops.push(seq.detok.flush())
-        return text if seq.stops.stopped else text + seq.stops.flush()
 
     def _release(self, seq: Sequence) -> None:
         """What one sequence holds: its place and blocks, and the sampler's state for it."""

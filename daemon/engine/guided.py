@@ -22,7 +22,8 @@ from daemon.engine.bitmask import Bitmask, apply_bitmask, fill_row
 from daemon.engine.constraint import TICK_SEARCH_S, Constraint, search_bound
 from daemon.engine.grammar import Compiled, GrammarError, Grammars
 from daemon.engine.json_numbers import NumberGuard, guards_numbers
-from daemon.engine.sequence import Sequence, Session
+from daemon.engine.sequence import Sequence
+from daemon.engine.session import Session
 from daemon.rejected import Rejected
 from ipc.records import Guide, RequestKind, Submit
 
@@ -159,32 +160,31 @@ class Guidance:
     def _worth_a_thread(self, rows: int) -> bool:
         return rows * self.grammars.vocab_size >= MASK_THREAD_MIN_TOKENS
 
-    def accept(self, seqs: list[Sequence], tokens: list[int], max_model_len: int,
-               masks: Masks | None = None) -> tuple[list[int], list[tuple[Sequence, Rejected]]]:
-        """The tokens to emit: each constraint consumes its sequence's sampled token, or puts
-        the next token of its closing in its place (daemon/engine/constraint.py), and computes
-        its next mask unless the mask thread will (`masks`: the tick's, which say whether each
-        token was allowed). Also the sequences whose grammar reached its parser limits, each
-        with its request's 400 (their tokens are not to be emitted). The tick's closing
-        searches share one deadline."""
-        out = tokens
+    def accept(self, seqs: list[Sequence], rows: list[list[int]], max_model_len: int,
+               masks: Masks | None = None,
+               ) -> tuple[list[list[int]], list[tuple[Sequence, Rejected]]]:
+        """The tokens to emit, each sequence's in its row: each constraint consumes its
+        sequence's sampled tokens in order, or puts the next token of its closing in place of
+        one (daemon/engine/constraint.py), which is then the row's last (the tokens after it
+        followed another output); and computes its next mask unless the mask thread will
+        (`masks`: the step's, which say whether each row's first token was allowed). Also the
+        sequences whose grammar reached its parser limits, each with its request's 400 (their
+        tokens are not to be emitted). The step's closing searches share one deadline."""
+        out = rows
         failed: list[tuple[Sequence, Rejected]] = []
-        rows = {row: j for j, row in enumerate(masks.rows)} if masks is not None else {}
-        now = not self._worth_a_thread(len(rows))
-        clock = self.clock
-        searches_end = clock() + TICK_SEARCH_S
+        mask_rows = {row: j for j, row in enumerate(masks.rows)} if masks is not None else {}
+        now = not self._worth_a_thread(len(mask_rows))
+        searches_end = self.clock() + TICK_SEARCH_S
         for i, seq in enumerate(seqs):
             constraint = seq.constraint
             if constraint is None:
                 continue
-            left = min(_tokens_left(seq, seq.max_tokens),
-                       max_model_len - seq.num_tokens)
-            j = rows.get(i)
-            allowed = masks.bitmask.allows(j, tokens[i]) if masks is not None and j is not None \
+            j = mask_rows.get(i)
+            allowed = masks.bitmask.allows(j, rows[i][0]) if masks is not None and j is not None \
                 else None
             try:
-                token = constraint.accept(tokens[i], left, allowed,
-                                          search_bound(clock(), searches_end))
+                row, left = self._accept_row(seq, constraint, rows[i], max_model_len, allowed,
+                                             searches_end)
             except GrammarError as e:
                 guide = seq.params.guide
                 failed.append((seq, Rejected(str(e), param=guide.source or None if guide else None,
@@ -192,11 +192,29 @@ class Guidance:
                 continue
             if now and left > 1:
                 constraint.compute_mask()
-            if token != tokens[i]:
-                if out is tokens:
-                    out = list(tokens)
-                out[i] = token
+            if row is not rows[i]:
+                if out is rows:
+                    out = list(rows)
+                out[i] = row
         return out, failed
+
+    def _accept_row(self, seq: Sequence, constraint: Constraint, row: list[int],
+                    max_model_len: int, allowed: bool | None,
+                    searches_end: float) -> tuple[list[int], int]:
+        """One sequence's tokens as its constraint lets them through (the row itself when it
+        takes them all), and the tokens it had left at the last of them. (Past an end of
+        sequence it allows nothing else: the rest are replaced and cut at once.)"""
+        clock = self.clock
+        left = 0
+        for at, token in enumerate(row):
+            # Tokens this sequence may still generate, this one included.
+            left = min(_tokens_left(seq, seq.max_tokens) - at,
+                       max_model_len - seq.num_tokens - at)
+            emitted = constraint.accept(token, left, allowed if at == 0 else None,
+                                        search_bound(clock(), searches_end))
+            if emitted != token:
+                return [*row[:at], emitted], left
+        return row, left
 
     def close(self) -> None:
         for rid in list(self._pending):
