@@ -43,6 +43,7 @@ from ipc.pipes import (
     ModelInfo,
     Stale,
 )
+from ipc.reasons import Reason
 from ipc.records import (
     Abort,
     AbortCause,
@@ -229,14 +230,14 @@ class DaemonServer:
 
     def _submit(self, rec: Submit) -> None:
         if self.stop_deadline is not None:
-            self._out.append(Error(rec.rid, "the server is shutting down", status=503))
+            self._out.append(Error(rec.rid, "the server is shutting down", Reason.SHUTTING_DOWN))
             return
         try:
             self._out += self.engine.submit(rec)
         except Exception as e:  # one bad request (or a store failure) must not end the daemon
             log.exception("admitting %s failed", rec.rid)
             self._out.append(Error(rec.rid, f"internal error: {type(e).__name__}: {e}",
-                                   status=500, code="internal_error"))
+                                   Reason.INTERNAL))
 
     # --- ResponseOps: answered as fast as the proxy reads the replies -------------------------
 
@@ -262,26 +263,27 @@ class DaemonServer:
             except FrameTooLarge as exc:  # only that request's error
                 log.warning("the reply to %s %s does not fit a frame: %s", op.op,
                             op.response_id, exc)
-                self.pipes.send([ResponseReply(op.op_id, 413, message=f"the answer is too "
-                                               f"large for the daemon's pipe ({exc}): ask for "
-                                               "less at once")])
+                self.pipes.send([ResponseReply(op.op_id, Reason.TOO_LARGE,
+                                               message=f"the answer is too large for the "
+                                               f"daemon's pipe ({exc}): ask for less at once")])
             spent += _op_bytes(op, reply)
             if self.clock() >= until or spent >= OPS_BYTES:
                 return
 
     def _response_op(self, op: ResponseOp) -> ResponseReply:
         if op.deadline is not None and self.clock() >= op.deadline:
-            return ResponseReply(op.op_id, 503, message="the operation waited in the daemon's "
-                                 "queue until its proxy stopped waiting; it was not applied: "
-                                 "retry")
+            return ResponseReply(op.op_id, Reason.NOT_APPLIED,
+                                 message="the operation waited in the daemon's queue until its "
+                                 "proxy stopped waiting; it was not applied: retry")
         running = self.engine.is_running(op.response_id)
         responses = self.engine.responses
         reply = (responses.handle_op(op, running) if responses is not None else
-                 ResponseReply(op.op_id, 500, message="the Responses API needs the response store"))
-        # A 200 to either obliges us to stop the session: a live background response is
-        # cancelled before it is deleted (a live foreground one is refused, never deleted).
+                 ResponseReply(op.op_id, Reason.NO_STORE,
+                               message="the Responses API needs the response store"))
+        # Either done obliges us to stop the session: a live background response is cancelled
+        # before it is deleted (a live foreground one is refused, never deleted).
         ends = op.op is ResponseOpKind.CANCEL or op.op is ResponseOpKind.DELETE
-        if ends and reply.status == 200 and running:
+        if ends and reply.reason is None and running:
             self._out += self.engine.abort(op.response_id, AbortCause.CANCEL)
         return reply
 

@@ -27,6 +27,7 @@ from daemon.engine.sequence import Sequence
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import Tokenizer
 from daemon.rejected import ContextBytes, Rejected
+from ipc.reasons import Reason
 from ipc.records import AbortCause, Message, RequestKind, Submit, ToolCall, ToolFunction
 
 History = Callable[[Submit, ContextBytes], list[Message]]
@@ -68,7 +69,7 @@ def render_prompts(submit: Submit, tokenizer: Tokenizer, history: History | None
             text = chat_text(tokenizer, submit.messages, submit.tools)
         else:
             if history is None or submit.response is None:
-                raise Rejected("the Responses API needs the response store", status=500)
+                raise Rejected("the Responses API needs the response store", Reason.NO_STORE)
             text = chat_text(tokenizer, history(submit, bound), submit.tools)
         # The template writes its own special tokens (BOS included).
         prompts = [_encode(submit, tokenizer, text, bound, False)]
@@ -87,7 +88,7 @@ def _encode(submit: Submit, tokenizer: Tokenizer, text: str, bound: ContextBytes
         raise bound.refusal(what, ids, part, advice)
     raise Rejected(f"this model's maximum context length is {bound.tokens} tokens, but {what} "
                    f"has more than {bound.tokens} tokens; {advice}", param=part,
-                   code="context_length_exceeded")
+                   reason=Reason.CONTEXT_LENGTH_EXCEEDED)
 
 
 def encode_within(tokenizer: Tokenizer, text: str, bound: ContextBytes,
@@ -213,7 +214,7 @@ def check_sequences(submit: Submit, max_num_seqs: int, max_seqs_per_request: int
                    if submit.kind is RequestKind.COMPLETION else f"n={submit.n}")
         raise Rejected(f"the request asks for {count} sequences ({made_of}), more than the "
                        f"server's limit of {max_seqs_per_request} per request",
-                       param="n" if submit.n > 1 else "prompt", code="too_many_sequences")
+                       param="n" if submit.n > 1 else "prompt", reason=Reason.TOO_MANY_SEQUENCES)
 
 
 def check_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -242,12 +243,12 @@ def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
                 f"this model's maximum context length is {max_model_len} tokens, but the prompt "
                 f"has {longest} tokens and {param} is {max_tokens} ({longest + max_tokens} in "
                 f"total); reduce {param} to at most {room}", param=param,
-                code="context_length_exceeded")
+                reason=Reason.CONTEXT_LENGTH_EXCEEDED)
         part, what, advice = _too_long(submit, max_model_len)
         raise Rejected(
             f"this model's maximum context length is {max_model_len} tokens, but {what} has "
             f"{longest} tokens, with no room left for the output; {advice}", param=part,
-            code="context_length_exceeded")
+            reason=Reason.CONTEXT_LENGTH_EXCEEDED)
     # One sequence and its forked siblings' copied blocks must fit, or it could never run.
     need = (block_manager.num_blocks_for(longest + max_tokens)
             + block_manager.fork_cost(longest) * (submit.n - 1))
@@ -268,7 +269,7 @@ def _check_room(submit: Submit, longest: int, max_model_len: int,
     if room >= 1:
         raise Rejected(f"min_tokens ({submit.sampling.min_tokens}) is more than the room the "
                        f"prompt ({longest} tokens) leaves for the output ({room} tokens)",
-                       param="min_tokens", code="context_length_exceeded")
+                       param="min_tokens", reason=Reason.CONTEXT_LENGTH_EXCEEDED)
     part, what, advice = _too_long(submit, max_model_len)
     if longest < max_model_len:
         cap = block_manager.num_total * block_manager.block_size
@@ -277,7 +278,7 @@ def _check_room(submit: Submit, longest: int, max_model_len: int,
     raise Rejected(
         f"this model's maximum context length is {max_model_len} tokens, but {what} has "
         f"{longest} tokens, with no room left for the output; {advice}", param=part,
-        code="context_length_exceeded")
+        reason=Reason.CONTEXT_LENGTH_EXCEEDED)
 
 
 def output_room(prompt_len: int, n: int, max_model_len: int, block_manager: BlockManager) -> int:

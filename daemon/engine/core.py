@@ -38,6 +38,7 @@ from daemon.engine.update import Advanced, Ends
 from daemon.model.tokenizer import Tokenizer
 from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.lifecycle import Aborted, Completed, Ending, Failed, Responses, Store
+from ipc.reasons import Reason
 from ipc.records import (
     AbortCause,
     Admitted,
@@ -111,7 +112,7 @@ class Engine:
         if tombstone is not None:
             return self.refuse(rec, *tombstone)
         if rec.rid in self.sessions:
-            return [Rejected(f"request id {rec.rid!r} is already running", status=409)
+            return [Rejected(f"request id {rec.rid!r} is already running", Reason.DUPLICATE_ID)
                     .to_error(rec.rid)]
         if rec.kind is RequestKind.TOKENIZE or rec.kind is RequestKind.DETOKENIZE:
             return tokenize(rec, self.tokenizer)

@@ -25,6 +25,7 @@ from daemon.engine.json_numbers import NumberGuard, guards_numbers
 from daemon.engine.sequence import Sequence
 from daemon.engine.session import Session
 from daemon.rejected import Rejected
+from ipc.reasons import Reason
 from ipc.records import Guide, RequestKind, Submit
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
@@ -99,12 +100,12 @@ class Guidance:
         param = pending.guide.source or None
         if not future.done():
             raise Rejected(f"the grammar took longer than {self.compile_timeout_s:g} s to "
-                           "compile", param=param, code="grammar_timeout")
+                           "compile", param=param, reason=Reason.GRAMMAR_TIMEOUT)
         try:
             template = future.result()
         except GrammarError as e:
             raise Rejected(f"invalid {pending.guide.kind.value}: {e}", param=param,
-                           code=e.code) from None
+                           reason=e.reason) from None
         seqs = pending.session.sequences
         first = seqs[0]
         left = _tokens_left(first, first.max_tokens)
@@ -115,7 +116,7 @@ class Guidance:
             raise Rejected(f"{name} ({left}) is too small for the shortest output the "
                            f"{pending.guide.kind.value} allows, which takes {need} tokens: "
                            f"set {name} to at least {need}", param=name,
-                           code="max_tokens_too_small")
+                           reason=Reason.MAX_TOKENS_TOO_SMALL)
         json = guards_numbers(pending.guide)
         for seq in seqs:
             seq.constraint = Constraint(self.grammars, template.copy(),
@@ -188,7 +189,7 @@ class Guidance:
             except GrammarError as e:
                 guide = seq.params.guide
                 failed.append((seq, Rejected(str(e), param=guide.source or None if guide else None,
-                                             code=e.code)))
+                                             reason=e.reason)))
                 continue
             if now and left > 1:
                 constraint.compute_mask()

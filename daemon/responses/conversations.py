@@ -34,6 +34,7 @@ from daemon.responses.db import Database, Executor
 from daemon.responses.items import PAGE_BYTES, listed_ids, within_bytes
 from daemon.responses.retention import fair_prune
 from daemon.responses.rows import PLACEHOLDERS_SQL, json_text, messages_decoder, text_bytes
+from ipc.reasons import Reason
 from ipc.records import Message, ResponseFields
 from ipc.response_records import (
     ConversationItems,
@@ -177,14 +178,14 @@ class Conversations:
         cid = turn.conversation_id
         row = self._row(tx, cid, lock=True)
         if row is None:
-            raise Rejected(not_found(cid), status=404, param="conversation", code="not_found")
+            raise Rejected(not_found(cid), param="conversation", reason=Reason.NOT_FOUND)
         running = row["running_response_id"]
         if running is not None and running != rid and tx.execute(
                 f"SELECT id FROM responses WHERE id = ? AND status IN {PLACEHOLDERS_SQL}",
                 (running,)).one() is not None:
             raise Rejected(f"Conversation '{cid}' is running response '{running}'; send the "
-                           "next turn once it has finished.", status=409, param="conversation",
-                           code="conversation_locked")
+                           "next turn once it has finished.", param="conversation",
+                           reason=Reason.CONVERSATION_LOCKED)
         self._check_room(row, cid, len(turn.input) + 1)
         tx.execute("UPDATE conversations SET running_response_id = ?, updated_at = ? WHERE id = ?",
                    (rid, self.clock(), cid))
@@ -203,7 +204,7 @@ class Conversations:
         try:
             return self._handle(op)
         except Rejected as e:
-            return ResponseReply(op.op_id, e.status, message=e.message, param=e.param)
+            return ResponseReply(op.op_id, e.reason, message=e.message, param=e.param)
 
     def _handle(self, op: ResponseOp) -> ResponseReply:
         cid = op.response_id
@@ -211,7 +212,7 @@ class Conversations:
             return self._create(op)
         row = self._row(self.db, cid)
         if row is None:
-            return ResponseReply(op.op_id, 404, message=not_found(cid))
+            return ResponseReply(op.op_id, Reason.NOT_FOUND, message=not_found(cid))
         if op.op is ResponseOpKind.CONVERSATION_GET:
             return self._reply(op, row)
         if op.op is ResponseOpKind.CONVERSATION_ITEMS:
@@ -234,18 +235,18 @@ class Conversations:
             self._check_room(row, op.response_id, len(rows))
             self._append(tx, op.response_id, rows)
         self.recount(self.db)
-        return ResponseReply(op.op_id, 200, conversation=StoredConversation(
+        return ResponseReply(op.op_id, conversation=StoredConversation(
             op.response_id, int(now), op.metadata or {}))
 
     def _change(self, tx: Executor, op: ResponseOp) -> ResponseReply:
         cid = op.response_id
         row = self._row(tx, cid, lock=True)
         if row is None:
-            return ResponseReply(op.op_id, 404, message=not_found(cid))
+            return ResponseReply(op.op_id, Reason.NOT_FOUND, message=not_found(cid))
         if op.op is ResponseOpKind.CONVERSATION_DELETE:
             tx.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (cid,))
             tx.execute("DELETE FROM conversations WHERE id = ?", (cid,))
-            return ResponseReply(op.op_id, 200, deleted=True)
+            return ResponseReply(op.op_id, deleted=True)
         if op.op is ResponseOpKind.CONVERSATION_UPDATE:
             tx.execute("UPDATE conversations SET metadata = ?, updated_at = ? WHERE id = ?",
                        (json_text(op.metadata or {}), self.clock(), cid))
@@ -255,15 +256,15 @@ class Conversations:
             self._append(tx, cid, rows)
             # The ids alone: the proxy lists the items it sent (an echo would cost the tokens
             # pipe their size again, and a stream behind it its pace).
-            return ResponseReply(op.op_id, 200, item_ids=[r.item_id for r in rows])
+            return ResponseReply(op.op_id, item_ids=[r.item_id for r in rows])
         elif op.op is ResponseOpKind.CONVERSATION_ITEM_DELETE:
             gone = tx.execute("SELECT count(*) AS n, coalesce(sum(size), 0) AS size, "
                               "coalesce(sum(text_bytes), 0) AS text_bytes FROM "
                               "conversation_items WHERE conversation_id = ? AND item_id = ?",
                               (cid, op.item_id)).one()
             if not gone["n"]:
-                return ResponseReply(op.op_id, 404, message=f"Item with id '{op.item_id}' not "
-                                     "found.")
+                return ResponseReply(op.op_id, Reason.NOT_FOUND,
+                                     message=f"Item with id '{op.item_id}' not found.")
             tx.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
                        (cid, op.item_id))
             tx.execute("UPDATE conversations SET num_items = num_items - ?, size = size - ?, "
@@ -278,8 +279,9 @@ class Conversations:
             row = self.db.execute("SELECT min(seq) AS seq FROM conversation_items WHERE "
                                   "conversation_id = ? AND item_id = ?", (cid, page.after)).one()
             if row is None or row["seq"] is None:
-                return ResponseReply(op.op_id, 400, param="after", message=f"'after' names no "
-                                     f"item of conversation {cid!r}: {page.after!r}")
+                return ResponseReply(op.op_id, Reason.INVALID, param="after",
+                                     message=f"'after' names no item of conversation {cid!r}: "
+                                     f"{page.after!r}")
             bound = row["seq"]
         # The page's sizes first (an item's `size` bounds its bytes): a page ends where its
         # items would pass PAGE_BYTES, so only what goes out is read, and the reply fits a frame.
@@ -303,7 +305,8 @@ class Conversations:
                               "conversation_id = ? AND item_id = ? ORDER BY seq LIMIT 1",
                               (op.response_id, op.item_id)).one()
         if row is None:
-            return ResponseReply(op.op_id, 404, message=f"Item with id '{op.item_id}' not found.")
+            return ResponseReply(op.op_id, Reason.NOT_FOUND,
+                                 message=f"Item with id '{op.item_id}' not found.")
         return self._listing(op, [ItemRow(row["item_id"], row["item"], "")], False)
 
     # --- housekeeping ---------------------------------------------------------------------------
@@ -338,7 +341,7 @@ class Conversations:
         if row["num_items"] + adding > self.limits.max_items:
             raise Rejected(f"Conversation '{cid}' holds {row['num_items']} items; {adding} more "
                            f"would pass its bound of {self.limits.max_items}", param="items",
-                           code="conversation_full")
+                           reason=Reason.CONVERSATION_FULL)
 
     def _append(self, tx: Executor, cid: str, rows: list[ItemRow]) -> None:
         if not rows:
@@ -354,10 +357,10 @@ class Conversations:
                     sum(r.text_bytes for r in rows), self.clock(), cid))
 
     def _reply(self, op: ResponseOp, row: Any) -> ResponseReply:
-        return ResponseReply(op.op_id, 200, conversation=StoredConversation(
+        return ResponseReply(op.op_id, conversation=StoredConversation(
             row["id"], row["created_at"], _metadata.decode(row["metadata"])))
 
     @staticmethod
     def _listing(op: ResponseOp, rows: list[ItemRow], has_more: bool) -> ResponseReply:
-        return ResponseReply(op.op_id, 200, input_items="[" + ",".join(r.item for r in rows) + "]",
+        return ResponseReply(op.op_id, input_items="[" + ",".join(r.item for r in rows) + "]",
                              item_ids=[r.item_id for r in rows], has_more=has_more)

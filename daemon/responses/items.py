@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from ipc.reasons import Reason
 from ipc.response_records import ItemsPage, ResponseOp, ResponseReply
 
 # A page holds items of at most this many bytes together (or its first item, whatever its size):
@@ -82,7 +83,8 @@ def items_reply(op: ResponseOp, input_items: str) -> ResponseReply:
     page = page_of(op.response_id, input_items, op.page or ItemsPage())
     if page is None:
         after = op.page.after if op.page is not None else None
-        return ResponseReply(op.op_id, 400, param="after", message=f"'after' names no input "
-                             f"item of response {op.response_id!r}: {after!r}")
-    return ResponseReply(op.op_id, 200, input_items=page.items, item_ids=page.ids,
+        return ResponseReply(op.op_id, Reason.INVALID, param="after",
+                             message=f"'after' names no input item of response "
+                             f"{op.response_id!r}: {after!r}")
+    return ResponseReply(op.op_id, input_items=page.items, item_ids=page.ids,
                          has_more=page.has_more)

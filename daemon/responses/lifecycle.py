@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.conversations import not_found
 from daemon.responses.store import previous_not_found
+from ipc.reasons import Reason
 from ipc.records import AbortCause, FinishReason, Message, Submit, Usage
 from ipc.response_records import SHUTDOWN_REASON, ResponseOp, ResponseReply
 
@@ -97,12 +98,12 @@ class Responses:
             raise self._refusal("read the history of", submit.rid, exc) from None
         conversation = submit.response.conversation if submit.response else None
         if messages is None and conversation is not None:
-            raise Rejected(not_found(conversation), status=404, param="conversation",
-                           code="not_found")
+            raise Rejected(not_found(conversation), param="conversation",
+                           reason=Reason.NOT_FOUND)
         if messages is None:
             prev = submit.response.previous_response_id if submit.response else None
-            raise Rejected(previous_not_found(str(prev)), status=404,
-                           param="previous_response_id", code="previous_response_not_found")
+            raise Rejected(previous_not_found(str(prev)), Reason.PREVIOUS_RESPONSE_NOT_FOUND,
+                           "previous_response_id")
         if not any(m.role != "system" for m in messages):
             raise Rejected("input must not be empty", param="input")
         return messages
@@ -181,7 +182,7 @@ class Responses:
             return self.store.handle_op(op, running)
         except Exception as e:
             log.exception("response store failed on %s %s", op.op, op.response_id)
-            return ResponseReply(op.op_id, 500, message=f"response store error: {e}")
+            return ResponseReply(op.op_id, Reason.STORE_ERROR, message=f"response store error: {e}")
 
     def take_cancels(self) -> list[str]:
         """Responses of ours cancelled through another replica (no I/O: the watcher fetched
@@ -210,8 +211,8 @@ class Responses:
 
     def _refusal(self, what: str, rid: str, exc: Exception) -> Rejected:
         self._log(what, rid, exc)
-        return Rejected(f"the response store failed: {type(exc).__name__}: {exc}", status=500,
-                        code="store_error")
+        return Rejected(f"the response store failed: {type(exc).__name__}: {exc}",
+                        Reason.STORE_ERROR)
 
     def _log(self, what: str, rid: str, exc: Exception) -> None:
         log.error("response store: could not %s response %s: %s: %s", what, rid,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from ipc.reasons import Reason
 from ipc.response_records import ResponseOp, ResponseReply
 
 MAX_WAITING_OPS = 1024
@@ -65,4 +66,5 @@ class OpQueue:
 
     @staticmethod
     def _refusal(op: ResponseOp, why: str) -> ResponseReply:
-        return ResponseReply(op.op_id, 503, message=f"{why}; this one was not applied: retry")
+        return ResponseReply(op.op_id, Reason.NOT_APPLIED,
+                             message=f"{why}; this one was not applied: retry")

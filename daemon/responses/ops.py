@@ -17,6 +17,7 @@ from daemon.responses.db import Database
 from daemon.responses.item_index import references_reply
 from daemon.responses.items import items_reply
 from daemon.responses.rows import stored_response
+from ipc.reasons import Reason
 from ipc.response_records import (
     CONVERSATION_OPS,
     PLACEHOLDER_STATUSES,
@@ -53,10 +54,10 @@ class StoreOps:
             return references_reply(self.db, op)
         row = self._row(op.response_id)
         if row is None:
-            return ResponseReply(op.op_id, 404,
+            return ResponseReply(op.op_id, Reason.NOT_FOUND,
                                  message=f"No response found with id '{op.response_id}'.")
         if op.op is ResponseOpKind.GET:
-            return ResponseReply(op.op_id, 200, response=stored_response(row))
+            return ResponseReply(op.op_id, response=stored_response(row))
         if op.op is ResponseOpKind.INPUT_ITEMS:
             return items_reply(op, row["input_items"])
         if op.op is ResponseOpKind.DELETE:
@@ -85,19 +86,19 @@ class StoreOps:
         if self._is_live(row, running):
             if not row["background"]:
                 return ResponseReply(
-                    op.op_id, 400,
+                    op.op_id, Reason.INVALID,
                     message=f"Cannot delete response '{op.response_id}' while it is "
                     f"{row['status']}; wait for it to finish.",
                 )
             self._cancel_row(op.response_id, row["owner"])
         self.placeholders.discard(op.response_id)
         self.db.execute("DELETE FROM responses WHERE id = ?", (op.response_id,))
-        return ResponseReply(op.op_id, 200, deleted=True)
+        return ResponseReply(op.op_id, deleted=True)
 
     def _cancel_op(self, op: ResponseOp, row: Any) -> ResponseReply:
         if not row["background"]:
             return ResponseReply(
-                op.op_id, 400,
+                op.op_id, Reason.INVALID,
                 message=f"Cannot cancel response '{op.response_id}': only background responses "
                 "can be cancelled.",
             )
@@ -108,9 +109,9 @@ class StoreOps:
             assert cancelled is not None
             row = cancelled
         elif status != ResponseStatus.CANCELLED:
-            return ResponseReply(op.op_id, 400,
+            return ResponseReply(op.op_id, Reason.INVALID,
                                  message=f"Cannot cancel a response that is {status}.")
-        return ResponseReply(op.op_id, 200, response=stored_response(row))
+        return ResponseReply(op.op_id, response=stored_response(row))
 
     def _cancel_row(self, rid: str, owner: str | None) -> None:
         """Mark it cancelled; a response another replica runs is left as a request for it."""

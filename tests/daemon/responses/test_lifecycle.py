@@ -15,6 +15,7 @@ import pytest
 from daemon.engine.core import Engine
 from daemon.model.tokenizer import ByteTokenizer
 from daemon.responses.store import ResponseStore
+from ipc.reasons import Reason
 from ipc.records import (
     AbortCause,
     Admitted,
@@ -96,8 +97,8 @@ def test_a_read_only_store_costs_each_session_alone(
         assert [f.reason for f in gone + cancelled] == [FinishReason.ABORT] * 2
         # A new stored response is refused with a clear error; a completion is untouched.
         [refused] = engine.submit(response("resp_new"))
-        assert isinstance(refused, Error) and refused.status == 500
-        assert refused.code == "store_error" and "readonly" in refused.message
+        assert isinstance(refused, Error) and refused.reason is Reason.STORE_ERROR
+        assert "readonly" in refused.message
         rest = run(engine)
     other = [r for r in out + rest if r.rid == "other"]
     assert "".join(r.text for r in other if isinstance(r, Delta)) == "a" * 40
@@ -142,6 +143,6 @@ def test_a_broken_store_answers_a_response_op_with_500(
     store.db.close()
     with caplog.at_level(logging.ERROR):
         reply = responses.handle_op(ResponseOp("op", ResponseOpKind.GET, "resp_x", 1), False)
-    assert (reply.op_id, reply.status) == ("op", 500)
+    assert (reply.op_id, reply.reason) == ("op", Reason.STORE_ERROR)
     assert (reply.message or "").startswith("response store error: ")
     assert any("resp_x" in line for line in store_errors(caplog))
