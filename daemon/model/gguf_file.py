@@ -64,7 +64,9 @@ def _has_magic(path: Path) -> bool:
 class GGUFFile:
     """One opened file; every error names the file and the key or tensor at fault."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, vocab_only: bool = False) -> None:
+        """`vocab_only`: the file is read for its tokenizer alone (llama.cpp's ggml-vocab-*.gguf
+        files), so its architecture need not be one tether serves."""
         self.path = path
         if not _has_magic(path):
             raise GGUFError(f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')")
@@ -76,7 +78,7 @@ class GGUFFile:
             raise GGUFError(f"{path}: truncated or corrupt GGUF file ({e})") from e
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = self.string("general.architecture")
-        if self.arch not in ARCHITECTURES:
+        if self.arch not in ARCHITECTURES and not vocab_only:
             raise GGUFError(f"{path}: general.architecture {self.arch!r} is not supported "
                             f"(supported: {', '.join(ARCHITECTURES)})")
         for tensor in self.reader.tensors:

@@ -100,17 +100,17 @@ def _tokenizer(w: gguf.GGUFWriter) -> None:
 def write_gguf(path: Path, model: torch.nn.Module, types: Callable[[str], Q] = lambda _: Q.F32,
                edit: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """`model` (a transformers model) as llama.cpp's converter writes it; `types` picks each
-    tensor's type by its GGUF name; `edit` may add (or, writing first, shadow) metadata."""
+    tensor's type by its GGUF name; `edit` may add, change or drop (w.kv_data[0]) metadata."""
     cfg = model.config
     arch = _ARCH[cfg.architectures[0] if cfg.architectures else type(model).__name__]
     names = gguf.get_tensor_name_map(
         next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), cfg.num_hidden_layers)
     w = gguf.GGUFWriter(path, arch)
-    if edit is not None:
-        edit(w)
     w.add_name(path.stem)
     _metadata(w, arch, cfg)
     _tokenizer(w)
+    if edit is not None:
+        edit(w)
     rng = np.random.default_rng(0)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
