@@ -73,7 +73,7 @@ NOT_READ_ALIKE = ("refact", "deepseek-coder", "deepseek-llm")
 
 @functools.cache
 def opened(name: str) -> GGUFFile:
-    return GGUFFile(vocab_file(name), vocab_only=True)
+    return GGUFFile(vocab_file(name))
 
 
 @functools.cache
