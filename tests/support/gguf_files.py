@@ -16,7 +16,13 @@ import torch
 
 from daemon.model.loader import LoadedModel
 from daemon.model.runner import ModelRunner, ScheduledChunk
-from tests.support.checkpoints import CHAT_TEMPLATE, build_hf_tokenizer, random_model
+from tests.support.checkpoints import (
+    CHAT_TEMPLATE,
+    GEMMA_SPECIALS,
+    build_gemma_tokenizer,
+    build_hf_tokenizer,
+    random_model,
+)
 
 Q = gguf.GGMLQuantizationType
 # Where each K-quant block keeps its float16 scales (d, and dmin where it has one): random
@@ -27,6 +33,7 @@ _ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCaus
          "GraniteForCausalLM": "granite"}
 
 
+GEMMA_VOCAB = 444  # Gemma 3's files hold its SentencePiece vocabulary (_gemma_tokenizer)
 # A tiny model of each family a GGUF file holds: name -> (family, config, whether transformers'
 # GGUF reader reads it back as it is). That reader takes from the config class's defaults what
 # the file does not say (Qwen3's head size 128, Gemma 3's query scale 256 and its every 6th
@@ -35,7 +42,7 @@ GGUF_FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "qwen2": ("Qwen2", {"tie_word_embeddings": True}, True),
     "qwen3": ("Qwen3", {"head_dim": 128}, True),
     "gemma3": ("Gemma3", {"num_hidden_layers": 6, "head_dim": 256, "query_pre_attn_scalar": 256,
-                          "sliding_window": 4, "tie_word_embeddings": True}, True),
+                          "sliding_window": 4, "vocab_size": GEMMA_VOCAB}, True),
     "phi3": ("Phi3", {}, True),
     "granite": ("Granite", {"embedding_multiplier": 4.0, "residual_multiplier": 0.5,
                             "attention_multiplier": 0.3, "logits_scaling": 2.5}, False),
@@ -45,6 +52,7 @@ GGUF_FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
         "original_max_position_embeddings": 64}, "rope_theta": 500.0}, False),
     "gemma3-linear": ("Gemma3", {"head_dim": 256, "query_pre_attn_scalar": 256,
                                  "num_hidden_layers": 6, "sliding_window": 4,
+                                 "vocab_size": GEMMA_VOCAB,
                                  "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, False),
     # The prompt (12 tokens) runs past the window and original_max_position_embeddings.
     "phi3-longrope": ("Phi3", {"sliding_window": 4, "original_max_position_embeddings": 8,
@@ -193,6 +201,25 @@ def _llama3_factors(cfg: Any, params: dict[str, Any]) -> np.ndarray:
     return np.array(out, np.float32)
 
 
+def _gemma_tokenizer(w: gguf.GGUFWriter) -> None:
+    """A Gemma-style SentencePiece vocabulary as Gemma's GGUF files hold it: no merges, scores
+    that do not follow the merge order (its readers take the vocabulary's order), runs of
+    spaces spelled as spaces, byte pieces typed as bytes."""
+    tok = build_gemma_tokenizer()
+    vocab = tok.get_vocab()
+    tokens = [*sorted(vocab, key=vocab.__getitem__), "  ", "   "]  # "\u2581\u2581", 3 of them
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([float((i * 7919) % 101) for i in range(len(tokens))])
+    w.add_token_types([3 if t in GEMMA_SPECIALS else 6 if t.startswith("<0x") else 1
+                       for t in tokens])
+    for add, token in ((w.add_bos_token_id, "<bos>"), (w.add_eos_token_id, "<eos>"),
+                       (w.add_unk_token_id, "<unk>"), (w.add_pad_token_id, "<pad>")):
+        add(vocab[token])
+    w.add_add_bos_token(True)
+
+
 def _tokenizer(w: gguf.GGUFWriter, pad_id: int | None) -> None:
     tok = build_hf_tokenizer()
     vocab = tok.get_vocab()
@@ -222,7 +249,10 @@ def write_gguf(path: Path, model: torch.nn.Module, types: Callable[[str], Q] = l
     w = gguf.GGUFWriter(path, arch)
     w.add_name(path.stem)
     _metadata(w, arch, cfg)
-    _tokenizer(w, getattr(cfg, "pad_token_id", None))
+    if arch == "gemma3":
+        _gemma_tokenizer(w)
+    else:
+        _tokenizer(w, getattr(cfg, "pad_token_id", None))
     extra = _rope_scaling(w, arch, cfg)
     if edit is not None:
         edit(w)

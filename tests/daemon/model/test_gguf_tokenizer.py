@@ -25,7 +25,7 @@ from daemon.model.gguf_tokenizer import load_gguf_tokenizer
 from daemon.model.loader import ModelLoadError, load_model
 from daemon.model.tokenizer import HFTokenizer
 from tests.support.checkpoints import save_llama
-from tests.support.gguf_files import write_gguf
+from tests.support.gguf_files import family_model, write_gguf
 from tests.support.real_tokenizers import vocab_file, vocab_test
 
 pytestmark = pytest.mark.timeout(600)
@@ -124,6 +124,23 @@ def test_encodes_and_decodes_as_transformers_gguf_tokenizer(name: str) -> None:
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
     for text, ids in vocab_test(file.path):
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+
+
+def test_a_gemma_file_tokenizes_as_transformers_reads_it(tmp_path: Path) -> None:
+    """Gemma's SentencePiece kind (no vocab file of it ships with llama.cpp): merges in the
+    vocabulary's order, not the scores', runs of spaces stored as spaces, no prefix space."""
+    from transformers import AutoTokenizer
+
+    path = write_gguf(tmp_path / "gemma.gguf", family_model("gemma3"))
+    tok = load_gguf_tokenizer(GGUFFile(path), [])
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    texts = [*CORPUS, "<start_of_turn>user\nHi  there   you<end_of_turn>\n<eos>", "a  b   c"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text) and ids[0] == tok.bos_token_id, text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert tok.encode("a  b", add_special_tokens=False)[1] == len(GGUFFile(path).require(
+        "tokenizer.ggml.tokens")) - 2  # the run of two spaces, whole
 
 
 def test_deepseek_special_tokens_keep_their_ids() -> None:
