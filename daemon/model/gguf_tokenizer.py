@@ -6,13 +6,14 @@ wherever that one keeps what the family's tokenizer.json says:
 - `gpt2`: byte-level BPE from the vocabulary and merges, text split as `tokenizer.ggml.pre`
   names (a name whose split is not known here is refused: a wrong split encodes silently wrong);
 - `llama`: SentencePiece BPE with byte fallback, merges recovered from the scores (Gemma's from
-  the vocabulary's order), SentencePiece's prefix space before each stretch of text.
+  the vocabulary's order), SentencePiece's prefix space before each stretch of text (Gemma:
+  none).
 
 Control tokens become special tokens (never text, never split), user-defined ones plain added
 tokens; `tokenizer.ggml.add_bos_token` adds BOS, `tokenizer.chat_template` is the chat template.
-Where transformers' reader departs from the family's tokenizer (it drops Llama 3's
-ignore_merges, StarCoder's digit split, DeepSeek's splits and the prefix space Llama 2's
-tokenizer.json adds after a special token), this follows the family's.
+Where transformers' reader departs from the family's tokenizer, this follows the family's: it
+drops Llama 3's ignore_merges, StarCoder's digit split and DeepSeek's splits, and gives Llama 2
+no prefix space on text that starts with a space or follows a special token.
 """
 
 from __future__ import annotations
