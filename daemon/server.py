@@ -55,7 +55,13 @@ from ipc.records import (
     ToolCallFormat,
     Welcome,
 )
-from ipc.response_records import ResponseOp, ResponseOpKind, ResponseReply
+from ipc.response_records import (
+    ConversationItems,
+    ResponseCancel,
+    ResponseDelete,
+    ResponseOp,
+    ResponseReply,
+)
 from ipc.wire import ToProxy
 
 log = logging.getLogger("tether.daemon")
@@ -260,8 +266,8 @@ class DaemonServer:
             try:
                 self.pipes.send([reply])
             except FrameTooLarge as exc:  # only that request's error
-                log.warning("the reply to %s %s does not fit a frame: %s", op.op,
-                            op.response_id, exc)
+                log.warning("the reply to %s %s does not fit a frame: %s", op.kind, op.subject,
+                            exc)
                 self.pipes.send([ResponseReply(op.op_id, 413, message=f"the answer is too "
                                                f"large for the daemon's pipe ({exc}): ask for "
                                                "less at once")])
@@ -274,15 +280,15 @@ class DaemonServer:
             return ResponseReply(op.op_id, 503, message="the operation waited in the daemon's "
                                  "queue until its proxy stopped waiting; it was not applied: "
                                  "retry")
-        running = self.engine.is_running(op.response_id)
+        running = self.engine.is_running(op.subject)
         responses = self.engine.responses
         reply = (responses.handle_op(op, running) if responses is not None else
                  ResponseReply(op.op_id, 500, message="the Responses API needs the response store"))
         # A 200 to either obliges us to stop the session: a live background response is
         # cancelled before it is deleted (a live foreground one is refused, never deleted).
-        ends = op.op is ResponseOpKind.CANCEL or op.op is ResponseOpKind.DELETE
+        ends = isinstance(op.request, ResponseCancel | ResponseDelete)
         if ends and reply.status == 200 and running:
-            self._out += self.engine.abort(op.response_id, AbortCause.CANCEL)
+            self._out += self.engine.abort(op.subject, AbortCause.CANCEL)
         return reply
 
     # --- shutdown -------------------------------------------------------------------------------
@@ -314,8 +320,9 @@ class DaemonServer:
 def _op_bytes(op: ResponseOp, reply: ResponseReply) -> int:
     """About what an op moved: the items it brought and the ones (or the text) its reply
     carries."""
+    items = getattr(op.request, "items", None)
     stored = reply.response
-    return (2 * len(op.items.items) if op.items is not None else 0) \
+    return (2 * len(items.items) if isinstance(items, ConversationItems) else 0) \
         + len(reply.input_items or "") + sum(
             len(r.output_text or "") + len(r.instructions or "") + len(r.echo)
             for r in [*reply.responses, *([stored] if stored is not None else [])])

@@ -180,7 +180,7 @@ class Responses:
         try:
             return self.store.handle_op(op, running)
         except Exception as e:
-            log.exception("response store failed on %s %s", op.op, op.response_id)
+            log.exception("response store failed on %s %s", op.kind, op.subject)
             return ResponseReply(op.op_id, 500, message=f"response store error: {e}")
 
     def take_cancels(self) -> list[str]:

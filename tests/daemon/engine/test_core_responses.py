@@ -13,7 +13,7 @@ from ipc.records import (
     SamplingParams,
     Submit,
 )
-from ipc.response_records import SHUTDOWN_REASON, ResponseOp, ResponseOpKind
+from ipc.response_records import SHUTDOWN_REASON, ResponseGet, ResponseOp
 from tests.support.engine_kit import EOS, TOK, completion, make_engine, run
 
 
@@ -26,7 +26,7 @@ def response(rid: str, text: str, previous: str | None = None,
 
 
 def get(store: ResponseStore, rid: str) -> tuple[int, dict | None]:
-    reply = store.handle_op(ResponseOp("op", ResponseOpKind.GET, rid, 1), running=False)
+    reply = store.handle_op(ResponseOp("op", ResponseGet(rid), 1), running=False)
     return reply.status, None if reply.response is None else msgspec.to_builtins(reply.response)
 
 

@@ -28,7 +28,7 @@ from ipc.records import (
     SamplingParams,
     Submit,
 )
-from ipc.response_records import ResponseOp, ResponseOpKind
+from ipc.response_records import ResponseGet, ResponseOp
 from ipc.wire import ToProxy
 from tests.support.fake_runner import FakeRunner
 
@@ -66,7 +66,7 @@ def finish(records: list[ToProxy], rid: str) -> Finish:
 
 
 def status(store: ResponseStore, rid: str) -> str | None:
-    reply = store.handle_op(ResponseOp("op", ResponseOpKind.GET, rid, 1), running=False)
+    reply = store.handle_op(ResponseOp("op", ResponseGet(rid), 1), running=False)
     return None if reply.response is None else str(reply.response.status)
 
 
@@ -141,7 +141,7 @@ def test_a_broken_store_answers_a_response_op_with_500(
     assert responses is not None
     store.db.close()
     with caplog.at_level(logging.ERROR):
-        reply = responses.handle_op(ResponseOp("op", ResponseOpKind.GET, "resp_x", 1), False)
+        reply = responses.handle_op(ResponseOp("op", ResponseGet("resp_x"), 1), False)
     assert (reply.op_id, reply.status) == ("op", 500)
     assert (reply.message or "").startswith("response store error: ")
     assert any("resp_x" in line for line in store_errors(caplog))
