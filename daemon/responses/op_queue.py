@@ -46,6 +46,10 @@ class OpQueue:
         self._count += 1
         return None
 
+    def peek(self) -> ResponseOp | None:
+        """The op `take` would give, left in place."""
+        return next(iter(self._queues.values()))[0] if self._queues else None
+
     def take(self) -> ResponseOp | None:
         """The next op: the oldest of the client whose turn it is."""
         if not self._queues:

@@ -2,18 +2,21 @@
 ResponseOp runs here, on the store's connection, never on the tick.
 
 The tick hands it work and never waits for it. The engine's jobs (a turn to load, a first tick,
-an end) run in the order given, each before any op still waiting, so an op sees everything the
-tick told the store before it; the proxy's ResponseOps wait in the queue of op_queue.py, fair
+an end) run in the order given; the proxy's ResponseOps wait in the queue of op_queue.py, fair
 between clients, and one whose proxy has stopped waiting (its ``deadline``) is answered without
-being applied. The answers wait in two queues that the tick reads between forward passes: the
-engine's (a turn loaded or refused, a result stored) and the replies, which the tick sends only
-as fast as the proxy reads them. The thread runs ahead of that by at most ``reply_bytes`` of
-replies: past it, it answers no op until the tick has sent some, so a flood's replies wait as
-ops, bounded by the queue, not as megabytes in memory. The engine's jobs never wait for that.
+being applied. Jobs and ops take turns in the order they came: an op waits for the jobs given
+before it, so it sees everything the tick told the store until then (a GET after a drop finds no
+placeholder), and for none given after it, so a stream of stored turns never starves it. The
+answers wait in two queues that the tick reads between forward passes: the engine's (a turn
+loaded or refused, a result stored) and the replies, which the tick sends only as fast as the
+proxy reads them. The thread runs ahead of that by at most ``reply_bytes`` of replies: past it,
+it answers no op until the tick has sent some, so a flood's replies wait as ops, bounded by the
+queue, not as megabytes in memory. The engine's jobs never wait for that.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -40,8 +43,11 @@ class StoreThread:
         self.clock = clock
         self.reply_bytes = reply_bytes
         self._cond = threading.Condition()
-        self._jobs: deque[Job] = deque()
+        # Jobs and ops are numbered as they come: an op goes before the jobs that came after it.
+        self._arrivals = itertools.count()
+        self._jobs: deque[tuple[int, Job]] = deque()
         self._ops = OpQueue()
+        self._op_arrivals: dict[str, int] = {}
         self._results: deque[Result] = deque()
         self._replies: deque[tuple[ResponseOp, ResponseReply, int]] = deque()
         self._unsent = 0  # bytes of the replies waiting for the tick
@@ -52,9 +58,9 @@ class StoreThread:
     # --- the tick's side: none of it waits on the store ----------------------------------------
 
     def do(self, job: Job) -> None:
-        """Runs ``job`` on the thread, after the jobs given before it and before any op."""
+        """Runs ``job`` on the thread, after the jobs and ops given before it."""
         with self._cond:
-            self._jobs.append(job)
+            self._jobs.append((next(self._arrivals), job))
             self._wake()
 
     def put_op(self, op: ResponseOp) -> ResponseReply | None:
@@ -62,6 +68,7 @@ class StoreThread:
         with self._cond:
             refused = self._ops.put(op)
             if refused is None:
+                self._op_arrivals[op.op_id] = next(self._arrivals)
                 self._wake()
             return refused
 
@@ -69,6 +76,7 @@ class StoreThread:
         """Drops the ops still waiting (their proxy has failed them)."""
         with self._cond:
             self._ops.clear()
+            self._op_arrivals.clear()
 
     def take_results(self) -> list[Result]:
         with self._cond:
@@ -103,6 +111,7 @@ class StoreThread:
         with self._cond:
             self._closing = True
             self._ops.clear()
+            self._op_arrivals.clear()
             self._cond.notify()
             thread = self._thread
         if thread is not None:
@@ -144,17 +153,20 @@ class StoreThread:
                     self._working = False
 
     def _next(self) -> Job | ResponseOp | None:
-        """The next work, under the lock: a job first; an op while the replies waiting for the
-        tick are under their bound; None once closing and the jobs are done."""
+        """The next work, under the lock: the op whose turn it is if it came before the oldest
+        job (and the replies waiting for the tick are under their bound), else that job; None
+        once closing and the jobs are done."""
         while True:
+            op = self._ops.peek() if self._unsent < self.reply_bytes else None
+            if op is not None and (not self._jobs
+                                   or self._op_arrivals[op.op_id] < self._jobs[0][0]):
+                self._ops.take()
+                del self._op_arrivals[op.op_id]
+                return op
             if self._jobs:
-                return self._jobs.popleft()
+                return self._jobs.popleft()[1]
             if self._closing:
                 return None
-            if len(self._ops) and self._unsent < self.reply_bytes:
-                op = self._ops.take()
-                if op is not None:
-                    return op
             self._cond.wait()
 
     def _answer(self, op: ResponseOp) -> ResponseReply:
