@@ -98,12 +98,17 @@ class StoredTurns:
                 ready.append(Ready(loading, result.prompts, result.placeholder))
             elif isinstance(result, Refused):
                 refused.append((loading.session, result.rejected))
+        return ready, refused + self._expired(), out
+
+    def _expired(self) -> list[tuple[Session, Rejected]]:
+        """The loads a store that hangs has not answered within LOAD_TIMEOUT_S."""
+        if not self.loading:
+            return []
         now = self.figures.clock()
-        for rid in [rid for rid, turn in self.loading.items() if now >= turn.deadline]:
-            refused.append((self.loading.pop(rid).session, Rejected(
-                f"the response store did not answer within {LOAD_TIMEOUT_S:g} s; nothing was "
-                "stored", status=503, code="store_timeout")))
-        return ready, refused, out
+        return [(self.loading.pop(rid).session, Rejected(
+                    f"the response store did not answer within {LOAD_TIMEOUT_S:g} s; nothing "
+                    "was stored", status=503, code="store_timeout"))
+                for rid in [rid for rid, turn in self.loading.items() if now >= turn.deadline]]
 
     def _stored(self, result: Stored) -> list[ToProxy]:
         held = self._storing.pop(result.rid, None)

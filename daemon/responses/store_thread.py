@@ -79,6 +79,8 @@ class StoreThread:
             self._op_arrivals.clear()
 
     def take_results(self) -> list[Result]:
+        if not self._results:  # most ticks: no lock taken (what comes meanwhile, next tick)
+            return []
         with self._cond:
             out = list(self._results)
             self._results.clear()
@@ -86,6 +88,8 @@ class StoreThread:
 
     def take_reply(self) -> tuple[ResponseOp, ResponseReply] | None:
         """The oldest reply not sent yet, in the order the ops were answered."""
+        if not self._replies:
+            return None
         with self._cond:
             if not self._replies:
                 return None
