@@ -29,7 +29,9 @@ import msgspec
 # 14: the daemon's Goodbye on tokens (a clean stop, told from a crash)
 # 15: ResponseOp.tenant / client / deadline, ITEMS (every reference of a request in one op, on
 # the requests pipe) in place of ITEM; ResponseFields.tenant
-PROTOCOL_VERSION = 15
+# 16: ResponseOp.request, one record a kind (ResponseGet, ConversationCreate, ...) in place of
+# ResponseOp.op and its optional fields
+PROTOCOL_VERSION = 16
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096

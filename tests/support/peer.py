@@ -151,7 +151,7 @@ class Peer:
             if not self.answer_ops:
                 self.held_ops.append(record)
                 return []
-            return [ResponseReply(record.op_id, 404, message=f"{record.response_id} not found")]
+            return [ResponseReply(record.op_id, 404, message=f"{record.subject} not found")]
         if isinstance(record, Submit):
             self.submits.append(record)
             text = " ".join(record.prompts) + " ".join(m.content for m in record.messages)
