@@ -28,6 +28,7 @@ class Reason(enum.StrEnum):
     CONVERSATION_LOCKED = "conversation_locked"  # another turn of the conversation is running
     NO_STORE = "no_store"  # the Responses API, on a daemon without a response store
     STORE_ERROR = "store_error"  # the response store failed
+    STORE_TIMEOUT = "store_timeout"  # the response store did not answer in time: retry
     INTERNAL = "internal"  # the daemon failed at something it should not
     VERSION_MISMATCH = "version_mismatch"  # a proxy of another protocol version (its Hello)
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping: retry on another

@@ -31,9 +31,10 @@ from ipc.reasons import Reason
 # 14: the daemon's Goodbye on tokens (a clean stop, told from a crash)
 # 15: ResponseOp.tenant / client / deadline, ITEMS (every reference of a request in one op, on
 # the requests pipe) in place of ITEM; ResponseFields.tenant
-# 16: Error.reason and ResponseReply.reason (ipc/reasons.py) in place of HTTP statuses and codes;
-# Stats.phase_seconds
-PROTOCOL_VERSION = 16
+# 16: ResponseOp.request, one record a kind (ResponseGet, ConversationCreate, ...) in place of
+# ResponseOp.op and its optional fields
+# 17: Error.reason, ResponseReply.reason (ipc/reasons.py) for HTTP statuses; Stats.phase_seconds
+PROTOCOL_VERSION = 17
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -389,10 +390,9 @@ class Finish(msgspec.Struct, tag=Kind.FINISH.value, tag_field="k"):
 
 
 class Error(msgspec.Struct, tag=Kind.ERROR.value, tag_field="k"):
-    """A rejected Submit (the whole session) or, with rid None, a daemon-wide problem: why, in
-    words naming the field (`param`) and the limit. `reason` travels as "code", its name when
-    it was an OpenAI code, so that daemons and proxies of different releases still read each
-    other's refusal of a Hello (Reason.VERSION_MISMATCH)."""
+    """A rejected Submit (the whole session) or, with rid None, a daemon-wide problem. `reason`
+    travels as "code" (its former name), so that daemons and proxies of different releases
+    still read each other's refusal of a Hello (Reason.VERSION_MISMATCH)."""
 
     rid: str | None
     message: str

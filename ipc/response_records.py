@@ -1,10 +1,11 @@
 """The records of the daemon's Responses and Conversations store, on the wire.
 
 A Submit of kind RESPONSE carries its ResponseFields (ipc/records.py); everything else the store
-is asked goes as a ResponseOp (GET, DELETE, cancel and input items of a stored response on the
-control pipe; the items a request's references name and the CONVERSATION_* ops on the requests
-pipe, as they can be big) and is answered by one ResponseReply on the tokens pipe, carrying a
-StoredResponse or a StoredConversation.
+is asked goes as a ResponseOp around one request, a record of its own for each kind (GET,
+DELETE, cancel and input items of a stored response on the control pipe; the items a request's
+references name and the conversations' requests on the requests pipe, as they can be big), and
+is answered by one ResponseReply on the tokens pipe, carrying a StoredResponse or a
+StoredConversation.
 
 Every op names its ``tenant`` (whose stored things it may reach: the API key's tag, "" without
 keys) and its ``client`` (whose turn it waits for in the daemon's queue), and the moment past
@@ -41,26 +42,21 @@ PLACEHOLDER_STATUSES = frozenset({ResponseStatus.QUEUED, ResponseStatus.IN_PROGR
 
 
 class ResponseOpKind(enum.StrEnum):
+    """What a ResponseOp asks: the wire tag of its request (``op``)."""
+
     GET = "get"
     DELETE = "delete"
     CANCEL = "cancel"
     INPUT_ITEMS = "input_items"
-    # Items of stored responses by id (`item_ids`): a request's item_references, all at once.
     ITEMS = "items"
-    # Conversations (`response_id` is then the conversation's id): on the requests pipe.
     CONVERSATION_CREATE = "conv_create"
     CONVERSATION_GET = "conv_get"
     CONVERSATION_UPDATE = "conv_update"
     CONVERSATION_DELETE = "conv_delete"
-    CONVERSATION_ITEMS = "conv_items"  # a page of them
+    CONVERSATION_ITEMS = "conv_items"
     CONVERSATION_ADD_ITEMS = "conv_add_items"
     CONVERSATION_ITEM_GET = "conv_item_get"
     CONVERSATION_ITEM_DELETE = "conv_item_delete"
-
-
-CONVERSATION_OPS = frozenset(k for k in ResponseOpKind if k.value.startswith("conv_"))
-# Ops that can be bigger than a control record (PIPE_BUF): they go on the requests pipe.
-REQUESTS_PIPE_OPS = CONVERSATION_OPS | {ResponseOpKind.ITEMS}
 
 
 class ItemsPage(msgspec.Struct, frozen=True):
@@ -80,25 +76,121 @@ class ConversationItems(msgspec.Struct, frozen=True):
     messages: list[list[Message]]
 
 
+# --- what an op asks: one record a kind, tagged by ``op`` -------------------------------------
+
+_K = ResponseOpKind
+
+
+class _Request(msgspec.Struct, frozen=True, tag_field="op"):
+    pass
+
+
+class ResponseGet(_Request, frozen=True, tag=_K.GET.value):
+    response_id: str
+
+
+class ResponseDelete(_Request, frozen=True, tag=_K.DELETE.value):
+    response_id: str
+
+
+class ResponseCancel(_Request, frozen=True, tag=_K.CANCEL.value):
+    response_id: str
+
+
+class ResponseInputItems(_Request, frozen=True, tag=_K.INPUT_ITEMS.value):
+    """A page of a stored response's input items."""
+
+    response_id: str
+    page: ItemsPage = ItemsPage()
+
+
+class ItemsLookup(_Request, frozen=True, tag=_K.ITEMS.value):
+    """The items of stored responses that a request's item_references name, all at once."""
+
+    item_ids: list[str]
+
+
+class ConversationCreate(_Request, frozen=True, tag=_K.CONVERSATION_CREATE.value):
+    conversation_id: str  # made by the proxy
+    items: ConversationItems | None = None
+    metadata: dict[str, str] = {}
+
+
+class ConversationGet(_Request, frozen=True, tag=_K.CONVERSATION_GET.value):
+    conversation_id: str
+
+
+class ConversationUpdate(_Request, frozen=True, tag=_K.CONVERSATION_UPDATE.value):
+    conversation_id: str
+    metadata: dict[str, str]
+
+
+class ConversationDelete(_Request, frozen=True, tag=_K.CONVERSATION_DELETE.value):
+    conversation_id: str
+
+
+class ConversationItemsList(_Request, frozen=True, tag=_K.CONVERSATION_ITEMS.value):
+    """A page of a conversation's items."""
+
+    conversation_id: str
+    page: ItemsPage = ItemsPage()
+
+
+class ConversationItemsAdd(_Request, frozen=True, tag=_K.CONVERSATION_ADD_ITEMS.value):
+    conversation_id: str
+    items: ConversationItems
+
+
+class ConversationItemGet(_Request, frozen=True, tag=_K.CONVERSATION_ITEM_GET.value):
+    conversation_id: str
+    item_id: str
+
+
+class ConversationItemDelete(_Request, frozen=True, tag=_K.CONVERSATION_ITEM_DELETE.value):
+    conversation_id: str
+    item_id: str
+
+
+ResponseRequest = ResponseGet | ResponseDelete | ResponseCancel | ResponseInputItems
+ConversationRequest = (ConversationCreate | ConversationGet | ConversationUpdate
+                       | ConversationDelete | ConversationItemsList | ConversationItemsAdd
+                       | ConversationItemGet | ConversationItemDelete)
+StoreRequest = ResponseRequest | ItemsLookup | ConversationRequest
+# Requests that can be bigger than a control record (PIPE_BUF): they go on the requests pipe.
+REQUESTS_PIPE = (ItemsLookup, ConversationCreate, ConversationGet, ConversationUpdate,
+                 ConversationDelete, ConversationItemsList, ConversationItemsAdd,
+                 ConversationItemGet, ConversationItemDelete)
+
+
 class ResponseOp(msgspec.Struct, tag=Kind.RESPONSE_OP.value, tag_field="k"):
-    """GET / DELETE / cancel of a stored response, a page of its input items or the items of
-    stored responses a request references (ITEMS); or an operation on a conversation
-    (CONVERSATION_*); answered by a ResponseReply with ``op_id``."""
+    """One request to the store (``request``: GET / DELETE / cancel of a stored response, a
+    page of its input items, the items a request references, or an operation on a
+    conversation), and how it waits in the daemon's queue; answered by a ResponseReply with
+    ``op_id``."""
 
     op_id: str
-    op: ResponseOpKind
-    response_id: str
+    request: StoreRequest
     epoch: int = 0
-    page: ItemsPage | None = None  # INPUT_ITEMS, CONVERSATION_ITEMS
-    item_id: str | None = None  # CONVERSATION_ITEM_*
-    items: ConversationItems | None = None  # CONVERSATION_CREATE, CONVERSATION_ADD_ITEMS
-    metadata: dict[str, str] | None = None  # CONVERSATION_CREATE, CONVERSATION_UPDATE
-    item_ids: list[str] = []  # ITEMS
     tenant: str = ""  # whose stored things it reaches (the API key's tag; "" without keys)
     client: str = ""  # whose turn it waits for in the daemon's queue
     # CLOCK_MONOTONIC (one clock for both processes): past it the proxy no longer waits, and
     # the daemon answers without applying the op.
     deadline: float | None = None
+
+    @property
+    def kind(self) -> ResponseOpKind:
+        return ResponseOpKind(str(self.request.__struct_config__.tag))
+
+    @property
+    def subject(self) -> str:
+        """The response or conversation it is about ("" for a lookup)."""
+        request = self.request
+        if isinstance(request, ItemsLookup):
+            return ""
+        if isinstance(request, ResponseGet | ResponseDelete | ResponseCancel
+                      | ResponseInputItems):
+            return request.response_id
+        return request.conversation_id
 
 
 class StoredResponse(msgspec.Struct, frozen=True):

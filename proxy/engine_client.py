@@ -20,7 +20,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
-from typing import Any
 
 from ipc.framing import MAX_FRAME_BYTES, FrameTooLarge
 from ipc.pipes import DaemonUnavailable, Loss, LossReason, ProxyConnection
@@ -35,13 +34,7 @@ from ipc.records import (
     Submit,
     ToolCallFormat,
 )
-from ipc.response_records import (
-    REQUESTS_PIPE_OPS,
-    ItemsPage,
-    ResponseOp,
-    ResponseOpKind,
-    ResponseReply,
-)
+from ipc.response_records import REQUESTS_PIPE, ResponseOp, ResponseReply, StoreRequest
 from ipc.stats import Stats
 from ipc.wire import ToProxy
 from proxy.batching import Batch
@@ -239,12 +232,10 @@ class EngineClient:
         if session.frame is None or not self._connection.withdraw(session.frame):
             self.abort(session.rid, cause, t_disconnect)
 
-    async def response_op(self, op: ResponseOpKind, response_id: str, timeout: float = 5.0,  # noqa: ASYNC109
-                          page: ItemsPage | None = None, who: Who = ANYONE,
-                          **fields: Any) -> ResponseReply:
-        """One ResponseOp and its reply. A conversation's (``fields``: its items, metadata or
-        item id) and a request's item references travel on the requests pipe, as big as a
-        Submit; the others on control.
+    async def response_op(self, request: StoreRequest, timeout: float = 5.0,  # noqa: ASYNC109
+                          who: Who = ANYONE) -> ResponseReply:
+        """One ResponseOp and its reply. A conversation's and a request's item references
+        travel on the requests pipe, as big as a Submit; the others on control.
 
         The daemon applies the op only within ``timeout``; past it, it answers without
         applying it. So this waits for that answer rather than give up at ``timeout``: a 503
@@ -256,10 +247,10 @@ class EngineClient:
         op_id = uuid.uuid4().hex
         future: asyncio.Future[ResponseReply] = asyncio.get_running_loop().create_future()
         self._ops[op_id] = future
-        record = ResponseOp(op_id, op, response_id, tenant=who.tenant, client=who.client,
-                            deadline=time.monotonic() + timeout, page=page, **fields)
+        record = ResponseOp(op_id, request, tenant=who.tenant, client=who.client,
+                            deadline=time.monotonic() + timeout)
         try:
-            if op in REQUESTS_PIPE_OPS:
+            if isinstance(request, REQUESTS_PIPE):
                 try:
                     self._connection.queue_submit(record)
                 except DaemonUnavailable:

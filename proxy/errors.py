@@ -68,6 +68,7 @@ REFUSALS: dict[Reason, tuple[int, str | None]] = {
     Reason.TOO_LARGE: (413, None),
     Reason.NO_STORE: (500, None),
     Reason.STORE_ERROR: (500, "store_error"),
+    Reason.STORE_TIMEOUT: (503, "store_timeout"),
     Reason.INTERNAL: (500, "internal_error"),
     Reason.VERSION_MISMATCH: (500, "version_mismatch"),
     Reason.SHUTTING_DOWN: (503, None),

@@ -43,6 +43,10 @@ STORE = """## Stored responses and conversations
   silent for 15 s is answered with a 503 that says it cannot tell.
 - **A background response stopped by the daemon's shutdown** is stored `incomplete` with the
   text and usage it had (`incomplete_details.reason` null: OpenAI names no reason for it).
+- **The store never holds another stream**: its work runs on a thread of the daemon's own. A
+  turn that needs it waits for it; a response's client hears it ended once it is stored; a turn
+  whose history or placeholder the store has not answered within 60 s fails alone (503
+  `store_timeout`), and nothing of it is kept.
 """
 
 

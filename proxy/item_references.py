@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ipc.response_records import ResponseOpKind, ResponseReply
+from ipc.response_records import ItemsLookup, ResponseReply
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError, refused
 from proxy.input_items import InputItem, ItemReference, decode_stored
@@ -37,8 +37,7 @@ async def resolve_references(engine: EngineClient, input: str | list[InputItem |
     if len(refs) > MAX_REFERENCES:
         raise ApiError(400, f"input holds {len(refs)} item references; a request may hold at "
                        f"most {MAX_REFERENCES}", param="input", code="too_many_references")
-    reply = await engine.response_op(ResponseOpKind.ITEMS, "", who=who,
-                                     item_ids=list(dict.fromkeys(refs.values())))
+    reply = await engine.response_op(ItemsLookup(list(dict.fromkeys(refs.values()))), who=who)
     if reply.reason is not None:
         raise refused(reply.reason, reply.message or "item lookup failed", reply.param)
     found = _found(reply)

@@ -27,7 +27,15 @@ from starlette.routing import Route
 
 from ipc.reasons import Reason
 from ipc.records import AbortCause
-from ipc.response_records import ItemsPage, ResponseOpKind, ResponseReply, ResponseStatus
+from ipc.response_records import (
+    ItemsPage,
+    ResponseCancel,
+    ResponseDelete,
+    ResponseGet,
+    ResponseInputItems,
+    ResponseReply,
+    ResponseStatus,
+)
 from proxy.batching import Batch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable
@@ -191,7 +199,7 @@ async def get_response(request: Request) -> Response:
                                 default=-1, low=-1, high=2**31)
     if _bool_param(request.query_params.get("stream"), "stream"):
         if run is None:
-            reply = await _engine(request).response_op(ResponseOpKind.GET, rid, who=who(request))
+            reply = await _engine(request).response_op(ResponseGet(rid), who=who(request))
             if reply.reason is not None:
                 return _reply(reply, rid)  # 404 for what does not exist, or no longer does
             raise ApiError(400, f"response {rid!r} cannot be streamed: only a background "
@@ -201,7 +209,7 @@ async def get_response(request: Request) -> Response:
         # Live state, with the text so far; the daemon's placeholder has no output yet.
         return JSONResponse(run.events.snapshot())
     try:
-        reply = await _engine(request).response_op(ResponseOpKind.GET, rid, who=who(request))
+        reply = await _engine(request).response_op(ResponseGet(rid), who=who(request))
     except ApiError:
         if run is None or run.interrupted:
             raise
@@ -218,7 +226,7 @@ async def delete_response(request: Request) -> Response:
     run = registry.get(rid)
     if run is not None and not run.finished:
         engine.abort(rid, AbortCause.CANCEL)  # ahead of the DELETE: see the module's docstring
-    reply = await engine.response_op(ResponseOpKind.DELETE, rid, who=who(request))
+    reply = await engine.response_op(ResponseDelete(rid), who=who(request))
     if run is not None and reply.reason in (None, Reason.NOT_FOUND):
         run.end(Outcome(ResponseStatus.CANCELLED))
         registry.remove(rid)
@@ -233,7 +241,7 @@ async def cancel_response(request: Request) -> Response:
     engine = _engine(request)
     run = background_registry(request.app).get(rid)
     live = run is not None and not run.finished
-    reply = await engine.response_op(ResponseOpKind.CANCEL, rid, who=who(request))
+    reply = await engine.response_op(ResponseCancel(rid), who=who(request))
     if reply.reason is None or (live and reply.reason is Reason.NOT_FOUND):
         engine.abort(rid, AbortCause.CANCEL)
     if run is not None and live and reply.reason in (None, Reason.NOT_FOUND):
@@ -248,7 +256,7 @@ async def list_input_items(request: Request) -> Response:
     daemon sends the page asked for, never every item."""
     rid = check_response_id(request.path_params["response_id"])
     page = items_page(request.query_params, f"no input item of response {rid!r}")
-    reply = await _engine(request).response_op(ResponseOpKind.INPUT_ITEMS, rid, page=page,
+    reply = await _engine(request).response_op(ResponseInputItems(rid, page),
                                                who=who(request))
     if reply.reason is not None or reply.input_items is None:
         return _reply(reply, rid)

@@ -31,7 +31,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from ipc.reasons import Reason
 from ipc.records import Submit
-from ipc.response_records import PLACEHOLDER_STATUSES, ResponseOpKind, ResponseStatus
+from ipc.response_records import PLACEHOLDER_STATUSES, ResponseGet, ResponseStatus
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.event_history import EventHistory
@@ -191,7 +191,7 @@ class BackgroundRun:
             if not engine.up:
                 continue
             try:
-                reply = await engine.response_op(ResponseOpKind.GET, self.id)
+                reply = await engine.response_op(ResponseGet(self.id))
             except ApiError:
                 continue  # lost again: keep asking
             if reply.reason is Reason.NOT_FOUND:

@@ -31,6 +31,7 @@ from ipc.reasons import Reason
 from ipc.records import AbortCause, Message, RequestKind, Submit, ToolCall, ToolFunction
 
 History = Callable[[Submit, ContextBytes], list[Message]]
+Built = tuple[list[Sequence], list[Output]]  # a request's sequences, and their outputs
 
 # A text of up to this many bytes a token of the context is tokenized whole at once: real text
 # averages 2-5 bytes a token, so a prompt that fits rarely takes the counting path.
@@ -315,7 +316,7 @@ def _too_long(submit: Submit, max_model_len: int) -> tuple[str, str, str]:
 def build_sequences(submit: Submit, prompts: list[list[int]],
                     make_detok: Callable[[list[int]], Detokenizer], tokenizer: Tokenizer,
                     max_model_len: int, block_manager: BlockManager,
-                    ) -> tuple[list[Sequence], list[Output]]:
+                    ) -> Built:
     """All sequences in index order, and their outputs; sample 0 of each prompt carries its
     siblings to fork. An omitted max_tokens becomes each prompt's room for the output
     (`output_room`)."""

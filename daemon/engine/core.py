@@ -15,29 +15,25 @@ from collections import Counter
 from collections.abc import Callable
 from time import perf_counter
 
-from daemon.engine.admission import (
-    Tombstones,
-    build_sequences,
-    check_limits,
-    check_sequences,
-    max_token_bytes,
-    render_prompts,
-)
+from daemon.engine.admission import Tombstones
 from daemon.engine.batch import Batch
 from daemon.engine.block_manager import BlockManager
 from daemon.engine.execute import Executed, Executor, Runner
 from daemon.engine.figures import Figures
+from daemon.engine.gauges import engine_stats
 from daemon.engine.guided import Guidance, check_guide
+from daemon.engine.intake import Intake
 from daemon.engine.output import Detokenizer
 from daemon.engine.sampler import Logprob, Sampler, sampled_logprobs
 from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import Sequence
 from daemon.engine.session import Session
+from daemon.engine.stored import StoredTurns, unbuilt_finishes
 from daemon.engine.tokenize import tokenize
 from daemon.engine.update import Advanced, Ends
 from daemon.model.tokenizer import Tokenizer
-from daemon.rejected import ContextBytes, Rejected
-from daemon.responses.lifecycle import Aborted, Completed, Ending, Failed, Responses, Store
+from daemon.rejected import Rejected
+from daemon.responses.lifecycle import Aborted, Ending, Failed, Responses, Store
 from ipc.reasons import Reason
 from ipc.records import (
     AbortCause,
@@ -47,18 +43,11 @@ from ipc.records import (
     RequestKind,
     Submit,
     TokenLogprob,
-    Usage,
 )
 from ipc.stats import Stats
 from ipc.wire import ToProxy
 
 __all__ = ["Engine", "Runner"]
-
-
-def _default_detokenizer(tokenizer: Tokenizer) -> Callable[[list[int]], Detokenizer]:
-    from daemon.model.tokenizer import incremental_detokenizer
-
-    return lambda prompt_ids: incremental_detokenizer(tokenizer, prompt_ids)
 
 
 class Engine:
@@ -70,13 +59,10 @@ class Engine:
                  max_seqs_per_request: int | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        # A stored response's whole life goes through here: a failing store costs one session.
+        # A stored response's whole life goes through here, off the tick: a failing or slow
+        # store costs the sessions that need it, nobody else.
         self.responses = Responses(store) if store is not None else None
-        self.max_num_seqs = max_num_seqs
-        self.max_seqs_per_request = max_seqs_per_request  # None: only n <= max_num_seqs
         self.max_model_len = max_model_len
-        # The most text a prompt that fits can hold: what a longer one is refused by, untokenized.
-        self.context_bytes = ContextBytes(max_model_len, max_token_bytes(tokenizer))
         self.model_name = model_name
         self.clock = clock
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -87,10 +73,15 @@ class Engine:
         self.guidance = guidance  # constrained decoding; None: guided requests are refused
         self.executor = Executor(runner, self.sampler, guidance, self._token_logprob)
         self.ends = Ends(tokenizer.eos_token_ids, max_model_len)
-        self._make_detok = make_detokenizer or _default_detokenizer(tokenizer)
+        self.intake = Intake(tokenizer, self.block_manager, max_num_seqs, max_model_len, clock,
+                             make_detokenizer=make_detokenizer,
+                             max_seqs_per_request=max_seqs_per_request,
+                             stores=self.responses is not None)
         self.sessions: dict[str, Session] = {}
         self.tombstones = Tombstones(clock=clock)
         self.figures = Figures(clock)
+        self.stored = (StoredTurns(self.responses, self.figures) if self.responses is not None
+                       else None)
 
     @property
     def has_work(self) -> bool:
@@ -100,6 +91,10 @@ class Engine:
     def waiting_for_grammar(self) -> bool:
         return self.guidance is not None and self.guidance.num_pending > 0
 
+    @property
+    def waiting_for_store(self) -> bool:  # turns that load, or whose result is being stored
+        return self.stored is not None and self.stored.waiting
+
     def is_running(self, rid: str) -> bool:
         return rid in self.sessions
 
@@ -107,7 +102,8 @@ class Engine:
 
     def submit(self, rec: Submit) -> list[ToProxy]:
         """Admit a request: [Admitted], or its refusal (an Error, or Finishes if it was aborted
-        before it arrived)."""
+        before it arrived). A Responses turn that needs the store is admitted pending, as a
+        guided one is: its sequences come once the store thread has loaded it."""
         tombstone = self.tombstones.pop(rec.rid)
         if tombstone is not None:
             return self.refuse(rec, *tombstone)
@@ -118,21 +114,25 @@ class Engine:
             return tokenize(rec, self.tokenizer)
         try:
             check_guide(rec, self.guidance)
+            if self.stored is not None and Responses.needs_store(rec):
+                self.sessions[rec.rid] = session = self.intake.session(rec, ([], []))
+                self.stored.load(rec, session, self.intake.prompts)
+                return [Admitted(rec.rid)]
             history = self.responses.history if self.responses is not None else None
-            prompts = render_prompts(rec, self.tokenizer, history, self.context_bytes)
-            check_sequences(rec, self.max_num_seqs, self.max_seqs_per_request)
-            check_limits(rec, prompts, self.max_model_len, self.block_manager,
-                         self.tokenizer.vocab_size)
-            session = self._open_session(rec, prompts)
+            intake = self.intake
+            session = intake.session(rec, intake.build(rec, intake.prompts(rec, history)))
         except Rejected as e:
             return [e.to_error(rec.rid)]
+        self._admit(session, rec)
+        return [Admitted(rec.rid)]
+
+    def _admit(self, session: Session, rec: Submit) -> None:
         self.sessions[rec.rid] = session
         guide = rec.sampling.guide
         if guide is not None and self.guidance is not None:
             self.guidance.wait(session, guide)  # scheduled once its grammar is ready
         else:
             self._schedule(session)
-        return [Admitted(rec.rid)]
 
     def _schedule(self, session: Session) -> None:
         """Sample 0 of each prompt to the scheduler; its siblings fork from it once its prompt
@@ -151,21 +151,20 @@ class Engine:
         ready, refused = self.guidance.ready()
         for session in ready:
             self._schedule(session)
-        out: list[ToProxy] = []
-        for session, rejected in refused:
-            del self.sessions[session.rid]
-            # Refused like a request refused at admission: its placeholder goes with it.
-            self._end_response(session, Aborted(AbortCause.CLIENT_DISCONNECT, background=False))
-            out.append(rejected.to_error(session.rid))
-        return out
+        return [self._refuse_admitted(session, rejected) for session, rejected in refused]
+
+    def _refuse_admitted(self, session: Session, rejected: Rejected) -> ToProxy:
+        """Refused like a request refused at admission: its placeholder goes with it."""
+        del self.sessions[session.rid]
+        self._end_response(session, Aborted(AbortCause.CLIENT_DISCONNECT, background=False))
+        return rejected.to_error(session.rid)
 
     def refuse(self, rec: Submit, cause: AbortCause,
                t_disconnect: float | None = None) -> list[ToProxy]:
         """A request ended before it was admitted (aborted while still in the pipe, or sent
         under a stale epoch): counted and logged like any other abort."""
         self.figures.refused(rec, cause, t_disconnect)
-        return [Finish(rec.rid, i, FinishReason.ABORT, Usage(0, 0), cause=cause)
-                for i in range(rec.num_sequences)]
+        return list(unbuilt_finishes(rec, FinishReason.ABORT, cause, None))
 
     def set_paused(self, rid: str, paused: bool) -> None:
         """Flow control: stop (or resume) scheduling a session; it keeps its blocks."""
@@ -174,16 +173,18 @@ class Engine:
             session.paused = paused
             self.scheduler.set_paused(session.sequences, paused)
 
-    def _open_session(self, rec: Submit, prompts: list[list[int]]) -> Session:
-        sequences, outputs = build_sequences(rec, prompts, self._make_detok, self.tokenizer,
-                                             self.max_model_len, self.block_manager)
-        session = Session(rid=rec.rid, epoch=rec.epoch, kind=rec.kind, sequences=sequences,
-                          outputs=outputs, t_arrival=self.clock(), client_id=rec.client_id)
-        fields = rec.response
-        if rec.kind is RequestKind.RESPONSE and fields is not None and self.responses is not None:
-            session.background = fields.background
-            session.placeholder = self.responses.admitted(rec)
-        return session
+    def from_store(self) -> list[ToProxy]:
+        """What the responses room did since the last call: loaded turns join the scheduler
+        (or end with their refusal); stored turns' last Finishes go out."""
+        if self.stored is None:
+            return []
+        ready, refused, out = self.stored.take()
+        for turn in ready:
+            rec, session = turn.loading.submit, turn.loading.session
+            session.placeholder = turn.placeholder
+            session.sequences, session.outputs = self.intake.build(rec, turn.prompts)
+            self._admit(session, rec)
+        return out + [self._refuse_admitted(session, rejected) for session, rejected in refused]
 
     # --- aborts ---------------------------------------------------------------------------------
 
@@ -221,21 +222,27 @@ class Engine:
 
     def _evict(self, session: Session, cause: AbortCause | None, *, error: str | None = None,
                t_read: float | None = None) -> list[Finish]:
-        """Release everything the session holds (blocks, queue slots, its placeholder) and
-        report its end. `cause` None means the session failed with `error`."""
+        """Release everything the session holds (blocks, queue slots, its placeholder, its
+        pending compile or load) and report its end. `cause` None means the session failed
+        with `error`."""
         reason = FinishReason.ERROR if cause is None else FinishReason.ABORT
-        ended = session.end(reason)
-        for seq in ended:
-            self._release(seq)
-        if self.guidance is not None:
-            self.guidance.drop(session.rid)
+        loading = self.stored.drop(session.rid) if self.stored is not None else None
+        if loading is not None:  # nothing of it was built, nor will be
+            out = unbuilt_finishes(loading.submit, reason, cause, error)
+        else:
+            ended = session.end(reason)
+            for seq in ended:
+                self._release(seq)
+            if self.guidance is not None:
+                self.guidance.drop(session.rid)
+            out = [Finish(session.rid, s.index, reason, s.usage, cause=cause, message=error)
+                   for s in ended]
+        del self.sessions[session.rid]
         self._end_response(session, Failed(error or "internal error") if cause is None
                            else Aborted(cause, session.background, session.output_text(),
                                         session.usage))
-        del self.sessions[session.rid]
         self.figures.evicted(session, reason, cause, t_read)
-        return [Finish(session.rid, s.index, reason, s.usage, cause=cause, message=error)
-                for s in ended]
+        return out
 
     # --- one step: schedule -> execute -> update -> emit --------------------------------------
 
@@ -340,45 +347,25 @@ class Engine:
         seq.finish_reason = reason
         self._release(seq)
         session = self.sessions[seq.rid]
-        error: str | None = None
-        if session.is_finished:
-            del self.sessions[seq.rid]
-            error = self._end_response(session, Completed(reason, session.output_text(),
-                                                          session.usage))
-            self.figures.completed(session, reason if error is None else FinishReason.ERROR, error)
-        if error is not None:  # the client learns that its response was not stored
-            return [Finish(seq.rid, seq.index, FinishReason.ERROR, seq.usage, message=error)]
-        return [Finish(seq.rid, seq.index, reason, seq.usage)]
+        finish = Finish(seq.rid, seq.index, reason, seq.usage)
+        if not session.is_finished:
+            return [finish]
+        del self.sessions[seq.rid]
+        if session.placeholder and self.stored is not None:
+            self.stored.store(session, finish)  # its client hears it once it is stored
+            return []
+        self.figures.completed(session, reason, None)
+        return [finish]
 
-    def _end_response(self, session: Session, ending: Ending) -> str | None:
-        """Tells the responses room how a session with a placeholder ended; returns why its
-        result could not be stored, if it could not."""
-        if not session.placeholder or self.responses is None:
-            return None
-        session.placeholder = False
-        return self.responses.ended(session.rid, ending)
+    def _end_response(self, session: Session, ending: Ending) -> None:
+        """Tells the responses room how a session that may hold a placeholder ended."""
+        if session.placeholder and self.responses is not None:
+            session.placeholder = False
+            self.responses.ended(session.rid, ending)
 
     # --- figures --------------------------------------------------------------------------------
 
     def stats(self) -> Stats:
         """Gauges and counters now; latency observations since the previous call."""
-        # Requests, not sequences: a request runs while any of its sequences does.
-        running = len({seq.rid for seq in self.scheduler.running})
-        bm = self.block_manager
-        stats = self.figures.stats(
-            running=running, waiting=len(self.sessions) - running,
-            kv_blocks_used=bm.num_used, kv_blocks_total=bm.num_total,
-            kv_blocks_cached=bm.num_cached_free,
-            prefix_cache_queries=self.scheduler.num_cache_queries,
-            prefix_cache_hits=self.scheduler.num_cache_hits,
-            placeholders=self.responses.num_placeholders() if self.responses is not None else 0,
-            paused=sum(1 for s in self.sessions.values() if s.paused))
-        if self.responses is not None:
-            stats.conversations, stats.conversation_items = self.responses.conversation_counts()
-        if self.guidance is not None:
-            grammars = self.guidance.grammars
-            stats.grammar_compiles, stats.grammar_cache_hits = grammars.num_misses, grammars.num_hits
-            stats.grammar_cache_bytes = grammars.num_cached_bytes
-            stats.grammar_pending = self.guidance.num_pending
-            stats.grammar_compile_obs = grammars.take_compile_obs()
-        return stats
+        return engine_stats(self.figures, self.scheduler, self.sessions, self.responses,
+                            self.guidance, self.stored)

@@ -14,7 +14,7 @@ and answers one mask in microseconds; its matcher copies cheaply, which the budg
   own, which drops the GIL too.
 - Every matcher runs under PARSER_LIMITS: an ambiguous grammar's Earley rows grow with its
   output and each token's work with their square (a row of 2,000 items took 0.5 s a token), so
-  a row is capped, and a request that reaches the cap ends with a 400 naming it.
+  a row is capped, and a request that reaches the cap is refused naming it.
 - A sequence's `Constraint` owns its matcher: its row of the tick's bitmask, and the budget.
   Its mask is computed as soon as it has consumed a token, in the same breath: computed after
   a forward pass has run through the processor's caches, the same call took 10 to 20 times as
@@ -67,8 +67,16 @@ MAX_SPELLED = 4096  # closings kept spelled in tokens (the same one is checked t
 # optional properties (each takes four); rows of unambiguous grammars stay small.
 MAX_ITEMS_IN_ROW = 500
 STEP_MAX_ITEMS = 10_000
+# Symbols in one grammar (each %json schema is a grammar of its own; llguidance's default:
+# 500,000). A row is built whole before its size is checked, with the GIL held: an object of
+# 8,000 optional properties compiled for 8-36 s here and then held the GIL 0.3-0.6 s in each of
+# its first steps, stalling the tick; under this bound it is refused in 0.15 s, and the largest
+# object that compiles (about 2,400 properties) holds the GIL under 0.1 s a step.
+MAX_GRAMMAR_SYMBOLS = 20_000
 PARSER_LIMITS = llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW,
-                                          step_max_items=STEP_MAX_ITEMS, verbose_errors=False)
+                                          step_max_items=STEP_MAX_ITEMS,
+                                          max_grammar_size=MAX_GRAMMAR_SYMBOLS,
+                                          verbose_errors=False)
 # The first closing, searched once per grammar on its compile thread.
 COMPILE_SEARCH_STEPS = 50_000
 COMPILE_SEARCH_S = 0.5

@@ -5,7 +5,7 @@ A guided session is admitted (its client hears Admitted) but its sequences reach
 only once its grammar is compiled (with its first closing: no search for one runs on the tick
 at admission), so one whose client leaves meanwhile is never prefilled: its eviction drops the
 pending compile like everything else it holds. A compile that fails, or takes longer than the
-timeout, is that request's 400; so is a matcher that reaches its parser limits mid-output.
+timeout, refuses that request; so is a matcher that reaches its parser limits mid-output.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class Guidance:
         one (daemon/engine/constraint.py), which is then the row's last (the tokens after it
         followed another output); and computes its next mask unless the mask thread will
         (`masks`: the step's, which say whether each row's first token was allowed). Also the
-        sequences whose grammar reached its parser limits, each with its request's 400 (their
+        sequences whose grammar reached its parser limits, each with its request's refusal (their
         tokens are not to be emitted). The step's closing searches share one deadline."""
         out = rows
         failed: list[tuple[Sequence, Rejected]] = []

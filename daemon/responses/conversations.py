@@ -8,7 +8,7 @@ concatenation, so the daemon never re-reads an item's fields).
 
 A Responses turn on a conversation (`ResponseFields.conversation`) claims it when its placeholder
 is written (`claim`, in the same transaction): ``running_response_id`` names the turn, and a
-second turn while that one is still a placeholder is refused with a 409 that names it. The turn's
+second turn while that one is still a placeholder is refused (CONVERSATION_LOCKED), naming it. The turn's
 input items and its output join the conversation only when it completes (`append`, in the
 transaction that completes its row); however else it ends, nothing is added and the claim is let
 go (`release`). A claim whose response is no longer a placeholder (a crash, a replica whose lease
@@ -37,10 +37,18 @@ from daemon.responses.rows import PLACEHOLDERS_SQL, json_text, messages_decoder,
 from ipc.reasons import Reason
 from ipc.records import Message, ResponseFields
 from ipc.response_records import (
+    ConversationCreate,
+    ConversationDelete,
+    ConversationGet,
+    ConversationItemDelete,
+    ConversationItemGet,
     ConversationItems,
+    ConversationItemsAdd,
+    ConversationItemsList,
+    ConversationRequest,
+    ConversationUpdate,
     ItemsPage,
     ResponseOp,
-    ResponseOpKind,
     ResponseReply,
     StoredConversation,
 )
@@ -173,19 +181,19 @@ class Conversations:
         return out
 
     def claim(self, tx: Executor, turn: Turn, rid: str) -> None:
-        """Names ``rid`` as the turn running on the conversation, or refuses it: 404, 409 while
-        another turn runs, 400 past ``max_items``."""
+        """Names ``rid`` as the turn running on the conversation, or refuses it: NOT_FOUND,
+        CONVERSATION_LOCKED while another turn runs, CONVERSATION_FULL past ``max_items``."""
         cid = turn.conversation_id
         row = self._row(tx, cid, lock=True)
         if row is None:
-            raise Rejected(not_found(cid), param="conversation", reason=Reason.NOT_FOUND)
+            raise Rejected(not_found(cid), Reason.NOT_FOUND, "conversation")
         running = row["running_response_id"]
         if running is not None and running != rid and tx.execute(
                 f"SELECT id FROM responses WHERE id = ? AND status IN {PLACEHOLDERS_SQL}",
                 (running,)).one() is not None:
             raise Rejected(f"Conversation '{cid}' is running response '{running}'; send the "
-                           "next turn once it has finished.", param="conversation",
-                           reason=Reason.CONVERSATION_LOCKED)
+                           "next turn once it has finished.", Reason.CONVERSATION_LOCKED,
+                           "conversation")
         self._check_room(row, cid, len(turn.input) + 1)
         tx.execute("UPDATE conversations SET running_response_id = ?, updated_at = ? WHERE id = ?",
                    (rid, self.clock(), cid))
@@ -199,89 +207,98 @@ class Conversations:
 
     # --- the Conversations API --------------------------------------------------------------
 
-    def handle_op(self, op: ResponseOp) -> ResponseReply:
-        """Answers one CONVERSATION_* op; what the client asked wrongly is its status."""
+    def handle_op(self, op: ResponseOp, request: ConversationRequest) -> ResponseReply:
+        """Answers one of ``op``'s conversation requests; what the client asked wrongly is its
+        status."""
         try:
-            return self._handle(op)
+            return self._handle(op, request)
         except Rejected as e:
             return ResponseReply(op.op_id, e.reason, message=e.message, param=e.param)
 
-    def _handle(self, op: ResponseOp) -> ResponseReply:
-        cid = op.response_id
-        if op.op is ResponseOpKind.CONVERSATION_CREATE:
-            return self._create(op)
+    def _handle(self, op: ResponseOp, request: ConversationRequest) -> ResponseReply:
+        if isinstance(request, ConversationCreate):
+            return self._create(op, request)
+        cid = request.conversation_id
         row = self._row(self.db, cid)
         if row is None:
             return ResponseReply(op.op_id, Reason.NOT_FOUND, message=not_found(cid))
-        if op.op is ResponseOpKind.CONVERSATION_GET:
-            return self._reply(op, row)
-        if op.op is ResponseOpKind.CONVERSATION_ITEMS:
-            return self._page(op, op.page or ItemsPage())
-        if op.op is ResponseOpKind.CONVERSATION_ITEM_GET:
-            return self._item(op)
+        match request:
+            case ConversationGet():
+                return self._reply(op, row)
+            case ConversationItemsList(page=page):
+                return self._page(op, cid, page)
+            case ConversationItemGet(item_id=item_id):
+                return self._item(op, cid, item_id)
         with self.db.transaction() as tx:
-            reply = self._change(tx, op)
+            reply = self._change(tx, op, request)
         self.recount(self.db)
         return reply
 
-    def _create(self, op: ResponseOp) -> ResponseReply:
-        now = self.clock()
-        rows = new_rows(op.items, self.make_id) if op.items is not None else []
+    def _create(self, op: ResponseOp, request: ConversationCreate) -> ResponseReply:
+        now, cid = self.clock(), request.conversation_id
+        rows = new_rows(request.items, self.make_id) if request.items is not None else []
         with self.db.transaction() as tx:
             tx.execute("INSERT INTO conversations (id, created_at, updated_at, metadata, tenant) "
-                       "VALUES (?, ?, ?, ?, ?)", (op.response_id, int(now), now,
-                                                 json_text(op.metadata or {}), op.tenant))
-            row = self._row(tx, op.response_id)
-            self._check_room(row, op.response_id, len(rows))
-            self._append(tx, op.response_id, rows)
+                       "VALUES (?, ?, ?, ?, ?)", (cid, int(now), now,
+                                                 json_text(request.metadata), op.tenant))
+            row = self._row(tx, cid)
+            self._check_room(row, cid, len(rows))
+            self._append(tx, cid, rows)
         self.recount(self.db)
         return ResponseReply(op.op_id, conversation=StoredConversation(
-            op.response_id, int(now), op.metadata or {}))
+            cid, int(now), request.metadata))
 
-    def _change(self, tx: Executor, op: ResponseOp) -> ResponseReply:
-        cid = op.response_id
+    def _change(self, tx: Executor, op: ResponseOp, request: ConversationUpdate
+                | ConversationDelete | ConversationItemsAdd | ConversationItemDelete
+                ) -> ResponseReply:
+        cid = request.conversation_id
         row = self._row(tx, cid, lock=True)
         if row is None:
             return ResponseReply(op.op_id, Reason.NOT_FOUND, message=not_found(cid))
-        if op.op is ResponseOpKind.CONVERSATION_DELETE:
-            tx.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (cid,))
-            tx.execute("DELETE FROM conversations WHERE id = ?", (cid,))
-            return ResponseReply(op.op_id, deleted=True)
-        if op.op is ResponseOpKind.CONVERSATION_UPDATE:
-            tx.execute("UPDATE conversations SET metadata = ?, updated_at = ? WHERE id = ?",
-                       (json_text(op.metadata or {}), self.clock(), cid))
-        elif op.op is ResponseOpKind.CONVERSATION_ADD_ITEMS:
-            rows = new_rows(op.items, self.make_id) if op.items is not None else []
-            self._check_room(row, cid, len(rows))
-            self._append(tx, cid, rows)
-            # The ids alone: the proxy lists the items it sent (an echo would cost the tokens
-            # pipe their size again, and a stream behind it its pace).
-            return ResponseReply(op.op_id, item_ids=[r.item_id for r in rows])
-        elif op.op is ResponseOpKind.CONVERSATION_ITEM_DELETE:
-            gone = tx.execute("SELECT count(*) AS n, coalesce(sum(size), 0) AS size, "
-                              "coalesce(sum(text_bytes), 0) AS text_bytes FROM "
-                              "conversation_items WHERE conversation_id = ? AND item_id = ?",
-                              (cid, op.item_id)).one()
-            if not gone["n"]:
-                return ResponseReply(op.op_id, Reason.NOT_FOUND,
-                                     message=f"Item with id '{op.item_id}' not found.")
-            tx.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
-                       (cid, op.item_id))
-            tx.execute("UPDATE conversations SET num_items = num_items - ?, size = size - ?, "
-                       "text_bytes = text_bytes - ?, updated_at = ? WHERE id = ?",
-                       (gone["n"], gone["size"], gone["text_bytes"], self.clock(), cid))
+        match request:
+            case ConversationDelete():
+                tx.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (cid,))
+                tx.execute("DELETE FROM conversations WHERE id = ?", (cid,))
+                return ResponseReply(op.op_id, deleted=True)
+            case ConversationUpdate(metadata=metadata):
+                tx.execute("UPDATE conversations SET metadata = ?, updated_at = ? WHERE id = ?",
+                           (json_text(metadata), self.clock(), cid))
+            case ConversationItemsAdd(items=items):
+                rows = new_rows(items, self.make_id)
+                self._check_room(row, cid, len(rows))
+                self._append(tx, cid, rows)
+                # The ids alone: the proxy lists the items it sent (an echo would cost the
+                # tokens pipe their size again, and a stream behind it its pace).
+                return ResponseReply(op.op_id, item_ids=[r.item_id for r in rows])
+            case ConversationItemDelete(item_id=item_id):
+                if not self._delete_item(tx, cid, item_id):
+                    return ResponseReply(op.op_id, Reason.NOT_FOUND,
+                                         message=f"Item with id '{item_id}' not found.")
         return self._reply(op, self._row(tx, cid))
 
-    def _page(self, op: ResponseOp, page: ItemsPage) -> ResponseReply:
-        cid, asc = op.response_id, page.order == "asc"
+    def _delete_item(self, tx: Executor, cid: str, item_id: str) -> bool:
+        gone = tx.execute("SELECT count(*) AS n, coalesce(sum(size), 0) AS size, "
+                          "coalesce(sum(text_bytes), 0) AS text_bytes FROM conversation_items "
+                          "WHERE conversation_id = ? AND item_id = ?", (cid, item_id)).one()
+        if not gone["n"]:
+            return False
+        tx.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
+                   (cid, item_id))
+        tx.execute("UPDATE conversations SET num_items = num_items - ?, size = size - ?, "
+                   "text_bytes = text_bytes - ?, updated_at = ? WHERE id = ?",
+                   (gone["n"], gone["size"], gone["text_bytes"], self.clock(), cid))
+        return True
+
+    def _page(self, op: ResponseOp, cid: str, page: ItemsPage) -> ResponseReply:
+        asc = page.order == "asc"
         bound = -1 if asc else 2**62
         if page.after is not None:
             row = self.db.execute("SELECT min(seq) AS seq FROM conversation_items WHERE "
                                   "conversation_id = ? AND item_id = ?", (cid, page.after)).one()
             if row is None or row["seq"] is None:
                 return ResponseReply(op.op_id, Reason.INVALID, param="after",
-                                     message=f"'after' names no item of conversation {cid!r}: "
-                                     f"{page.after!r}")
+                                     message=f"'after' names no "
+                                     f"item of conversation {cid!r}: {page.after!r}")
             bound = row["seq"]
         # The page's sizes first (an item's `size` bounds its bytes): a page ends where its
         # items would pass PAGE_BYTES, so only what goes out is read, and the reply fits a frame.
@@ -300,13 +317,13 @@ class Conversations:
         items = [ItemRow(r["item_id"], r["item"], "") for r in rows]
         return self._listing(op, items, has_more=len(sizes) > chosen)
 
-    def _item(self, op: ResponseOp) -> ResponseReply:
+    def _item(self, op: ResponseOp, cid: str, item_id: str) -> ResponseReply:
         row = self.db.execute("SELECT item_id, item FROM conversation_items WHERE "
                               "conversation_id = ? AND item_id = ? ORDER BY seq LIMIT 1",
-                              (op.response_id, op.item_id)).one()
+                              (cid, item_id)).one()
         if row is None:
             return ResponseReply(op.op_id, Reason.NOT_FOUND,
-                                 message=f"Item with id '{op.item_id}' not found.")
+                                 message=f"Item with id '{item_id}' not found.")
         return self._listing(op, [ItemRow(row["item_id"], row["item"], "")], False)
 
     # --- housekeeping ---------------------------------------------------------------------------
@@ -340,8 +357,8 @@ class Conversations:
     def _check_room(self, row: Any, cid: str, adding: int) -> None:
         if row["num_items"] + adding > self.limits.max_items:
             raise Rejected(f"Conversation '{cid}' holds {row['num_items']} items; {adding} more "
-                           f"would pass its bound of {self.limits.max_items}", param="items",
-                           reason=Reason.CONVERSATION_FULL)
+                           f"would pass its bound of {self.limits.max_items}", Reason.CONVERSATION_FULL,
+                           "items")
 
     def _append(self, tx: Executor, cid: str, rows: list[ItemRow]) -> None:
         if not rows:

@@ -15,7 +15,7 @@ holds one. A lookup reads only rows that still exist, so an index entry outlivin
 (deleted, pruned) never resolves; the watcher's prune drops such entries.
 
 One op's work is bounded: the rows it reads hold at most READ_BYTES, and the items it answers
-with at most REFERENCED_BYTES; past either it is a 413 that names the bound.
+with at most REFERENCED_BYTES; past either it is refused (TOO_LARGE), naming the bound.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from daemon.responses.db import Database, Executor
 from daemon.responses.items import listed_ids
 from daemon.responses.rows import stored_response
 from ipc.reasons import Reason
-from ipc.response_records import ResponseOp, ResponseReply
+from ipc.response_records import ItemsLookup, ResponseOp, ResponseReply
 
 _CHUNK = 256  # rows per INSERT: well under any backend's bound on parameters
 # An id of the server's making: a response's stem, then an input item's position or a call's.
@@ -74,11 +74,11 @@ def _place(db: Database, item_id: str, tenant: str) -> tuple[str, int | None] | 
     return None if owner is None else (rid, None)
 
 
-def references_reply(db: Database, op: ResponseOp) -> ResponseReply:
-    """The items ``op.item_ids`` name: the input items found (``input_items``, with their ids
+def references_reply(db: Database, op: ResponseOp, lookup: ItemsLookup) -> ResponseReply:
+    """The items ``lookup.item_ids`` name: the input items found (``input_items``, with their ids
     in ``item_ids``) and the responses whose output holds the others (``responses``). An id
     found nowhere is left out: the proxy names it."""
-    places = {i: p for i in dict.fromkeys(op.item_ids)
+    places = {i: p for i in dict.fromkeys(lookup.item_ids)
               if (p := _place(db, i, op.tenant)) is not None}
     rids = sorted({rid for rid, _ in places.values()})
     if not rids:

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from ipc.reasons import Reason
-from ipc.response_records import ItemsPage, ResponseOp, ResponseReply
+from ipc.response_records import ItemsPage, ResponseReply
 
 # A page holds items of at most this many bytes together (or its first item, whatever its size):
 # in a reply they travel as a JSON string, at most twice as long, well inside MAX_FRAME_BYTES.
@@ -78,13 +78,12 @@ def page_of(response_id: str, input_items: str, page: ItemsPage) -> Page | None:
     return Page(text.decode(), [ids[i] for i in chosen], len(order) > len(chosen))
 
 
-def items_reply(op: ResponseOp, input_items: str) -> ResponseReply:
+def items_reply(op_id: str, response_id: str, page: ItemsPage,
+                input_items: str) -> ResponseReply:
     """One page of the stored items: a reply's size follows the page, not the whole input."""
-    page = page_of(op.response_id, input_items, op.page or ItemsPage())
-    if page is None:
-        after = op.page.after if op.page is not None else None
-        return ResponseReply(op.op_id, Reason.INVALID, param="after",
-                             message=f"'after' names no input item of response "
-                             f"{op.response_id!r}: {after!r}")
-    return ResponseReply(op.op_id, input_items=page.items, item_ids=page.ids,
-                         has_more=page.has_more)
+    found = page_of(response_id, input_items, page)
+    if found is None:
+        return ResponseReply(op_id, Reason.INVALID, param="after", message=f"'after' names no input "
+                             f"item of response {response_id!r}: {page.after!r}")
+    return ResponseReply(op_id, input_items=found.items, item_ids=found.ids,
+                         has_more=found.has_more)

@@ -4,11 +4,11 @@ Each client (``ResponseOp.client``: its API key's tag, or its address on a serve
 has a queue of its own, and the clients take turns: whatever one client has waiting, another's
 op waits for at most one op of each client ahead of it. One client holds at most
 ``max_per_client`` waiting ops and all together at most ``max_waiting``; past either a new op is
-refused at once (503, not applied), so a flood costs its own client its ops, not the others.
+refused at once (NOT_APPLIED), so a flood costs its own client its ops, not the others.
 
-Whoever takes the ops bounds the work of each turn (daemon/server.py: a time and a byte budget
-per tick, issue 36: the store's own thread), and an op whose ``deadline`` has passed is answered
-without being applied: its proxy has stopped waiting for it.
+The store thread takes them (daemon/responses/store_thread.py: one at a time, after the engine's
+own work, and only while the replies it has not handed over are under their bound), and answers
+an op whose ``deadline`` has passed without applying it: its proxy has stopped waiting for it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class OpQueue:
         return self._count
 
     def put(self, op: ResponseOp) -> ResponseReply | None:
-        """Queues the op; or, past a bound, the 503 that answers it now (nothing applied)."""
+        """Queues the op; or, past a bound, the refusal that answers it now (nothing applied)."""
         queue = self._queues.get(op.client)
         if queue is not None and len(queue) >= self.max_per_client:
             return self._refusal(op, f"this client has {self.max_per_client} store operations "
@@ -46,6 +46,10 @@ class OpQueue:
         queue.append(op)
         self._count += 1
         return None
+
+    def peek(self) -> ResponseOp | None:
+        """The op `take` would give, left in place."""
+        return next(iter(self._queues.values()))[0] if self._queues else None
 
     def take(self) -> ResponseOp | None:
         """The next op: the oldest of the client whose turn it is."""

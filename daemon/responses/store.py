@@ -2,7 +2,8 @@
 URL (daemon/responses/db.py: SQLite by default, PostgreSQL shared by replicas).
 
 The daemon owns it because only the daemon knows when a response ends; the engine and the server
-reach it through daemon/responses/lifecycle.py (`Responses`), never directly. The life of a row:
+reach it through daemon/responses/lifecycle.py (`Responses`), never directly, and only the
+responses room's thread (store_thread.py) calls it. The life of a row:
 
 - ``begin`` writes a placeholder when the Submit is admitted: ``in_progress``, or ``queued`` for
   a background response. A response with ``store: false`` gets no row (background implies store).
@@ -100,7 +101,8 @@ def _fields(submit: Submit) -> ResponseFields:
 
 
 class ResponseStore:
-    """The store backend behind `Responses` (lifecycle.py); used from the tick thread only.
+    """The store backend behind `Responses` (lifecycle.py); used from the store thread only
+    (store_thread.py), and before it starts.
 
     ``target``: None (SQLite in memory), a Path (a SQLite file) or a URL (``sqlite:///path``,
     ``postgresql://…``). ``replica_id`` names this replica in the rows it owns.
@@ -233,10 +235,11 @@ class ResponseStore:
 
     def complete(
         self, rid: str, output_text: str, usage: Usage, *, incomplete_reason: str | None = None
-    ) -> None:
-        """Completed; or incomplete when ``incomplete_reason`` is given (``max_output_tokens``)."""
+    ) -> bool:
+        """Completed; or incomplete when ``incomplete_reason`` is given (``max_output_tokens``).
+        False when the row had ended already (cancelled or deleted meanwhile): nothing stored."""
         status = ResponseStatus.COMPLETED if incomplete_reason is None else ResponseStatus.INCOMPLETE
-        self._end(rid, status, output_row(rid, output_text, status.value),
+        return self._end(rid, status, output_row(rid, output_text, status.value),
                   len(output_text.encode()), output_text=text_column(output_text),
                   usage=json_text(usage), incomplete_reason=incomplete_reason,
                   completed_at=self._clock())
@@ -270,27 +273,27 @@ class ResponseStore:
         return history + fields.input
 
     def _end(self, rid: str, status: ResponseStatus, output: ItemRow | None = None,
-             output_bytes: int = 0, **columns: Any) -> None:
+             output_bytes: int = 0, **columns: Any) -> bool:
         sets = "".join(f", {name} = ?" for name in columns)
-        self._settle(rid, f"UPDATE responses SET status = ?, size = size + ?, text_bytes = "
+        return self._settle(rid, f"UPDATE responses SET status = ?, size = size + ?, text_bytes = "
                      f"text_bytes + ?{sets} WHERE id = ? AND status IN {_PLACEHOLDERS_SQL}",
                      (status.value, row_size(*columns.values()), output_bytes,
                       *columns.values(), rid), output)
 
     def _settle(self, rid: str, sql: str, params: tuple[Any, ...],
-                output: ItemRow | None = None) -> None:
-        """Ends a placeholder with ``sql`` (only a placeholder moves). A turn on a conversation
-        lets its claim go in the same transaction, and its items join the conversation there if
-        it completed right here (``output``: its output item)."""
+                output: ItemRow | None = None) -> bool:
+        """Ends a placeholder with ``sql`` (only a placeholder moves); whether it moved. A turn
+        on a conversation lets its claim go in the same transaction, and its items join the
+        conversation there if it completed right here (``output``: its output item)."""
         self._placeholders.discard(rid)
         turn = self._turns.pop(rid, None)
         if turn is None:
-            self._db.execute(sql, params)
-            return
+            return self._db.execute(sql, params).rowcount == 1
         with self._db.transaction() as tx:
-            moved = tx.execute(sql, params).rowcount
-            self.conversations.release(tx, turn, rid, output if moved == 1 else None)
+            moved = tx.execute(sql, params).rowcount == 1
+            self.conversations.release(tx, turn, rid, output if moved else None)
         self.conversations.recount(self._db)
+        return moved
 
     # --- the proxy's side: GET / DELETE / cancel, in daemon/responses/ops.py --------------------
 
@@ -298,7 +301,7 @@ class ResponseStore:
         """Answer one ResponseOp (daemon/responses/ops.py). ``running``: the engine holds a live
         session for this id.
 
-        A CANCEL or DELETE answered with status 200 obliges the caller to abort the session with
+        A CANCEL or DELETE answered as done (no reason) obliges the caller to abort the session with
         cause CANCEL (idempotent: harmless when the session has already ended).
         """
         return self._ops.handle_op(op, running)
@@ -334,7 +337,7 @@ class ResponseStore:
         """At startup: end the placeholders a previous run of this replica left behind.
 
         Foreground ones are deleted (their client is long gone); background ones become
-        ``failed`` so that a client polling them sees an end rather than a 404. Rows of other
+        ``failed`` so that a client polling them sees an end rather than NOT_FOUND. Rows of other
         replicas are theirs (or their lease's) to end.
         """
         rows = self._db.execute(

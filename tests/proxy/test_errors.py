@@ -145,6 +145,7 @@ HEARD = {
     Reason.TOO_LARGE: (413, "invalid_request_error", None),
     Reason.NO_STORE: (500, "server_error", None),
     Reason.STORE_ERROR: (500, "server_error", "store_error"),
+    Reason.STORE_TIMEOUT: (503, "service_unavailable", "store_timeout"),
     Reason.INTERNAL: (500, "server_error", "internal_error"),
     Reason.VERSION_MISMATCH: (500, "server_error", "version_mismatch"),
     Reason.SHUTTING_DOWN: (503, "service_unavailable", None),

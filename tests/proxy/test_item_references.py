@@ -10,7 +10,7 @@ import pytest
 
 from ipc.reasons import Reason
 from ipc.records import Usage
-from ipc.response_records import ResponseOpKind, ResponseReply, ResponseStatus, StoredResponse
+from ipc.response_records import ItemsLookup, ResponseReply, ResponseStatus, StoredResponse
 from proxy.errors import ApiError
 from proxy.input_items import FunctionCallItem, ItemReference, MessageItem, OutputText
 from proxy.item_references import MAX_REFERENCES, resolve_references
@@ -29,14 +29,13 @@ class Store:
         self.reason = reason
         self.ops: list[dict[str, Any]] = []
 
-    async def response_op(self, op: ResponseOpKind, response_id: str, **fields: Any
-                          ) -> ResponseReply:
-        assert op is ResponseOpKind.ITEMS
-        self.ops.append(fields)
+    async def response_op(self, lookup: ItemsLookup, **fields: Any) -> ResponseReply:
+        assert isinstance(lookup, ItemsLookup)
+        self.ops.append({"item_ids": lookup.item_ids, **fields})
         if self.reason is not None:
             return ResponseReply("x", self.reason, message="the store is gone")
-        ids = [i for i in fields["item_ids"] if i == "fc_mine"]
-        outputs = [STORED] if any(STEM in i for i in fields["item_ids"]) else []
+        ids = [i for i in lookup.item_ids if i == "fc_mine"]
+        outputs = [STORED] if any(STEM in i for i in lookup.item_ids) else []
         return ResponseReply("x", input_items=msgspec.json.encode([CALL] * len(ids)).decode(),
                              item_ids=ids, responses=outputs)
 

@@ -152,8 +152,7 @@ class Peer:
             if not self.answer_ops:
                 self.held_ops.append(record)
                 return []
-            return [ResponseReply(record.op_id, Reason.NOT_FOUND,
-                                  message=f"{record.response_id} not found")]
+            return [ResponseReply(record.op_id, Reason.NOT_FOUND, message=f"{record.subject} not found")]
         if isinstance(record, Submit):
             self.submits.append(record)
             text = " ".join(record.prompts) + " ".join(m.content for m in record.messages)

@@ -14,8 +14,8 @@ from ipc.records import (
     SamplingParams,
     Submit,
 )
-from ipc.response_records import SHUTDOWN_REASON, ResponseOp, ResponseOpKind
-from tests.support.engine_kit import EOS, TOK, completion, make_engine, run
+from ipc.response_records import SHUTDOWN_REASON, ResponseGet, ResponseOp
+from tests.support.engine_kit import EOS, TOK, completion, make_engine, run, settle
 
 
 def response(rid: str, text: str, previous: str | None = None,
@@ -27,7 +27,7 @@ def response(rid: str, text: str, previous: str | None = None,
 
 
 def get(store: ResponseStore, rid: str) -> tuple[Reason | None, dict | None]:
-    reply = store.handle_op(ResponseOp("op", ResponseOpKind.GET, rid, 1), running=False)
+    reply = store.handle_op(ResponseOp("op", ResponseGet(rid), 1), running=False)
     return reply.reason, None if reply.response is None else msgspec.to_builtins(reply.response)
 
 
@@ -36,6 +36,7 @@ def test_response_is_stored_and_continued():
     engine, runner = make_engine(lambda ctx: EOS if ctx[-1] == ord("!") else ord("!"),
                                  store=store)
     engine.submit(response("resp_1", "first"))
+    settle(engine)
     assert store.num_placeholders() == 1
     run(engine)
     reason, body = get(store, "resp_1")
@@ -48,8 +49,8 @@ def test_response_is_stored_and_continued():
 
 def test_unknown_previous_response_is_404():
     engine, _ = make_engine(store=ResponseStore(None, 100, 3600.0))
-    [err] = engine.submit(response("resp_x", "hi", previous="resp_missing"))
-    assert isinstance(err, Error)
+    out = engine.submit(response("resp_x", "hi", previous="resp_missing")) + settle(engine)
+    [err] = [r for r in out if isinstance(r, Error)]
     assert (err.reason, err.param) == (Reason.PREVIOUS_RESPONSE_NOT_FOUND, "previous_response_id")
 
 
@@ -58,9 +59,11 @@ def test_foreground_abort_removes_the_placeholder_background_cancel_keeps_it():
     engine, _ = make_engine(lambda ctx: ord("a"), store=store)
     engine.submit(response("resp_fg", "x"))
     engine.submit(response("resp_bg", "y", background=True))
+    settle(engine)
     engine.step()
     engine.abort("resp_fg", AbortCause.CLIENT_DISCONNECT)
     engine.abort("resp_bg", AbortCause.CANCEL)
+    settle(engine)
     assert get(store, "resp_fg")[0] is Reason.NOT_FOUND
     reason, body = get(store, "resp_bg")
     assert reason is None and body is not None and body["status"] == "cancelled"
@@ -71,8 +74,10 @@ def test_background_response_is_queued_until_its_first_tick():
     store = ResponseStore(None, 100, 3600.0)
     engine, _ = make_engine(lambda ctx: ord("a"), store=store)
     engine.submit(response("resp_bg", "y", background=True))
+    settle(engine)
     assert get(store, "resp_bg")[1]["status"] == "queued"  # type: ignore[index]
     engine.step()
+    settle(engine)
     assert get(store, "resp_bg")[1]["status"] == "in_progress"  # type: ignore[index]
     run(engine)
     assert get(store, "resp_bg")[1]["status"] == "incomplete"  # type: ignore[index]
@@ -83,6 +88,7 @@ def test_proxy_loss_keeps_background_responses_running():
     engine, _ = make_engine(lambda ctx: ord("a"), store=store)
     engine.submit(completion("c", max_tokens=50))
     engine.submit(response("resp_bg", "y", background=True))
+    settle(engine)
     engine.step()
     out = engine.abort_all(AbortCause.PROXY_LOST)
     assert {r.rid for r in out} == {"c"}
@@ -97,9 +103,11 @@ def test_a_background_response_stopped_by_shutdown_is_stored_incomplete_with_wha
     engine, _ = make_engine(lambda ctx: ord("a"), store=store)
     engine.submit(response("resp_bg", "y", background=True))
     engine.submit(response("resp_fg", "z"))
+    settle(engine)
     for _ in range(5):
         engine.step()
     engine.abort_all(AbortCause.SHUTDOWN)
+    settle(engine)
     _, body = get(store, "resp_bg")
     assert body is not None and body["status"] == "incomplete"
     assert body["incomplete_reason"] == SHUTDOWN_REASON and body["error"] is None

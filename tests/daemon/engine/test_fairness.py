@@ -53,7 +53,7 @@ def test_a_small_request_behind_a_big_one_finishes_first_with_its_own_text() -> 
 
 def test_a_request_over_the_sequence_cap_is_refused_naming_the_field() -> None:
     engine, _ = make_engine()
-    engine.max_seqs_per_request = 16
+    engine.intake.max_seqs_per_request = 16
     wide = completion("wide", n=8)
     wide.prompts = ["a", "b", "c"]
     [err] = engine.submit(wide)

@@ -314,3 +314,18 @@ def test_a_slow_compile_does_not_hold_up_a_small_one() -> None:
     release.set()
     with pytest.raises(GrammarError, match="parser items"):  # 900 optional properties
         large.result(timeout=60)
+
+
+def test_a_grammar_of_too_many_symbols_is_refused_at_compile_naming_the_limit(
+        grammars: Grammars) -> None:
+    """An object of 8,000 optional properties is 25,000-odd symbols: refused by the symbol
+    bound before its rows are ever built (they would hold the GIL for a third of a second each),
+    where one of 2,000 still compiles."""
+    def schema(n: int) -> Guide:
+        props = {f"p{k}": {"type": "string"} for k in range(n)}
+        return Guide(GuideKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": props}))
+
+    with pytest.raises(GrammarError, match="too big"):
+        grammars.compile(schema(8000)).result()
+    with pytest.raises(GrammarError, match="parser limits"):  # compiled, then its first row
+        grammars.compile(schema(2000)).result()

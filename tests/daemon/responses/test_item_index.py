@@ -13,7 +13,7 @@ from daemon.responses import item_index
 from daemon.responses.store import ResponseStore
 from ipc.reasons import Reason
 from ipc.records import Message, Usage
-from ipc.response_records import ResponseOp, ResponseOpKind, ResponseReply
+from ipc.response_records import ItemsLookup, ResponseDelete, ResponseOp, ResponseReply
 from tests.daemon.responses.test_store import Clock, op, submit, target
 
 __all__ = ["target"]  # the fixture: each test runs on SQLite and on PostgreSQL
@@ -42,8 +42,8 @@ def _store(target: Path | str, clock: Clock) -> ResponseStore:
 
 
 def _ask(store: ResponseStore, *ids: str, tenant: str = "") -> ResponseReply:
-    return store.handle_op(ResponseOp("op-items", ResponseOpKind.ITEMS, "", 1, tenant=tenant,
-                                      item_ids=list(ids)), running=False)
+    return store.handle_op(ResponseOp("op-items", ItemsLookup(list(ids)), 1,
+                                      tenant=tenant), running=False)
 
 
 def _found(store: ResponseStore, *ids: str, tenant: str = "") -> dict[str, Any]:
@@ -74,7 +74,7 @@ def test_output_items_name_their_response_and_nothing_outlives_it(target: Path |
     # (the proxy picks the call out of the response's output)
     assert _found(store, f"msg_{STEM}", f"fc_{STEM}_0", "fc_feed_0") == {
         f"msg_{STEM}": f"resp_{STEM}", f"fc_{STEM}_0": f"resp_{STEM}"}
-    assert store.handle_op(op(ResponseOpKind.DELETE, f"resp_{STEM}"), running=False).reason is None
+    assert store.handle_op(op(ResponseDelete(f"resp_{STEM}")), running=False).reason is None
     assert _found(store, "msg_client", f"msg_{STEM}") == {}
     store.prune()
     assert store.db.execute("SELECT count(*) AS n FROM response_items").one()["n"] == 0

@@ -3,11 +3,11 @@ places is refused at once (503, not applied) while another still gets in."""
 
 from daemon.responses.op_queue import OpQueue
 from ipc.reasons import Reason
-from ipc.response_records import ResponseOp, ResponseOpKind
+from ipc.response_records import ResponseGet, ResponseOp
 
 
 def _op(client: str, i: int) -> ResponseOp:
-    return ResponseOp(f"{client}-{i}", ResponseOpKind.GET, "resp_x", client=client)
+    return ResponseOp(f"{client}-{i}", ResponseGet("resp_x"), client=client)
 
 
 def test_clients_take_turns_each_in_its_own_order() -> None:
