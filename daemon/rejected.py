@@ -1,28 +1,28 @@
 """A request the daemon refuses, for any reason a client could cause or should hear about.
 
 Raised by admission (daemon/engine/) and by the response store's room (daemon/responses/);
-the engine turns it into that request's `Error` record, naming the field and the limit.
+the engine turns it into that request's `Error` record: a typed reason (ipc/reasons.py, which
+the proxy turns into an HTTP status), and words naming the field and the limit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ipc.reasons import Reason
 from ipc.records import Error
 
 
 class Rejected(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(self, message: str, reason: Reason = Reason.INVALID,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.status = status
+        self.reason = reason
         self.param = param
-        self.code = code
 
     def to_error(self, rid: str) -> Error:
-        return Error(rid=rid, message=self.message, status=self.status, param=self.param,
-                     code=self.code)
+        return Error(rid, self.message, self.reason, self.param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,5 +45,5 @@ class ContextBytes:
         return Rejected(
             f"this model's maximum context length is {self.tokens} tokens, and no token of its "
             f"vocabulary spells more than {self.token_bytes} bytes, so a prompt holds at most "
-            f"{self.max_bytes} bytes of text; {what} holds {holds}; {advice}", param=param,
-            code="context_length_exceeded")
+            f"{self.max_bytes} bytes of text; {what} holds {holds}; {advice}",
+            Reason.CONTEXT_LENGTH_EXCEEDED, param)

@@ -44,6 +44,7 @@ from ipc.pipes import (
     ModelInfo,
     Stale,
 )
+from ipc.reasons import Reason
 from ipc.records import (
     Abort,
     AbortCause,
@@ -232,22 +233,22 @@ class DaemonServer:
 
     def _submit(self, rec: Submit) -> None:
         if self.stop_deadline is not None:
-            self._out.append(Error(rec.rid, "the server is shutting down", status=503))
+            self._out.append(Error(rec.rid, "the server is shutting down", Reason.SHUTTING_DOWN))
             return
         try:
             self._out += self.engine.submit(rec)
         except Exception as e:  # one bad request (or a store failure) must not end the daemon
             log.exception("admitting %s failed", rec.rid)
             self._out.append(Error(rec.rid, f"internal error: {type(e).__name__}: {e}",
-                                   status=500, code="internal_error"))
+                                   Reason.INTERNAL))
 
     # --- ResponseOps: answered on the store thread, sent as fast as the proxy reads them ---------
 
     def _put_op(self, op: ResponseOp) -> None:
         responses = self.engine.responses
         refused = (responses.put_op(op) if responses is not None else
-                   ResponseReply(op.op_id, 500, message="the Responses API needs the response "
-                                 "store"))
+                   ResponseReply(op.op_id, Reason.NO_STORE,
+                                 message="the Responses API needs the response store"))
         if refused is not None:
             self._out.append(refused)
 
@@ -268,15 +269,15 @@ class DaemonServer:
         return self.engine.waiting_for_grammar or (responses is not None and responses.busy)
 
     def _send_replies(self) -> None:
-        """Sends the store thread's replies in order until the tick's budget is spent; a 200 to
-        a cancel or a delete first stops the session, if it still runs here (a live background
+        """Sends the store thread's replies in order until the tick's budget is spent; a cancel or
+        a delete done first stops the session, if it still runs here (a live background
         response is cancelled before it is deleted; a live foreground one is never deleted)."""
         responses = self.engine.responses
         spent = 0
         while responses is not None and not self.pipes.backlogged \
                 and (answered := responses.take_reply()) is not None:
             op, reply = answered
-            if isinstance(op.request, ResponseCancel | ResponseDelete) and reply.status == 200 \
+            if isinstance(op.request, ResponseCancel | ResponseDelete) and reply.reason is None \
                     and self.engine.is_running(op.request.response_id):
                 self._out += self.engine.abort(op.request.response_id, AbortCause.CANCEL)
             out, self._out = self._out, []
@@ -286,9 +287,9 @@ class DaemonServer:
             except FrameTooLarge as exc:  # only that request's error
                 log.warning("the reply to %s %s does not fit a frame: %s", op.kind, op.subject,
                             exc)
-                self.pipes.send([ResponseReply(op.op_id, 413, message=f"the answer is too "
-                                               f"large for the daemon's pipe ({exc}): ask for "
-                                               "less at once")])
+                self.pipes.send([ResponseReply(op.op_id, Reason.TOO_LARGE,
+                                               message=f"the answer is too large for the "
+                                               f"daemon's pipe ({exc}): ask for less at once")])
             spent += reply_bytes(op, reply)
             if spent >= OPS_BYTES:
                 return

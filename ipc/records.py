@@ -12,6 +12,8 @@ from typing import Annotated
 
 import msgspec
 
+from ipc.reasons import Reason
+
 # 3: logprob tokens travel as bytes; 4: connection epochs assigned by the daemon (Hello
 # nonce, Welcome), Admitted, Alive, Pause/Resume, Submit.client_id, Stats.paused;
 # 5: Welcome.tensor_parallel_size; 6: ResponseFields.input as messages (the proxy parses the
@@ -31,7 +33,8 @@ import msgspec
 # the requests pipe) in place of ITEM; ResponseFields.tenant
 # 16: ResponseOp.request, one record a kind (ResponseGet, ConversationCreate, ...) in place of
 # ResponseOp.op and its optional fields
-PROTOCOL_VERSION = 16
+# 17: Error.reason, ResponseReply.reason (ipc/reasons.py) for HTTP statuses; Stats.phase_seconds
+PROTOCOL_VERSION = 17
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -48,9 +51,6 @@ def version_mismatch(daemon: int, proxy: int) -> str:
     """The one wording both sides use, naming both versions."""
     return (f"protocol version mismatch: daemon {daemon}, proxy {proxy}; "
             "run a daemon and a proxy of the same release")
-
-
-VERSION_MISMATCH = "version_mismatch"  # the code of the Error by which the daemon refuses a Hello
 
 
 class Kind(enum.StrEnum):
@@ -390,10 +390,11 @@ class Finish(msgspec.Struct, tag=Kind.FINISH.value, tag_field="k"):
 
 
 class Error(msgspec.Struct, tag=Kind.ERROR.value, tag_field="k"):
-    """A rejected Submit (the whole session) or, with rid None, a daemon-wide problem."""
+    """A rejected Submit (the whole session) or, with rid None, a daemon-wide problem. `reason`
+    travels as "code" (its former name), so that daemons and proxies of different releases
+    still read each other's refusal of a Hello (Reason.VERSION_MISMATCH)."""
 
     rid: str | None
     message: str
-    status: int = 400
+    reason: Reason = msgspec.field(default=Reason.INVALID, name="code")
     param: str | None = None
-    code: str | None = None

@@ -20,6 +20,7 @@ from typing import Literal
 
 import msgspec
 
+from ipc.reasons import Reason
 from ipc.records import Kind, Message, PosInt, ToolCallFormat, Usage
 
 
@@ -222,15 +223,16 @@ class StoredConversation(msgspec.Struct, frozen=True):
 
 
 class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"):
-    """The answer to a ResponseOp: with status 200, the response (GET, CANCEL), one page of its
+    """The answer to a ResponseOp: done (no `reason`), the response (GET, CANCEL), one page of its
     input items (INPUT_ITEMS: the page's items as stored, JSON text of a list, with the id each
     is listed under), ``deleted`` (DELETE) or, for ITEMS, the input items found (in
     ``input_items`` and ``item_ids``) and the responses whose output holds the others
     (``responses``); for a conversation, ``conversation`` or its items in the same fields; else
-    ``message`` (and the ``param`` at fault)."""
+    why it was refused (``reason``, which the proxy turns into a status: proxy/errors.py), in
+    ``message``, and the ``param`` at fault."""
 
     op_id: str
-    status: int  # HTTP status the proxy should answer with
+    reason: Reason | None = None
     response: StoredResponse | None = None
     conversation: StoredConversation | None = None
     input_items: str | None = None

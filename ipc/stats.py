@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from ipc.records import Kind
+
+
+class Phase(enum.StrEnum):
+    """The phases of an engine step, in order (daemon/engine/core.py)."""
+
+    SCHEDULE = "schedule"  # the scheduler's batch
+    EXECUTE = "execute"  # the forward pass and sampling
+    UPDATE = "update"  # the bookkeeping the sampled ids call for
+    EMIT = "emit"  # text, stop strings, records
 
 
 class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
@@ -37,3 +48,5 @@ class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
     grammar_compile_obs: list[float] = []  # seconds per compile since the previous Stats
     conversations: int = 0  # in the store (all replicas'), as last counted
     conversation_items: int = 0
+    # Seconds the engine's steps spent in each phase (a Phase's value), cumulative.
+    phase_seconds: dict[str, float] = {}

@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from ipc.stats import Phase
 from loadtest import sse_client
 from loadtest.bench_proxy import cpu_s
 from loadtest.metrics import scrape
@@ -79,8 +80,10 @@ def alternating(names: list[str], rep: int) -> list[str]:
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = [k for k, v in runs[0].items() if isinstance(v, float)]
+    lists = [k for k, v in runs[0].items() if isinstance(v, list)]  # of floats, item by item
     return {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in keys},
-            "reps": len(runs)}
+            **{k: [statistics.median(items) for items in zip(*(r[k] for r in runs), strict=True)]
+               for k in lists}, "reps": len(runs)}
 
 
 def run_engine(trees: dict[str, Path], levels: list[int], reps: int, ticks: int,
@@ -168,6 +171,7 @@ def report(res: dict[str, Any]) -> None:
         cells = [res["engine"][n][str(level)] for n in names]
         print(f"    {level:>4} streams: " + " | ".join(
             f"{c['tick_us']:9.1f} {c['us_per_seq']:7.2f}" for c in cells))
+    report_phases(res)
     if "stack" in res:
         print("  whole stack: daemon CPU µs per tick, per sequence per tick, tokens/s   ("
               + " | ".join(names) + ")")
@@ -180,6 +184,18 @@ def report(res: dict[str, Any]) -> None:
     ours = res["engine"]["this"][top]["us_per_seq"]
     print(goal_line(f"engine µs per sequence per tick, {top} streams", ours, f"<= {GOAL_US}",
                     ours <= GOAL_US))
+
+
+def report_phases(res: dict[str, Any]) -> None:
+    """The engine's own time per phase of its step (a mean per tick), where a tree has them."""
+    for name in res["trees"]:
+        cells = res["engine"][name]
+        if not all(c.get("phase_us") for c in cells.values()):
+            continue  # a tree before the step's phases
+        print(f"  {name}: engine µs per tick by phase (" + " / ".join(Phase) + ")")
+        for level in res["levels"]:
+            print(f"    {level:>4} streams: "
+                  + " / ".join(f"{t:.1f}" for t in cells[str(level)]["phase_us"]))
 
 
 def levels_arg(text: str) -> list[int]:

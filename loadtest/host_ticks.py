@@ -78,18 +78,25 @@ def measure(streams: int, ticks: int, max_tokens: int = 256,
             raise ValueError(f"{ticks} ticks do not fit in {max_tokens} tokens after the warm-up")
         walls: list[float] = []
         records = 0
+        # The engine's own time per phase of its step (a tree before the phases has none).
+        phase_seconds = getattr(engine.figures, "phase_seconds", [])
+        phase_ticks: list[list[float]] = []
         cpu0 = time.process_time()
         for _ in range(ticks):
+            before = list(phase_seconds)
             t0 = time.perf_counter()
             records += len(engine.step())
             walls.append(time.perf_counter() - t0)
+            phase_ticks.append([t - b for t, b in zip(phase_seconds, before, strict=True)])
         cpu = time.process_time() - cpu0
         if len(engine.scheduler.running) != streams:
             raise RuntimeError("a sequence ended inside the timed ticks")
     median = statistics.median(walls)
     return {"streams": streams, "ticks": ticks, "tick_us": median * 1e6,
             "us_per_seq": median * 1e6 / streams, "cpu_tick_us": cpu / ticks * 1e6,
-            "records_per_tick": records / ticks}
+            "records_per_tick": records / ticks,
+            # Each phase's median (Figures.phase_seconds, in ipc.stats.Phase order).
+            "phase_us": [statistics.median(p) * 1e6 for p in zip(*phase_ticks, strict=True)]}
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ from ipc.response_records import (
     StoredConversation,
 )
 from proxy.engine_client import EngineClient
-from proxy.errors import ApiError
+from proxy.errors import ApiError, refused
 from proxy.input_items import (
     MAX_ITEM_ID,
     decode_items,
@@ -89,10 +89,9 @@ def check_conversation_id(cid: str, param: str = "conversation_id") -> str:
 async def _op(request: Request, op: ConversationRequest) -> ResponseReply:
     engine: EngineClient = request.app.state.engine
     reply = await engine.response_op(op, who=who(request))
-    if reply.status != 200:
-        code = "not_found" if reply.status == 404 else None
-        raise ApiError(reply.status, reply.message or f"conversation operation failed "
-                       f"({reply.status})", param=reply.param, code=code)
+    if reply.reason is not None:
+        raise refused(reply.reason, reply.message or "conversation operation failed",
+                      reply.param)
     return reply
 
 

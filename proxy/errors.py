@@ -2,6 +2,8 @@
 
 Every refusal the client can cause is an `ApiError` with the right status; the app's exception
 handlers turn it (and Starlette's own 404/405) into ``{"error": {message, type, param, code}}``.
+The daemon refuses with typed reasons (ipc/reasons.py), which `REFUSALS` turns into statuses and
+codes: the one place that says how an engine's refusal reads over HTTP.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
+
+from ipc.reasons import Reason
 
 log = logging.getLogger("tether.proxy")
 
@@ -45,6 +49,37 @@ class ApiError(Exception):
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
+
+
+# Each reason the daemon refuses for, as a client hears it: the HTTP status and OpenAI's code.
+REFUSALS: dict[Reason, tuple[int, str | None]] = {
+    Reason.INVALID: (400, None),
+    Reason.CONTEXT_LENGTH_EXCEEDED: (400, "context_length_exceeded"),
+    Reason.TOO_MANY_SEQUENCES: (400, "too_many_sequences"),
+    Reason.MAX_TOKENS_TOO_SMALL: (400, "max_tokens_too_small"),
+    Reason.INVALID_GRAMMAR: (400, "invalid_grammar"),
+    Reason.GRAMMAR_TOO_COMPLEX: (400, "grammar_too_complex"),
+    Reason.GRAMMAR_TIMEOUT: (400, "grammar_timeout"),
+    Reason.CONVERSATION_FULL: (400, "conversation_full"),
+    Reason.NOT_FOUND: (404, "not_found"),
+    Reason.PREVIOUS_RESPONSE_NOT_FOUND: (404, "previous_response_not_found"),
+    Reason.DUPLICATE_ID: (409, None),
+    Reason.CONVERSATION_LOCKED: (409, "conversation_locked"),
+    Reason.TOO_LARGE: (413, None),
+    Reason.NO_STORE: (500, None),
+    Reason.STORE_ERROR: (500, "store_error"),
+    Reason.STORE_TIMEOUT: (503, "store_timeout"),
+    Reason.INTERNAL: (500, "internal_error"),
+    Reason.VERSION_MISMATCH: (500, "version_mismatch"),
+    Reason.SHUTTING_DOWN: (503, None),
+    Reason.NOT_APPLIED: (503, None),
+}
+
+
+def refused(reason: Reason, message: str, param: str | None = None) -> ApiError:
+    """The daemon's refusal as its client hears it."""
+    status, code = REFUSALS[reason]
+    return ApiError(status, message, param=param, code=code)
 
 
 class ClientDisconnected(Exception):

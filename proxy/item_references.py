@@ -16,7 +16,7 @@ import msgspec
 
 from ipc.response_records import ItemsLookup, ResponseReply
 from proxy.engine_client import EngineClient
-from proxy.errors import ApiError
+from proxy.errors import ApiError, refused
 from proxy.input_items import InputItem, ItemReference, decode_stored
 from proxy.responses_events import stored_object
 from proxy.tenancy import ANYONE, Who
@@ -38,9 +38,8 @@ async def resolve_references(engine: EngineClient, input: str | list[InputItem |
         raise ApiError(400, f"input holds {len(refs)} item references; a request may hold at "
                        f"most {MAX_REFERENCES}", param="input", code="too_many_references")
     reply = await engine.response_op(ItemsLookup(list(dict.fromkeys(refs.values()))), who=who)
-    if reply.status != 200:
-        raise ApiError(reply.status, reply.message or f"item lookup failed ({reply.status})",
-                       param=reply.param)
+    if reply.reason is not None:
+        raise refused(reply.reason, reply.message or "item lookup failed", reply.param)
     found = _found(reply)
     out: list[InputItem] = []
     for i, item in enumerate(input):

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ipc.records import AbortCause, Delta, Finish, FinishReason
-from ipc.stats import Stats
+from ipc.stats import Phase, Stats
 from proxy.engine_client import EngineClient
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -99,6 +99,13 @@ class EngineCollector(Collector):
         yield aborts
         for name, doc, attr in _TOKEN_COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(stats, attr) if stats else 0)
+        phases = CounterMetricFamily("tether_engine_phase_seconds",
+                                     "Time the engine's steps spent in each phase",
+                                     labels=["phase"])
+        for phase in Phase:
+            phases.add_metric([phase.value], stats.phase_seconds.get(phase.value, 0.0)
+                              if stats else 0.0)
+        yield phases
         bad = CounterMetricFamily("tether_ipc_bad_records", "Undecodable IPC records, by pipe",
                                   labels=["pipe"])
         counts = dict(stats.bad_records) if stats else {}

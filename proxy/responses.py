@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ipc.reasons import Reason
 from ipc.records import AbortCause
 from ipc.response_records import (
     ItemsPage,
@@ -38,7 +39,7 @@ from ipc.response_records import (
 from proxy.batching import Batch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable
-from proxy.errors import ApiError
+from proxy.errors import ApiError, refused
 from proxy.exchange import exchange
 from proxy.input_items import MAX_ITEM_ID, listed_items
 from proxy.item_references import resolve_references
@@ -183,14 +184,12 @@ async def _sse(batches: AsyncGenerator[list[Event], None]) -> AsyncGenerator[byt
 def _reply(reply: ResponseReply, rid: str, run: BackgroundRun | None = None) -> Response:
     """The daemon's answer about response `rid`: the stored response, its deletion or an
     error."""
-    if reply.status == 200 and reply.deleted:
+    if reply.reason is None and reply.deleted:
         return JSONResponse(deleted_object(rid))
-    if reply.status == 200:
+    if reply.reason is None:
         stored = reply.response
         return JSONResponse(None if stored is None else stored_object(stored))
-    code = "not_found" if reply.status == 404 else None
-    raise ApiError(reply.status, reply.message or f"response operation failed ({reply.status})",
-                   param=reply.param, code=code)
+    raise refused(reply.reason, reply.message or "response operation failed", reply.param)
 
 
 async def get_response(request: Request) -> Response:
@@ -201,7 +200,7 @@ async def get_response(request: Request) -> Response:
     if _bool_param(request.query_params.get("stream"), "stream"):
         if run is None:
             reply = await _engine(request).response_op(ResponseGet(rid), who=who(request))
-            if reply.status != 200:
+            if reply.reason is not None:
                 return _reply(reply, rid)  # 404 for what does not exist, or no longer does
             raise ApiError(400, f"response {rid!r} cannot be streamed: only a background "
                            "response still held by this server can", param="stream")
@@ -215,7 +214,7 @@ async def get_response(request: Request) -> Response:
         if run is None or run.interrupted:
             raise
         return JSONResponse(run.events.snapshot())  # the daemon is down; this proxy knows
-    if reply.status == 404 and run is not None:
+    if reply.reason is Reason.NOT_FOUND and run is not None:
         return JSONResponse(run.events.snapshot())
     return _reply(reply, rid, run)
 
@@ -228,7 +227,7 @@ async def delete_response(request: Request) -> Response:
     if run is not None and not run.finished:
         engine.abort(rid, AbortCause.CANCEL)  # ahead of the DELETE: see the module's docstring
     reply = await engine.response_op(ResponseDelete(rid), who=who(request))
-    if run is not None and reply.status in (200, 404):
+    if run is not None and reply.reason in (None, Reason.NOT_FOUND):
         run.end(Outcome(ResponseStatus.CANCELLED))
         registry.remove(rid)
         return JSONResponse(deleted_object(rid))
@@ -243,11 +242,11 @@ async def cancel_response(request: Request) -> Response:
     run = background_registry(request.app).get(rid)
     live = run is not None and not run.finished
     reply = await engine.response_op(ResponseCancel(rid), who=who(request))
-    if reply.status == 200 or (live and reply.status == 404):
+    if reply.reason is None or (live and reply.reason is Reason.NOT_FOUND):
         engine.abort(rid, AbortCause.CANCEL)
-    if run is not None and live and reply.status in (200, 404):
+    if run is not None and live and reply.reason in (None, Reason.NOT_FOUND):
         run.end(Outcome(ResponseStatus.CANCELLED))
-        if reply.status == 404:  # queued in the daemon, not admitted: no row to answer from
+        if reply.reason is Reason.NOT_FOUND:  # queued in the daemon, not admitted: no row yet
             return JSONResponse(run.events.snapshot())
     return _reply(reply, rid, run)
 
@@ -259,7 +258,7 @@ async def list_input_items(request: Request) -> Response:
     page = items_page(request.query_params, f"no input item of response {rid!r}")
     reply = await _engine(request).response_op(ResponseInputItems(rid, page),
                                                who=who(request))
-    if reply.status != 200 or reply.input_items is None:
+    if reply.reason is not None or reply.input_items is None:
         return _reply(reply, rid)
     return item_list(reply)
 

@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 
+from ipc.reasons import Reason
 from ipc.records import Submit
 from ipc.response_records import PLACEHOLDER_STATUSES, ResponseGet, ResponseStatus
 from proxy.engine_client import EngineClient
@@ -193,7 +194,7 @@ class BackgroundRun:
                 reply = await engine.response_op(ResponseGet(self.id))
             except ApiError:
                 continue  # lost again: keep asking
-            if reply.status == 404:
+            if reply.reason is Reason.NOT_FOUND:
                 # Never admitted: its Submit, of an earlier connection, never will be.
                 self.publish(self.events.finish(Outcome(
                     ResponseStatus.FAILED, error="the engine was lost before it took this "

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from ipc.proxy_writers import OutFrame
 from ipc.records import Delta, Error, Finish, FinishReason, Pause, Resume, Submit
 from proxy.batching import Batch, merge_deltas
-from proxy.errors import ApiError
+from proxy.errors import ApiError, refused
 
 
 class Phase(enum.IntEnum):
@@ -147,7 +147,7 @@ class Session:
             if isinstance(record, Error):
                 if i == 0:
                     self.phase = Phase.DONE
-                    raise ApiError(record.status, record.message, record.param, record.code)
+                    raise refused(record.reason, record.message, record.param)
                 end = i
                 break
             if record.reason is FinishReason.ABORT or record.reason is FinishReason.ERROR:

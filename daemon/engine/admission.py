@@ -21,14 +21,17 @@ from typing import Any
 from daemon.engine.block_manager import BlockManager
 from daemon.engine.echo import make_echoes
 from daemon.engine.logits_processors import bad_word_ids
+from daemon.engine.output import Detokenizer, Output
 from daemon.engine.sampler import seed_for
-from daemon.engine.sequence import Detokenizer, Sequence
+from daemon.engine.sequence import Sequence
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import Tokenizer
 from daemon.rejected import ContextBytes, Rejected
+from ipc.reasons import Reason
 from ipc.records import AbortCause, Message, RequestKind, Submit, ToolCall, ToolFunction
 
 History = Callable[[Submit, ContextBytes], list[Message]]
+Built = tuple[list[Sequence], list[Output]]  # a request's sequences, and their outputs
 
 # A text of up to this many bytes a token of the context is tokenized whole at once: real text
 # averages 2-5 bytes a token, so a prompt that fits rarely takes the counting path.
@@ -67,7 +70,7 @@ def render_prompts(submit: Submit, tokenizer: Tokenizer, history: History | None
             text = chat_text(tokenizer, submit.messages, submit.tools)
         else:
             if history is None or submit.response is None:
-                raise Rejected("the Responses API needs the response store", status=500)
+                raise Rejected("the Responses API needs the response store", Reason.NO_STORE)
             text = chat_text(tokenizer, history(submit, bound), submit.tools)
         # The template writes its own special tokens (BOS included).
         prompts = [_encode(submit, tokenizer, text, bound, False)]
@@ -86,7 +89,7 @@ def _encode(submit: Submit, tokenizer: Tokenizer, text: str, bound: ContextBytes
         raise bound.refusal(what, ids, part, advice)
     raise Rejected(f"this model's maximum context length is {bound.tokens} tokens, but {what} "
                    f"has more than {bound.tokens} tokens; {advice}", param=part,
-                   code="context_length_exceeded")
+                   reason=Reason.CONTEXT_LENGTH_EXCEEDED)
 
 
 def encode_within(tokenizer: Tokenizer, text: str, bound: ContextBytes,
@@ -212,7 +215,7 @@ def check_sequences(submit: Submit, max_num_seqs: int, max_seqs_per_request: int
                    if submit.kind is RequestKind.COMPLETION else f"n={submit.n}")
         raise Rejected(f"the request asks for {count} sequences ({made_of}), more than the "
                        f"server's limit of {max_seqs_per_request} per request",
-                       param="n" if submit.n > 1 else "prompt", code="too_many_sequences")
+                       param="n" if submit.n > 1 else "prompt", reason=Reason.TOO_MANY_SEQUENCES)
 
 
 def check_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -241,12 +244,12 @@ def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
                 f"this model's maximum context length is {max_model_len} tokens, but the prompt "
                 f"has {longest} tokens and {param} is {max_tokens} ({longest + max_tokens} in "
                 f"total); reduce {param} to at most {room}", param=param,
-                code="context_length_exceeded")
+                reason=Reason.CONTEXT_LENGTH_EXCEEDED)
         part, what, advice = _too_long(submit, max_model_len)
         raise Rejected(
             f"this model's maximum context length is {max_model_len} tokens, but {what} has "
             f"{longest} tokens, with no room left for the output; {advice}", param=part,
-            code="context_length_exceeded")
+            reason=Reason.CONTEXT_LENGTH_EXCEEDED)
     # One sequence and its forked siblings' copied blocks must fit, or it could never run.
     need = (block_manager.num_blocks_for(longest + max_tokens)
             + block_manager.fork_cost(longest) * (submit.n - 1))
@@ -267,7 +270,7 @@ def _check_room(submit: Submit, longest: int, max_model_len: int,
     if room >= 1:
         raise Rejected(f"min_tokens ({submit.sampling.min_tokens}) is more than the room the "
                        f"prompt ({longest} tokens) leaves for the output ({room} tokens)",
-                       param="min_tokens", code="context_length_exceeded")
+                       param="min_tokens", reason=Reason.CONTEXT_LENGTH_EXCEEDED)
     part, what, advice = _too_long(submit, max_model_len)
     if longest < max_model_len:
         cap = block_manager.num_total * block_manager.block_size
@@ -276,7 +279,7 @@ def _check_room(submit: Submit, longest: int, max_model_len: int,
     raise Rejected(
         f"this model's maximum context length is {max_model_len} tokens, but {what} has "
         f"{longest} tokens, with no room left for the output; {advice}", param=part,
-        code="context_length_exceeded")
+        reason=Reason.CONTEXT_LENGTH_EXCEEDED)
 
 
 def output_room(prompt_len: int, n: int, max_model_len: int, block_manager: BlockManager) -> int:
@@ -312,27 +315,32 @@ def _too_long(submit: Submit, max_model_len: int) -> tuple[str, str, str]:
 
 def build_sequences(submit: Submit, prompts: list[list[int]],
                     make_detok: Callable[[list[int]], Detokenizer], tokenizer: Tokenizer,
-                    max_model_len: int, block_manager: BlockManager) -> list[Sequence]:
-    """All sequences in index order; sample 0 of each prompt carries its siblings to fork. An
-    omitted max_tokens becomes each prompt's room for the output (`output_room`)."""
+                    max_model_len: int, block_manager: BlockManager,
+                    ) -> Built:
+    """All sequences in index order, and their outputs; sample 0 of each prompt carries its
+    siblings to fork. An omitted max_tokens becomes each prompt's room for the output
+    (`output_room`)."""
     params = submit.sampling
     bad_words = bad_word_ids(params.bad_words,
                              lambda text: tokenizer.encode(text, add_special_tokens=False))
     seqs: list[Sequence] = []
+    outputs: list[Output] = []
     for p, (ids, echo) in enumerate(zip(prompts, make_echoes(submit, prompts, tokenizer),
                                         strict=True)):
         max_tokens = params.max_tokens or output_room(len(ids), submit.n, max_model_len,
                                                       block_manager)
+        gathered = echo if echo is not None and echo.num_logprobs is not None else None
         group = [
             Sequence(rid=submit.rid, index=p * submit.n + s, token_ids=list(ids), params=params,
-                     detok=make_detok(ids), stops=StopMatcher(params.stop),
                      seed=None if params.seed is None else seed_for(params.seed, s),
-                     max_tokens=max_tokens, bad_words=bad_words, echo=echo)
+                     max_tokens=max_tokens, bad_words=bad_words, prompt_logprobs=gathered)
             for s in range(submit.n)
         ]
         group[0].fork_children = group[1:]
         seqs.extend(group)
-    return seqs
+        outputs += [Output(make_detok(ids), StopMatcher(params.stop), echo)
+                    for _ in range(submit.n)]
+    return seqs, outputs
 
 
 class Tombstones:

@@ -7,7 +7,7 @@ all its searches (a search past it still gets a floor, enough for a JSON schema'
 that one grammar's cost does not close another's output early). A search that fails within its
 bound takes the token back and closes the output from where it was: the output is shorter,
 never invalid, and the tick goes on. A matcher that reaches its parser limits raises
-GrammarError: its request ends with a 400 naming the limit.
+GrammarError: its request is refused naming the limit.
 """
 
 from __future__ import annotations

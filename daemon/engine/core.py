@@ -1,8 +1,11 @@
 """The engine: sessions in, Delta/Finish records out. No I/O; the server drives it.
 
-A tick is: schedule -> forward -> sample -> detokenize -> emit. Aborts are applied by the caller
-between ticks (`abort` evicts at once), so no forward pass that starts after an abort was read
-includes the aborted session.
+A step is four phases, each a method and each timed: schedule (the scheduler's batch) ->
+execute (the forward pass, sampling beside it: daemon/engine/execute.py) -> update (the
+scheduler's bookkeeping from the sampled ids: daemon/engine/update.py) -> emit (text, stop
+strings, records: daemon/engine/output.py). Aborts are applied by the caller between steps
+(`abort` evicts at once), so no forward pass that starts after an abort was read includes the
+aborted session.
 """
 
 from __future__ import annotations
@@ -10,34 +13,31 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Protocol
+from time import perf_counter
 
-import torch
-
-from daemon.engine.admission import (
-    Tombstones,
-    build_sequences,
-    check_limits,
-    check_sequences,
-    max_token_bytes,
-    render_prompts,
-)
+from daemon.engine.admission import Tombstones
+from daemon.engine.batch import Batch
 from daemon.engine.block_manager import BlockManager
+from daemon.engine.execute import Executed, Executor, Runner
 from daemon.engine.figures import Figures
+from daemon.engine.gauges import engine_stats
 from daemon.engine.guided import Guidance, check_guide
-from daemon.engine.sampler import Sampler, prompt_logprobs, sampled_logprobs
+from daemon.engine.intake import Intake
+from daemon.engine.output import Detokenizer
+from daemon.engine.sampler import Logprob, Sampler, sampled_logprobs
 from daemon.engine.scheduler import Scheduler
-from daemon.engine.sequence import Detokenizer, Sequence, Session
+from daemon.engine.sequence import Sequence
+from daemon.engine.session import Session
 from daemon.engine.stored import StoredTurns, unbuilt_finishes
 from daemon.engine.tokenize import tokenize
-from daemon.model.batch import ScheduledChunk
+from daemon.engine.update import Advanced, Ends
 from daemon.model.tokenizer import Tokenizer
-from daemon.rejected import ContextBytes, Rejected
-from daemon.responses.lifecycle import Aborted, Ending, Failed, History, Responses, Store
+from daemon.rejected import Rejected
+from daemon.responses.lifecycle import Aborted, Ending, Failed, Responses, Store
+from ipc.reasons import Reason
 from ipc.records import (
     AbortCause,
     Admitted,
-    Delta,
     Finish,
     FinishReason,
     RequestKind,
@@ -47,19 +47,7 @@ from ipc.records import (
 from ipc.stats import Stats
 from ipc.wire import ToProxy
 
-
-class Runner(Protocol):
-    block_size: int
-    num_blocks: int
-
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
-    def copy_block(self, src: int, dst: int) -> None: ...
-
-
-def _default_detokenizer(tokenizer: Tokenizer) -> Callable[[list[int]], Detokenizer]:
-    from daemon.model.tokenizer import incremental_detokenizer
-
-    return lambda prompt_ids: incremental_detokenizer(tokenizer, prompt_ids)
+__all__ = ["Engine", "Runner"]
 
 
 class Engine:
@@ -74,11 +62,7 @@ class Engine:
         # A stored response's whole life goes through here, off the tick: a failing or slow
         # store costs the sessions that need it, nobody else.
         self.responses = Responses(store) if store is not None else None
-        self.max_num_seqs = max_num_seqs
-        self.max_seqs_per_request = max_seqs_per_request  # None: only n <= max_num_seqs
         self.max_model_len = max_model_len
-        # The most text a prompt that fits can hold: what a longer one is refused by, untokenized.
-        self.context_bytes = ContextBytes(max_model_len, max_token_bytes(tokenizer))
         self.model_name = model_name
         self.clock = clock
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -87,8 +71,12 @@ class Engine:
                                    runner.copy_block)
         self.sampler = Sampler(tokenizer.eos_token_ids)
         self.guidance = guidance  # constrained decoding; None: guided requests are refused
-        self._eos = frozenset(tokenizer.eos_token_ids)
-        self._make_detok = make_detokenizer or _default_detokenizer(tokenizer)
+        self.executor = Executor(runner, self.sampler, guidance, self._token_logprob)
+        self.ends = Ends(tokenizer.eos_token_ids, max_model_len)
+        self.intake = Intake(tokenizer, self.block_manager, max_num_seqs, max_model_len, clock,
+                             make_detokenizer=make_detokenizer,
+                             max_seqs_per_request=max_seqs_per_request,
+                             stores=self.responses is not None)
         self.sessions: dict[str, Session] = {}
         self.tombstones = Tombstones(clock=clock)
         self.figures = Figures(clock)
@@ -120,31 +108,23 @@ class Engine:
         if tombstone is not None:
             return self.refuse(rec, *tombstone)
         if rec.rid in self.sessions:
-            return [Rejected(f"request id {rec.rid!r} is already running", status=409)
+            return [Rejected(f"request id {rec.rid!r} is already running", Reason.DUPLICATE_ID)
                     .to_error(rec.rid)]
         if rec.kind is RequestKind.TOKENIZE or rec.kind is RequestKind.DETOKENIZE:
             return tokenize(rec, self.tokenizer)
         try:
             check_guide(rec, self.guidance)
             if self.stored is not None and Responses.needs_store(rec):
-                self.sessions[rec.rid] = session = self._new_session(rec, [])
-                self.stored.load(rec, session, self._prompts)
+                self.sessions[rec.rid] = session = self.intake.session(rec, ([], []))
+                self.stored.load(rec, session, self.intake.prompts)
                 return [Admitted(rec.rid)]
             history = self.responses.history if self.responses is not None else None
-            session = self._new_session(rec, self._sequences(rec, self._prompts(rec, history)))
+            intake = self.intake
+            session = intake.session(rec, intake.build(rec, intake.prompts(rec, history)))
         except Rejected as e:
             return [e.to_error(rec.rid)]
         self._admit(session, rec)
         return [Admitted(rec.rid)]
-
-    def _prompts(self, rec: Submit, history: History | None) -> list[list[int]]:
-        """A request's prompts, or Rejected (on the store thread for a stored turn's: it may
-        not change the engine)."""
-        prompts = render_prompts(rec, self.tokenizer, history, self.context_bytes)
-        check_sequences(rec, self.max_num_seqs, self.max_seqs_per_request)
-        check_limits(rec, prompts, self.max_model_len, self.block_manager,
-                     self.tokenizer.vocab_size)
-        return prompts
 
     def _admit(self, session: Session, rec: Submit) -> None:
         self.sessions[rec.rid] = session
@@ -193,21 +173,6 @@ class Engine:
             session.paused = paused
             self.scheduler.set_paused(session.sequences, paused)
 
-    def _new_session(self, rec: Submit, sequences: list[Sequence]) -> Session:
-        """A request's session (a loading turn's without sequences yet: until its load says,
-        it may hold a placeholder)."""
-        session = Session(rid=rec.rid, epoch=rec.epoch, kind=rec.kind, sequences=sequences,
-                          t_arrival=self.clock(), client_id=rec.client_id)
-        fields = rec.response
-        if rec.kind is RequestKind.RESPONSE and fields is not None and self.responses is not None:
-            session.background = fields.background
-            session.placeholder = fields.store or fields.background
-        return session
-
-    def _sequences(self, rec: Submit, prompts: list[list[int]]) -> list[Sequence]:
-        return build_sequences(rec, prompts, self._make_detok, self.tokenizer,
-                               self.max_model_len, self.block_manager)
-
     def from_store(self) -> list[ToProxy]:
         """What the responses room did since the last call: loaded turns join the scheduler
         (or end with their refusal); stored turns' last Finishes go out."""
@@ -217,7 +182,7 @@ class Engine:
         for turn in ready:
             rec, session = turn.loading.submit, turn.loading.session
             session.placeholder = turn.placeholder
-            session.sequences = self._sequences(rec, turn.prompts)
+            session.sequences, session.outputs = self.intake.build(rec, turn.prompts)
             self._admit(session, rec)
         return out + [self._refuse_admitted(session, rejected) for session, rejected in refused]
 
@@ -279,48 +244,83 @@ class Engine:
         self.figures.evicted(session, reason, cause, t_read)
         return out
 
-    # --- one tick -------------------------------------------------------------------------------
+    # --- one step: schedule -> execute -> update -> emit --------------------------------------
 
     def step(self) -> list[ToProxy]:
-        batch = self.scheduler.schedule()
+        """One step, phase by phase, each timed (Figures.phases). Aborts were applied before
+        it: the server drains control first, so no session evicted then is in its batch."""
+        laps = [perf_counter()]  # when each phase ended, in order
+        batch = self.schedule()
         if not batch:
             return []
-        t_start = self.clock()
-        rids = frozenset([s.rid for s in batch.seqs])
-        self.figures.tick(t_start, rids, batch.num_prefill_tokens)
-        # The masks of this tick depend only on tokens already sampled: they are computed on a
-        # thread while the forward pass runs. (A fork's siblings share their prompt's grammar.)
-        guidance = (self.guidance if self.guidance is not None
-                    and any(s.constraint is not None for s in batch.seqs) else None)
-        masks = guidance.start_masks(batch.sampled()) if guidance is not None else None
-        logits = self.runner.run(batch.chunks)
-        rows, seqs = self.scheduler.postprocess(batch)
-        if any(chunk.all_logits for chunk in batch.chunks):
-            prompt_logprobs(batch.chunks, batch.seqs, logits, self._token_logprob)
-        sampled: Counter[str] = Counter([seq.rid for seq in seqs])
-        for rid in rids:
-            session = self.sessions[rid]
+        laps.append(perf_counter())
+        executed = self.execute(batch)
+        laps.append(perf_counter())
+        advanced, out = self.update(batch, executed)
+        laps.append(perf_counter())
+        out += self.emit(advanced)
+        laps.append(perf_counter())
+        self.figures.timed(laps)
+        return out
+
+    def schedule(self) -> Batch:
+        """What this step's forward pass computes (the scheduler's decisions), counted."""
+        batch = self.scheduler.schedule()
+        if batch:
+            self.figures.tick(self.clock(), frozenset([s.rid for s in batch.seqs]),
+                              batch.num_prefill_tokens)
+        return batch
+
+    def execute(self, batch: Batch) -> Executed:
+        """The forward pass and sampling: the sampled ids, still where the logits are."""
+        return self.executor(batch)
+
+    def update(self, batch: Batch, executed: Executed) -> tuple[Advanced, list[ToProxy]]:
+        """The bookkeeping the sampled ids call for: positions computed, blocks cached and
+        forked, each sequence's new tokens (as its grammar lets them through, up to the one
+        that ends it), the penalty counts, their log-probabilities. Also the Errors of the
+        sessions whose grammar failed (ended here)."""
+        self.scheduler.update(batch)
+        seqs, rows, starts = executed.seqs, executed.rows(), executed.starts
+        self._count_tick(seqs, rows, starts is not None)
+        failed: list[tuple[Sequence, Rejected]] = []
+        if executed.masks is not None and self.guidance is not None:
+            rows, failed = self.guidance.accept(seqs, rows, self.max_model_len, executed.masks)
+        refused = self._refuse_running(failed) if failed else []
+        if refused:  # their sequences, and their siblings, get nothing more
+            at = [i for i, seq in enumerate(seqs) if seq.rid in self.sessions]
+            seqs, rows = [seqs[i] for i in at], [rows[i] for i in at]
+            starts = [i if starts is None else starts[i] for i in at]
+        ended = self.ends.append(seqs, rows)  # cuts a row at the token that ends it
+        logprobs = sampled_logprobs(executed.logits, seqs, rows, starts, self._token_logprob)
+        self.sampler.count(seqs, rows)
+        self.figures.num_generation_tokens += len(rows) if starts is None else sum(map(len, rows))
+        return Advanced(seqs, rows, logprobs, ended), refused
+
+    def emit(self, advanced: Advanced) -> list[ToProxy]:
+        """The records of the step's new tokens: text, stop strings, Deltas, Finishes."""
+        out: list[ToProxy] = []
+        sessions = self.sessions
+        for seq, tokens, logprobs, ended in zip(advanced.seqs, advanced.rows, advanced.logprobs,
+                                                advanced.ended, strict=True):
+            output = sessions[seq.rid].outputs[seq.index]
+            reason = output.push(seq, tokens, logprobs, ended, out)
+            if reason is not None:
+                out += self._finish(seq, reason)
+        return out
+
+    def _count_tick(self, seqs: list[Sequence], rows: list[list[int]], several: bool) -> None:
+        """Each session in the step: the tokens it got (for "tokens after the client left"),
+        and a stored response's first step marks it started."""
+        tick = self.figures.tick_log[-1]
+        sampled = Counter([seq.rid for seq, row in zip(seqs, rows, strict=True) for _ in row]
+                          if several else [seq.rid for seq in seqs]).get
+        sessions, start = self.sessions, tick.start
+        for rid in tick.rids:
+            session = sessions[rid]
             if session.placeholder and not session.ticks and self.responses is not None:
                 self.responses.started(rid)
-            session.ticks.append(t_start, sampled[rid])
-        if not seqs:
-            return []
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        failed: list[tuple[Sequence, Rejected]] = []
-        if guidance is None:
-            tokens = self.sampler(logits, seqs)
-        else:
-            tokens = self.sampler(guidance.mask(logits, masks), seqs)
-            tokens, failed = guidance.accept(seqs, tokens, self.max_model_len, masks)
-        self.sampler.count(seqs, tokens)
-        logprobs = sampled_logprobs(logits, seqs, tokens)
-        if not failed:
-            return self._emit(seqs, tokens, logprobs)
-        out = self._refuse_running(failed)
-        kept = [i for i, seq in enumerate(seqs) if seq.rid in self.sessions]
-        return out + self._emit([seqs[i] for i in kept], [tokens[i] for i in kept],
-                                [logprobs[i] for i in kept])
+            session.ticks.append(start, sampled(rid, 0))
 
     def _refuse_running(self, failed: list[tuple[Sequence, Rejected]]) -> list[ToProxy]:
         """Running sessions that their own request ended (a grammar reached its parser
@@ -334,66 +334,9 @@ class Engine:
                 out.append(rejected.to_error(seq.rid))
         return out
 
-    def _emit(self, seqs: list[Sequence], tokens: list[int],
-              logprobs: list[tuple[float, list[tuple[int, float]]] | None]) -> list[ToProxy]:
-        out: list[ToProxy] = []
-        append = self._append
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            if seq.echo is not None:  # the answer starts with the prompt
-                out += seq.echo.deltas(seq.rid, seq.index)
-                seq.echo = None
-            if lp is not None:
-                seq.pending_logprobs.append(self._token_logprob(token, lp))
-            text, reason, first = append(seq, token)
-            # Every sampled id reaches the client once (a stop token's too, though not its text),
-            # so token_ids summed over a stream equal usage.completion_tokens.
-            pending = seq.pending_token_ids
-            if text or (reason is not None and pending):
-                seq.output_pieces.append(text)
-                out.append(Delta(seq.rid, seq.index, text, pending,
-                                 seq.pending_logprobs if lp is not None else None,
-                                 prompt_tokens=seq.num_prompt_tokens if first else 0))
-                seq.pending_token_ids = []
-                if lp is not None:
-                    seq.pending_logprobs = []
-            if reason is not None:
-                out += self._finish(seq, reason)
-        self.figures.num_generation_tokens += len(tokens)
-        return out
-
-    def _token_logprob(self, token: int, lp: tuple[float, list[tuple[int, float]]]) -> TokenLogprob:
+    def _token_logprob(self, token: int, lp: Logprob) -> TokenLogprob:
         raw = self.tokenizer.token_bytes
         return TokenLogprob(raw(token), lp[0], [(raw(t), v) for t, v in lp[1]])
-
-    def _append(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None, bool]:
-        """Add a sampled token; return the text it releases, the finish reason if any, and
-        whether the pending ids start with the sequence's first generated token."""
-        token_ids = seq.token_ids
-        token_ids.append(token)
-        pending = seq.pending_token_ids
-        pending.append(token)
-        p = seq.params
-        num_tokens = len(token_ids)  # read once: this runs for every token of every stream
-        generated = num_tokens - seq.num_prompt_tokens
-        first = generated == len(pending)
-        if generated >= p.min_tokens and (
-                token in p.stop_token_ids or (token in self._eos and not p.ignore_eos)):
-            return self._final_text(seq), FinishReason.STOP, first
-        text = seq.detok.push(token)
-        stops = seq.stops
-        if stops.stops:  # stop strings to match: most sequences have none
-            text = stops.push(text, generated >= p.min_tokens)
-            if stops.stopped:
-                return text, FinishReason.STOP, first
-        if generated >= seq.max_tokens or num_tokens >= self.max_model_len:
-            return text + self._final_text(seq), FinishReason.LENGTH, first
-        return text, None, first
-
-    @staticmethod
-    def _final_text(seq: Sequence) -> str:
-        """Text held back by the detokenizer and the stop matcher, at the end of a sequence."""
-        text = seq.stops.push(seq.detok.flush())
-        return text if seq.stops.stopped else text + seq.stops.flush()
 
     def _release(self, seq: Sequence) -> None:
         """What one sequence holds: its place and blocks, and the sampler's state for it."""
@@ -424,28 +367,5 @@ class Engine:
 
     def stats(self) -> Stats:
         """Gauges and counters now; latency observations since the previous call."""
-        # Requests, not sequences: a request runs while any of its sequences does.
-        running = len({seq.rid for seq in self.scheduler.running})
-        bm = self.block_manager
-        stats = self.figures.stats(
-            running=running, waiting=len(self.sessions) - running,
-            kv_blocks_used=bm.num_used, kv_blocks_total=bm.num_total,
-            kv_blocks_cached=bm.num_cached_free,
-            prefix_cache_queries=self.scheduler.num_cache_queries,
-            prefix_cache_hits=self.scheduler.num_cache_hits,
-            placeholders=self._num_placeholders(),
-            paused=sum(1 for s in self.sessions.values() if s.paused))
-        if self.responses is not None:
-            stats.conversations, stats.conversation_items = self.responses.conversation_counts()
-        if self.guidance is not None:
-            grammars = self.guidance.grammars
-            stats.grammar_compiles, stats.grammar_cache_hits = grammars.num_misses, grammars.num_hits
-            stats.grammar_cache_bytes = grammars.num_cached_bytes
-            stats.grammar_pending = self.guidance.num_pending
-            stats.grammar_compile_obs = grammars.take_compile_obs()
-        return stats
-
-    def _num_placeholders(self) -> int:
-        """Counted here: the store thread learns of an end after the tick that applied it."""
-        storing = self.stored.num_storing if self.stored is not None else 0
-        return storing + sum(1 for s in self.sessions.values() if s.placeholder)
+        return engine_stats(self.figures, self.scheduler, self.sessions, self.responses,
+                            self.guidance, self.stored)

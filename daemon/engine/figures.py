@@ -11,12 +11,11 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from daemon.engine.sequence import Session
+from daemon.engine.session import Session
 from ipc.records import AbortCause, FinishReason, Submit
-from ipc.stats import Stats
+from ipc.stats import Phase, Stats
 
 request_log = logging.getLogger("tether.requests")
 
@@ -27,8 +26,7 @@ TICK_LOG_SIZE = 4096
 LOGGED_TICKS = 4
 
 
-@dataclass(slots=True, frozen=True)
-class TickRecord:
+class TickRecord(NamedTuple):  # a tuple: made every tick, it costs a frozen dataclass's third
     tick: int
     start: float
     rids: frozenset[str]
@@ -46,6 +44,16 @@ class Figures:
         self.finished: Counter[str] = Counter()
         self._latency_obs: list[float] = []
         self._latency_ticks_obs: list[int] = []
+        # Seconds spent in each phase of a step, summed over the steps.
+        self.phase_seconds = [0.0] * len(Phase)  # in Phase order
+
+    def timed(self, laps: list[float]) -> None:
+        """A step's phases took the times between `laps` (perf_counter when it started, then
+        when each phase ended, in Phase order). Wall time, not the engine's clock: a phase's
+        cost is a measurement, not a stamp anyone compares."""
+        seconds = self.phase_seconds
+        for i in range(len(seconds)):
+            seconds[i] += laps[i + 1] - laps[i]
 
     def tick(self, start: float, rids: frozenset[str], prefill_tokens: int) -> None:
         self.num_ticks += 1
@@ -111,7 +119,8 @@ class Figures:
                      generation_tokens=self.num_generation_tokens,
                      tokens_after_disconnect=self.num_tokens_after_disconnect,
                      aborts=dict(self.aborts), finished=dict(self.finished), bad_records={},
-                     abort_latency_obs=obs, abort_latency_ticks_obs=ticks_obs, **gauges)
+                     abort_latency_obs=obs, abort_latency_ticks_obs=ticks_obs,
+                     phase_seconds=dict(zip(Phase, self.phase_seconds, strict=True)), **gauges)
 
     def _log_end(self, session: Session, reason: FinishReason, cause: AbortCause | None,
                  extra: dict[str, Any]) -> None:

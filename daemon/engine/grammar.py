@@ -14,7 +14,7 @@ and answers one mask in microseconds; its matcher copies cheaply, which the budg
   own, which drops the GIL too.
 - Every matcher runs under PARSER_LIMITS: an ambiguous grammar's Earley rows grow with its
   output and each token's work with their square (a row of 2,000 items took 0.5 s a token), so
-  a row is capped, and a request that reaches the cap ends with a 400 naming it.
+  a row is capped, and a request that reaches the cap is refused naming it.
 - A sequence's `Constraint` owns its matcher: its row of the tick's bitmask, and the budget.
   Its mask is computed as soon as it has consumed a token, in the same breath: computed after
   a forward pass has run through the processor's caches, the same call took 10 to 20 times as
@@ -46,6 +46,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from daemon.engine.bitmask import Bitmask
 from daemon.engine.closing import MAX_CLOSING, Closing, SearchBound, Stopped, closing
+from ipc.reasons import Reason
 from ipc.records import Guide, GuideKind
 
 if TYPE_CHECKING:
@@ -90,9 +91,9 @@ class GrammarError(ValueError):
     """A guide that cannot be compiled, or whose output cannot be bounded; the message names
     what is wrong (and the limit, when one was reached)."""
 
-    def __init__(self, message: str, code: str = "invalid_grammar") -> None:
+    def __init__(self, message: str, reason: Reason = Reason.INVALID_GRAMMAR) -> None:
         super().__init__(message)
-        self.code = code
+        self.reason = reason
 
 
 def parser_limit_error(where: str, matcher: llguidance.LLMatcher | None = None) -> GrammarError:
@@ -100,7 +101,7 @@ def parser_limit_error(where: str, matcher: llguidance.LLMatcher | None = None) 
     said = matcher.get_error().split("\n")[0] if matcher is not None else ""
     return GrammarError(f"the grammar reached the server's parser limits ({MAX_ITEMS_IN_ROW} "
                         f"parser items in a row, {STEP_MAX_ITEMS} a step; {LIMIT_ADVICE}) "
-                        f"{where}" + (f": {said}" if said else ""), code="grammar_too_complex")
+                        f"{where}" + (f": {said}" if said else ""), Reason.GRAMMAR_TOO_COMPLEX)
 
 
 def no_closing_error(stopped: Stopped, bound: SearchBound) -> GrammarError:
@@ -112,7 +113,7 @@ def no_closing_error(stopped: Stopped, bound: SearchBound) -> GrammarError:
            Stopped.TOO_LONG: f"within the server's limit of {MAX_CLOSING} bytes",
            Stopped.DEAD_END: "(every way tried ends where no byte is allowed)"}[stopped]
     return GrammarError(f"no complete output of the grammar was found {why}",
-                        code="grammar_too_complex")
+                        Reason.GRAMMAR_TOO_COMPLEX)
 
 
 class Vocabulary(Protocol):

@@ -5,7 +5,7 @@ A guided session is admitted (its client hears Admitted) but its sequences reach
 only once its grammar is compiled (with its first closing: no search for one runs on the tick
 at admission), so one whose client leaves meanwhile is never prefilled: its eviction drops the
 pending compile like everything else it holds. A compile that fails, or takes longer than the
-timeout, is that request's 400; so is a matcher that reaches its parser limits mid-output.
+timeout, refuses that request; so is a matcher that reaches its parser limits mid-output.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from daemon.engine.bitmask import Bitmask, apply_bitmask, fill_row
 from daemon.engine.constraint import TICK_SEARCH_S, Constraint, search_bound
 from daemon.engine.grammar import Compiled, GrammarError, Grammars
 from daemon.engine.json_numbers import NumberGuard, guards_numbers
-from daemon.engine.sequence import Sequence, Session
+from daemon.engine.sequence import Sequence
+from daemon.engine.session import Session
 from daemon.rejected import Rejected
+from ipc.reasons import Reason
 from ipc.records import Guide, RequestKind, Submit
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
@@ -98,12 +100,12 @@ class Guidance:
         param = pending.guide.source or None
         if not future.done():
             raise Rejected(f"the grammar took longer than {self.compile_timeout_s:g} s to "
-                           "compile", param=param, code="grammar_timeout")
+                           "compile", param=param, reason=Reason.GRAMMAR_TIMEOUT)
         try:
             template = future.result()
         except GrammarError as e:
             raise Rejected(f"invalid {pending.guide.kind.value}: {e}", param=param,
-                           code=e.code) from None
+                           reason=e.reason) from None
         seqs = pending.session.sequences
         first = seqs[0]
         left = _tokens_left(first, first.max_tokens)
@@ -114,7 +116,7 @@ class Guidance:
             raise Rejected(f"{name} ({left}) is too small for the shortest output the "
                            f"{pending.guide.kind.value} allows, which takes {need} tokens: "
                            f"set {name} to at least {need}", param=name,
-                           code="max_tokens_too_small")
+                           reason=Reason.MAX_TOKENS_TOO_SMALL)
         json = guards_numbers(pending.guide)
         for seq in seqs:
             seq.constraint = Constraint(self.grammars, template.copy(),
@@ -159,44 +161,61 @@ class Guidance:
     def _worth_a_thread(self, rows: int) -> bool:
         return rows * self.grammars.vocab_size >= MASK_THREAD_MIN_TOKENS
 
-    def accept(self, seqs: list[Sequence], tokens: list[int], max_model_len: int,
-               masks: Masks | None = None) -> tuple[list[int], list[tuple[Sequence, Rejected]]]:
-        """The tokens to emit: each constraint consumes its sequence's sampled token, or puts
-        the next token of its closing in its place (daemon/engine/constraint.py), and computes
-        its next mask unless the mask thread will (`masks`: the tick's, which say whether each
-        token was allowed). Also the sequences whose grammar reached its parser limits, each
-        with its request's 400 (their tokens are not to be emitted). The tick's closing
-        searches share one deadline."""
-        out = tokens
+    def accept(self, seqs: list[Sequence], rows: list[list[int]], max_model_len: int,
+               masks: Masks | None = None,
+               ) -> tuple[list[list[int]], list[tuple[Sequence, Rejected]]]:
+        """The tokens to emit, each sequence's in its row: each constraint consumes its
+        sequence's sampled tokens in order, or puts the next token of its closing in place of
+        one (daemon/engine/constraint.py), which is then the row's last (the tokens after it
+        followed another output); and computes its next mask unless the mask thread will
+        (`masks`: the step's, which say whether each row's first token was allowed). Also the
+        sequences whose grammar reached its parser limits, each with its request's refusal (their
+        tokens are not to be emitted). The step's closing searches share one deadline."""
+        out = rows
         failed: list[tuple[Sequence, Rejected]] = []
-        rows = {row: j for j, row in enumerate(masks.rows)} if masks is not None else {}
-        now = not self._worth_a_thread(len(rows))
-        clock = self.clock
-        searches_end = clock() + TICK_SEARCH_S
+        mask_rows = {row: j for j, row in enumerate(masks.rows)} if masks is not None else {}
+        now = not self._worth_a_thread(len(mask_rows))
+        searches_end = self.clock() + TICK_SEARCH_S
         for i, seq in enumerate(seqs):
             constraint = seq.constraint
             if constraint is None:
                 continue
-            left = min(_tokens_left(seq, seq.max_tokens),
-                       max_model_len - seq.num_tokens)
-            j = rows.get(i)
-            allowed = masks.bitmask.allows(j, tokens[i]) if masks is not None and j is not None \
+            j = mask_rows.get(i)
+            allowed = masks.bitmask.allows(j, rows[i][0]) if masks is not None and j is not None \
                 else None
             try:
-                token = constraint.accept(tokens[i], left, allowed,
-                                          search_bound(clock(), searches_end))
+                row, left = self._accept_row(seq, constraint, rows[i], max_model_len, allowed,
+                                             searches_end)
             except GrammarError as e:
                 guide = seq.params.guide
                 failed.append((seq, Rejected(str(e), param=guide.source or None if guide else None,
-                                             code=e.code)))
+                                             reason=e.reason)))
                 continue
             if now and left > 1:
                 constraint.compute_mask()
-            if token != tokens[i]:
-                if out is tokens:
-                    out = list(tokens)
-                out[i] = token
+            if row is not rows[i]:
+                if out is rows:
+                    out = list(rows)
+                out[i] = row
         return out, failed
+
+    def _accept_row(self, seq: Sequence, constraint: Constraint, row: list[int],
+                    max_model_len: int, allowed: bool | None,
+                    searches_end: float) -> tuple[list[int], int]:
+        """One sequence's tokens as its constraint lets them through (the row itself when it
+        takes them all), and the tokens it had left at the last of them. (Past an end of
+        sequence it allows nothing else: the rest are replaced and cut at once.)"""
+        clock = self.clock
+        left = 0
+        for at, token in enumerate(row):
+            # Tokens this sequence may still generate, this one included.
+            left = min(_tokens_left(seq, seq.max_tokens) - at,
+                       max_model_len - seq.num_tokens - at)
+            emitted = constraint.accept(token, left, allowed if at == 0 else None,
+                                        search_bound(clock(), searches_end))
+            if emitted != token:
+                return [*row[:at], emitted], left
+        return row, left
 
     def close(self) -> None:
         for rid in list(self._pending):

@@ -136,10 +136,11 @@ class LogitsProcessors:
             self._penalise(logits, [seqs[i] for i in penalised_rows], penalised_rows)
         return logits
 
-    def count(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """The tokens a tick emits (after constrained decoding had its say), into the counts of
-        the penalised sequences."""
-        pairs = [(s, t) for s, t in zip(seqs, tokens, strict=True) if s.penalty_row is not None]
+    def count(self, seqs: list[Sequence], rows: list[list[int]]) -> None:
+        """The tokens a step emits, each sequence's in its row (after constrained decoding had
+        its say), into the counts of the penalised sequences."""
+        pairs = [(s, t) for s, row in zip(seqs, rows, strict=True) if s.penalty_row is not None
+                 for t in row]
         if pairs:
             self.counts.add([s for s, _ in pairs], [t for _, t in pairs])
 

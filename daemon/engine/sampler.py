@@ -43,30 +43,33 @@ class Sampler:
         self.processors = LogitsProcessors(self.eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """`sample`, read back to the host."""
+        return self.sample(logits, seqs).tolist() if seqs else []
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row of `logits` ([len(seqs), vocab], float32) for `seqs` in order.
 
-        Everything runs on the logits' device; the sampled ids cross to the host once, and no
-        other value is read back (which sequences are greedy is known on the host). The
-        penalised sequences' counts take the emitted tokens from `count`."""
-        if not seqs:
-            return []
+        Everything runs on the logits' device and the ids stay there: no value is read back
+        (which sequences are greedy is known on the host). The penalised sequences' counts
+        take the emitted tokens from `count`."""
         if all([s.plain_draw for s in seqs]):  # nothing asked for but the draw itself
-            return _draw(torch.softmax(logits.float(), dim=-1)).tolist()
+            return _draw(torch.softmax(logits.float(), dim=-1))
         logits = self.processors(logits.float(), seqs)
         greedy = [s.params.temperature == 0.0 for s in seqs]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         # A greedy row is drawn too (divided by 1), then takes its argmax instead.
         temps = [s.params.temperature or 1.0 for s in seqs]
         sampled = self._sample(logits, seqs, temps)
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=logits.device),
                                   logits.argmax(dim=-1), sampled)
-        return sampled.tolist()
+        return sampled
 
-    def count(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """The tokens emitted this tick (constrained decoding may have replaced some)."""
-        self.processors.count(seqs, tokens)
+    def count(self, seqs: list[Sequence], rows: list[list[int]]) -> None:
+        """The tokens emitted this step, each sequence's in its row (constrained decoding may
+        have replaced some)."""
+        self.processors.count(seqs, rows)
 
     def release(self, seq: Sequence) -> None:
         """The sequence ended: what the sampler kept for it goes."""
@@ -148,22 +151,35 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 Logprob = tuple[float, list[tuple[int, float]]]
 
 
-def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence],
-                     tokens: list[int]) -> list[Logprob | None]:
-    """Per row: the sampled token's log-probability and the top `params.logprobs` (id, logprob)
-    pairs, most likely first; None for rows that did not ask.
+def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence], rows: list[list[int]],
+                     starts: list[int] | None,
+                     to_token_logprob: Callable[[int, Logprob], TokenLogprob],
+                     ) -> list[list[TokenLogprob] | None]:
+    """Per sequence, for each of its emitted tokens (`rows[i]`, whose logits are rows
+    `starts[i]`, `starts[i] + 1`, ... of `logits`; None: row i, one token a sequence): the
+    token's log-probability and the top `params.logprobs` (id, logprob) pairs, most likely
+    first; None for sequences that did not ask.
 
     Under the model's own distribution (the logits before the logits processors, temperature,
     min_p, top-k/top-p and the min_tokens mask), as vLLM reports them by default."""
-    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    out: list[Logprob | None] = [None] * len(seqs)
-    if not rows:
+    asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+    if not asked:
         return out
-    index = torch.tensor(rows, device=logits.device)
-    found = token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows],
-                           [seqs[i].params.logprobs or 0 for i in rows])
-    for row, lp in zip(rows, found, strict=True):
-        out[row] = lp
+    index: list[int] = []
+    tokens: list[int] = []
+    ks: list[int] = []
+    for i in asked:
+        start = i if starts is None else starts[i]
+        index += range(start, start + len(rows[i]))
+        tokens += rows[i]
+        ks += [seqs[i].params.logprobs or 0] * len(rows[i])
+    found = token_logprobs(logits.index_select(0, torch.tensor(index, device=logits.device)),
+                           tokens, ks)
+    at = 0
+    for i in asked:
+        out[i] = [to_token_logprob(t, lp) for t, lp in zip(rows[i], found[at:], strict=False)]
+        at += len(rows[i])
     return out
 
 
@@ -190,7 +206,7 @@ def prompt_logprobs(chunks: list[ScheduledChunk], seqs: list[Sequence], logits: 
     targets: list[tuple[Echo, int]] = []
     row = 0
     for chunk, seq in zip(chunks, seqs, strict=True):
-        echo = seq.echo
+        echo = seq.prompt_logprobs
         if chunk.all_logits and echo is not None:
             for j in range(len(chunk.token_ids)):
                 position = chunk.start_pos + j + 1

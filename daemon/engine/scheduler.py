@@ -26,52 +26,12 @@ the point of the pass.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from daemon.engine.batch import Batch
 from daemon.engine.block_manager import BlockManager, chain_hashes
 from daemon.engine.preemption import reserve_victim, room_victim
 from daemon.engine.sequence import SeqStatus, Sequence
 from daemon.engine.turns import Request, Turns, slots_of
-from daemon.model.batch import ScheduledChunk
-
-
-@dataclass(slots=True)
-class Batch:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    seqs: list[Sequence] = field(default_factory=list)  # seqs[i] owns chunks[i]
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.chunks)
-
-    def sampled(self) -> list[Sequence]:
-        """The sequences this pass gives a token, in the order `Scheduler.postprocess` returns
-        them (a prompt's forked siblings after it), known before the pass runs."""
-        return [s for chunk, seq in zip(self.chunks, self.seqs, strict=True)
-                if chunk.needs_logits for s in (seq, *seq.fork_children)]
-
-    def add_decodes(self, seqs: list[Sequence]) -> None:
-        """`add` of one token for each of `seqs` (one left to compute each), in one pass."""
-        self.chunks += [ScheduledChunk(s.token_ids[-1:], s.num_computed, s.block_table, True,
-                                       s.wants_prompt_logits) for s in seqs]
-        self.seqs += seqs
-        decodes = sum(1 for s in seqs if s.num_computed >= s.num_prompt_tokens)
-        self.num_decode_tokens += decodes
-        self.num_prefill_tokens += len(seqs) - decodes
-
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        start = seq.num_computed
-        end = start + num_tokens
-        self.chunks.append(ScheduledChunk(seq.token_ids[start:end], start, seq.block_table,
-                                          end == seq.num_tokens, seq.wants_prompt_logits))
-        self.seqs.append(seq)
-        # A decode feeds back one sampled token; one token of a prompt (the rest cached,
-        # or a chunk's tail) is still prefill.
-        if num_tokens == 1 and start >= seq.num_prompt_tokens:
-            self.num_decode_tokens += 1
-        else:
-            self.num_prefill_tokens += num_tokens
 
 
 class Scheduler:
@@ -92,7 +52,7 @@ class Scheduler:
         self.num_cache_queries = 0
         self.num_cache_hits = 0
         self.num_paused = 0  # paused sequences in waiting or running
-        # Blocks promised to this tick's forks (taken in postprocess, after the forward pass).
+        # Blocks promised to this tick's forks (taken in update, after the forward pass).
         self._fork_reserve = 0
         # Slots and blocks kept this tick for requests within their share (see _make_room).
         self._room: dict[str, tuple[int, int]] = {}
@@ -141,19 +101,21 @@ class Scheduler:
     def _decode(self, batch: Batch, budget: int, scheduled: set[int]) -> int:
         """One token for each running sequence that has one to compute, in order, while the
         budget lasts; the budget left."""
-        ready = [seq for seq in self.running if seq.status is SeqStatus.RUNNING
+        running = SeqStatus.RUNNING  # read once: an enum member's lookup costs per sequence
+        ready = [seq for seq in self.running if seq.status is running
                  and not seq.paused and len(seq.token_ids) - seq.num_computed == 1][:budget]
         bm = self.block_manager
         size = bm.block_size
         # A decode at position p takes a block when its table ends before p (p = num_computed).
         growing = [seq for seq in ready if len(seq.block_table) * size <= seq.num_computed]
-        forks = sum(self._fork_cost(seq, seq.num_computed + 1) for seq in ready if seq.fork_children)
+        forking = [seq for seq in ready if seq.fork_children]
+        forks = sum([self._fork_cost(seq, seq.num_computed + 1) for seq in forking])
         if len(growing) + forks <= self._num_available:
             # Everyone's blocks are free: nobody is preempted, so no _reserve per sequence.
             for seq in growing:
                 bm.may_append(seq.block_table, seq.num_computed + 1)
             self._fork_reserve += forks
-            batch.add_decodes(ready)
+            batch.add_decodes(ready, forking=bool(forking))
             scheduled.update([seq.seq_id for seq in ready])
             return budget - len(ready)
         for seq in list(self.running):
@@ -346,35 +308,29 @@ class Scheduler:
 
     # --- after the forward pass -----------------------------------------------------------------
 
-    def postprocess(self, batch: Batch) -> tuple[list[int], list[Sequence]]:
-        """Advance computed positions and fork siblings; the logits rows to sample, their seqs."""
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        row = 0
+    def update(self, batch: Batch) -> None:
+        """After the forward pass: advance computed positions, cache the blocks it filled and
+        fork the siblings of the prompts it completed."""
         bm = self.block_manager
         size = bm.block_size if bm.enable_caching else 0
         for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
-            n = len(chunk.token_ids)
-            seq.num_computed += n
+            seq.num_computed += len(chunk.token_ids)
             if size and seq.num_computed // size > chunk.start_pos // size:
                 self._commit(seq, chunk.start_pos)  # the pass filled a block: cache it
-            row += n if chunk.all_logits else chunk.needs_logits  # chunk.num_logit_rows
             if not chunk.needs_logits:
                 continue
-            rows.append(row - 1)
-            seqs.append(seq)
+            if seq.prompt_logprobs is not None:  # gathered in the pass that computed its prompt
+                seq.prompt_logprobs = None
             for child in seq.fork_children:
                 child.block_table = bm.fork(seq.block_table, seq.num_computed, self.copy_block)
                 child.num_computed = seq.num_computed
                 child.num_cached_tokens = seq.num_cached_tokens
                 child.block_hashes = list(seq.block_hashes)  # same prompt, same hashes
+                child.prompt_logprobs = None
                 child.status = SeqStatus.RUNNING
                 self.num_paused += child.paused
                 self.running.append(child)
-                rows.append(row - 1)
-                seqs.append(child)
             seq.fork_children.clear()
-        return rows, seqs
 
     def _commit(self, seq: Sequence, start_pos: int) -> None:
         """Register the blocks this pass filled (their KV now exists) in the prefix cache."""

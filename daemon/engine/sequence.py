@@ -1,60 +1,25 @@
-"""Sequences (one generated choice each) and sessions (one request: all its sequences)."""
+"""Sequences: one generated choice each, as the scheduler and the sampler see it.
+
+A choice is two objects: its `Sequence` (token ids, positions, blocks, prefill progress, status,
+and what its sampling asks for) and its `Output` (daemon/engine/output.py: detokenizer, stop
+strings, what has not been sent yet). The scheduler and the sampler see only the first; the
+step's emit phase reads it. Its session (daemon/engine/session.py) holds both.
+"""
 
 from __future__ import annotations
 
-import bisect
 import enum
 import itertools
-from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from daemon.engine.stops import StopMatcher
-from ipc.records import FinishReason, RequestKind, SamplingParams, TokenLogprob, Usage
+from ipc.records import FinishReason, SamplingParams, Usage
 
 if TYPE_CHECKING:
     from daemon.engine.constraint import Constraint
     from daemon.engine.echo import Echo
 
-# Ticks remembered per session to attribute sampled tokens to "after the client left".
-_TICK_MEMORY = 4096
-
 _seq_ids = itertools.count()
-
-
-class TickHistory:
-    """(start time, tokens sampled) of one session's ticks, oldest first, in two flat arrays:
-    12 bytes a tick rather than a tuple of boxed numbers. Past the limit the oldest half goes."""
-
-    __slots__ = ("counts", "starts")
-
-    def __init__(self) -> None:
-        self.starts = array("d")
-        self.counts = array("I")
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def append(self, start: float, tokens: int) -> None:
-        if len(self.starts) >= _TICK_MEMORY:
-            del self.starts[: _TICK_MEMORY // 2]
-            del self.counts[: _TICK_MEMORY // 2]
-        self.starts.append(start)
-        self.counts.append(tokens)
-
-    def after(self, t: float) -> tuple[int, int]:
-        """(ticks, tokens) of the ticks that started after time `t`."""
-        first = bisect.bisect_right(self.starts, t)
-        return len(self.starts) - first, sum(self.counts[first:])
-
-    def tail(self, count: int) -> list[tuple[float, int]]:
-        """The newest `count` ticks as (start, tokens), oldest first."""
-        return list(zip(self.starts[-count:], self.counts[-count:], strict=True))
-
-
-class Detokenizer(Protocol):
-    def push(self, token_id: int) -> str: ...
-    def flush(self) -> str: ...
 
 
 class SeqStatus(enum.Enum):
@@ -67,12 +32,12 @@ class SeqStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
+    """What the scheduler and the sampler know of a choice; its output is not here."""
+
     rid: str
     index: int
     token_ids: list[int]
     params: SamplingParams
-    detok: Detokenizer
-    stops: StopMatcher
     seed: int | None = None  # this choice's generator seed (sampler.seed_for)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_prompt_tokens: int = 0
@@ -86,9 +51,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # Siblings forked from this sequence's blocks once its prompt is prefilled.
     fork_children: list[Sequence] = field(default_factory=list)
-    output_pieces: list[str] = field(default_factory=list)  # its text so far, joined at the end
-    pending_token_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs
     rng: Any = None  # the sampler's torch.Generator, created lazily from `seed`
     paused: bool = False  # flow control: not scheduled until resumed (Scheduler.set_paused)
     constraint: Constraint | None = None  # what its output must match (guided decoding)
@@ -96,7 +58,10 @@ class Sequence:
     max_tokens: int = 0
     bad_words: list[list[int]] = field(default_factory=list)  # as token sequences
     penalty_row: int | None = None  # its row of token counts in the sampler (penalties)
-    echo: Echo | None = None  # its prompt, until its answer has started with it
+    # Echo with logprobs: where its prompt's log-probabilities are gathered as its prompt is
+    # computed (the scheduler asks the runner for every prompt position's logits meanwhile);
+    # None once its prompt is computed, or when nothing is to be gathered.
+    prompt_logprobs: Echo | None = None
     # A draw at temperature 1 from the model's distribution is all its sampling asks (no
     # seed, bias, ban, penalty, min_tokens, truncation or logprobs): what a client that sets
     # nothing gets. The sampler takes such a batch in one step (Sampler.__call__).
@@ -117,7 +82,8 @@ class Sequence:
     @property
     def wants_prompt_logits(self) -> bool:
         """Its prefill must give logits at every prompt position (echo with logprobs)."""
-        return self.echo is not None and not self.echo.complete
+        echo = self.prompt_logprobs
+        return echo is not None and not echo.complete
 
     @property
     def num_tokens(self) -> int:
@@ -139,52 +105,3 @@ class Sequence:
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,
                      cached_tokens=self.num_cached_tokens or 0)
-
-
-@dataclass(slots=True, eq=False)
-class Session:
-    rid: str
-    epoch: int
-    kind: RequestKind
-    sequences: list[Sequence]
-    t_arrival: float
-    # Set when the response store holds a queued/in_progress row for this rid.
-    placeholder: bool = False
-    background: bool = False  # a background response: its client leaving does not end it
-    t_disconnect: float | None = None
-    paused: bool = False  # the proxy asked to stop scheduling it (its client is not reading)
-    client_id: str | None = None  # the client's X-Request-Id, for the request log
-    # (tick start, tokens sampled for this session in that tick), newest last.
-    ticks: TickHistory = field(default_factory=TickHistory)
-
-    @property
-    def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.sequences)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(s.num_prompt_tokens for s in self.sequences)
-
-    @property
-    def num_generated(self) -> int:
-        return sum(s.num_generated for s in self.sequences)
-
-    @property
-    def usage(self) -> Usage:
-        return Usage(self.num_prompt_tokens, self.num_generated,
-                     sum(s.num_cached_tokens or 0 for s in self.sequences))
-
-    def output_text(self) -> str:
-        return "".join(self.sequences[0].output_pieces) if self.sequences else ""
-
-    def tokens_after(self, t: float) -> tuple[int, int]:
-        """(ticks, tokens) of this session's ticks that started after time `t`."""
-        return self.ticks.after(t)
-
-    def end(self, reason: FinishReason) -> list[Sequence]:
-        """Ends every sequence still going with `reason` (ABORT or ERROR) and returns them, for
-        the engine to release and report."""
-        ended = [s for s in self.sequences if not s.is_finished]
-        for seq in ended:
-            seq.finish_reason = reason
-        return ended

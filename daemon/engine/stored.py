@@ -9,7 +9,7 @@ prefilled: its eviction drops it here at once, and the load's answer, when it co
 nobody (the store thread removes what the load wrote, as the end it was told after the load). A
 completed stored turn's last Finish is held until the store thread says its result is stored, or
 why it is not: what a client hears as completed is in the store. A load the store has not
-answered within LOAD_TIMEOUT_S (a store that hangs rather than fails) is that request's 503, and
+answered within LOAD_TIMEOUT_S (a store that hangs rather than fails) refuses that request (retry), and
 whatever it wrote is removed after it.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from daemon.engine.figures import Figures
-from daemon.engine.sequence import Session
+from daemon.engine.session import Session
 from daemon.rejected import Rejected
 from daemon.responses.lifecycle import (
     Completed,
@@ -28,6 +28,7 @@ from daemon.responses.lifecycle import (
     Responses,
     Stored,
 )
+from ipc.reasons import Reason
 from ipc.records import AbortCause, Finish, FinishReason, Submit, Usage
 from ipc.wire import ToProxy
 
@@ -107,7 +108,7 @@ class StoredTurns:
         now = self.figures.clock()
         return [(self.loading.pop(rid).session, Rejected(
                     f"the response store did not answer within {LOAD_TIMEOUT_S:g} s; nothing "
-                    "was stored", status=503, code="store_timeout"))
+                    "was stored", Reason.STORE_TIMEOUT))
                 for rid in [rid for rid, turn in self.loading.items() if now >= turn.deadline]]
 
     def _stored(self, result: Stored) -> list[ToProxy]:

@@ -8,7 +8,7 @@ concatenation, so the daemon never re-reads an item's fields).
 
 A Responses turn on a conversation (`ResponseFields.conversation`) claims it when its placeholder
 is written (`claim`, in the same transaction): ``running_response_id`` names the turn, and a
-second turn while that one is still a placeholder is refused with a 409 that names it. The turn's
+second turn while that one is still a placeholder is refused (CONVERSATION_LOCKED), naming it. The turn's
 input items and its output join the conversation only when it completes (`append`, in the
 transaction that completes its row); however else it ends, nothing is added and the claim is let
 go (`release`). A claim whose response is no longer a placeholder (a crash, a replica whose lease
@@ -34,6 +34,7 @@ from daemon.responses.db import Database, Executor
 from daemon.responses.items import PAGE_BYTES, listed_ids, within_bytes
 from daemon.responses.retention import fair_prune
 from daemon.responses.rows import PLACEHOLDERS_SQL, json_text, messages_decoder, text_bytes
+from ipc.reasons import Reason
 from ipc.records import Message, ResponseFields
 from ipc.response_records import (
     ConversationCreate,
@@ -180,19 +181,19 @@ class Conversations:
         return out
 
     def claim(self, tx: Executor, turn: Turn, rid: str) -> None:
-        """Names ``rid`` as the turn running on the conversation, or refuses it: 404, 409 while
-        another turn runs, 400 past ``max_items``."""
+        """Names ``rid`` as the turn running on the conversation, or refuses it: NOT_FOUND,
+        CONVERSATION_LOCKED while another turn runs, CONVERSATION_FULL past ``max_items``."""
         cid = turn.conversation_id
         row = self._row(tx, cid, lock=True)
         if row is None:
-            raise Rejected(not_found(cid), status=404, param="conversation", code="not_found")
+            raise Rejected(not_found(cid), Reason.NOT_FOUND, "conversation")
         running = row["running_response_id"]
         if running is not None and running != rid and tx.execute(
                 f"SELECT id FROM responses WHERE id = ? AND status IN {PLACEHOLDERS_SQL}",
                 (running,)).one() is not None:
             raise Rejected(f"Conversation '{cid}' is running response '{running}'; send the "
-                           "next turn once it has finished.", status=409, param="conversation",
-                           code="conversation_locked")
+                           "next turn once it has finished.", Reason.CONVERSATION_LOCKED,
+                           "conversation")
         self._check_room(row, cid, len(turn.input) + 1)
         tx.execute("UPDATE conversations SET running_response_id = ?, updated_at = ? WHERE id = ?",
                    (rid, self.clock(), cid))
@@ -212,7 +213,7 @@ class Conversations:
         try:
             return self._handle(op, request)
         except Rejected as e:
-            return ResponseReply(op.op_id, e.status, message=e.message, param=e.param)
+            return ResponseReply(op.op_id, e.reason, message=e.message, param=e.param)
 
     def _handle(self, op: ResponseOp, request: ConversationRequest) -> ResponseReply:
         if isinstance(request, ConversationCreate):
@@ -220,7 +221,7 @@ class Conversations:
         cid = request.conversation_id
         row = self._row(self.db, cid)
         if row is None:
-            return ResponseReply(op.op_id, 404, message=not_found(cid))
+            return ResponseReply(op.op_id, Reason.NOT_FOUND, message=not_found(cid))
         match request:
             case ConversationGet():
                 return self._reply(op, row)
@@ -244,7 +245,7 @@ class Conversations:
             self._check_room(row, cid, len(rows))
             self._append(tx, cid, rows)
         self.recount(self.db)
-        return ResponseReply(op.op_id, 200, conversation=StoredConversation(
+        return ResponseReply(op.op_id, conversation=StoredConversation(
             cid, int(now), request.metadata))
 
     def _change(self, tx: Executor, op: ResponseOp, request: ConversationUpdate
@@ -253,12 +254,12 @@ class Conversations:
         cid = request.conversation_id
         row = self._row(tx, cid, lock=True)
         if row is None:
-            return ResponseReply(op.op_id, 404, message=not_found(cid))
+            return ResponseReply(op.op_id, Reason.NOT_FOUND, message=not_found(cid))
         match request:
             case ConversationDelete():
                 tx.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (cid,))
                 tx.execute("DELETE FROM conversations WHERE id = ?", (cid,))
-                return ResponseReply(op.op_id, 200, deleted=True)
+                return ResponseReply(op.op_id, deleted=True)
             case ConversationUpdate(metadata=metadata):
                 tx.execute("UPDATE conversations SET metadata = ?, updated_at = ? WHERE id = ?",
                            (json_text(metadata), self.clock(), cid))
@@ -268,10 +269,10 @@ class Conversations:
                 self._append(tx, cid, rows)
                 # The ids alone: the proxy lists the items it sent (an echo would cost the
                 # tokens pipe their size again, and a stream behind it its pace).
-                return ResponseReply(op.op_id, 200, item_ids=[r.item_id for r in rows])
+                return ResponseReply(op.op_id, item_ids=[r.item_id for r in rows])
             case ConversationItemDelete(item_id=item_id):
                 if not self._delete_item(tx, cid, item_id):
-                    return ResponseReply(op.op_id, 404,
+                    return ResponseReply(op.op_id, Reason.NOT_FOUND,
                                          message=f"Item with id '{item_id}' not found.")
         return self._reply(op, self._row(tx, cid))
 
@@ -295,7 +296,8 @@ class Conversations:
             row = self.db.execute("SELECT min(seq) AS seq FROM conversation_items WHERE "
                                   "conversation_id = ? AND item_id = ?", (cid, page.after)).one()
             if row is None or row["seq"] is None:
-                return ResponseReply(op.op_id, 400, param="after", message=f"'after' names no "
+                return ResponseReply(op.op_id, Reason.INVALID, param="after",
+                                     message=f"'after' names no "
                                      f"item of conversation {cid!r}: {page.after!r}")
             bound = row["seq"]
         # The page's sizes first (an item's `size` bounds its bytes): a page ends where its
@@ -320,7 +322,8 @@ class Conversations:
                               "conversation_id = ? AND item_id = ? ORDER BY seq LIMIT 1",
                               (cid, item_id)).one()
         if row is None:
-            return ResponseReply(op.op_id, 404, message=f"Item with id '{item_id}' not found.")
+            return ResponseReply(op.op_id, Reason.NOT_FOUND,
+                                 message=f"Item with id '{item_id}' not found.")
         return self._listing(op, [ItemRow(row["item_id"], row["item"], "")], False)
 
     # --- housekeeping ---------------------------------------------------------------------------
@@ -354,8 +357,8 @@ class Conversations:
     def _check_room(self, row: Any, cid: str, adding: int) -> None:
         if row["num_items"] + adding > self.limits.max_items:
             raise Rejected(f"Conversation '{cid}' holds {row['num_items']} items; {adding} more "
-                           f"would pass its bound of {self.limits.max_items}", param="items",
-                           code="conversation_full")
+                           f"would pass its bound of {self.limits.max_items}", Reason.CONVERSATION_FULL,
+                           "items")
 
     def _append(self, tx: Executor, cid: str, rows: list[ItemRow]) -> None:
         if not rows:
@@ -371,10 +374,10 @@ class Conversations:
                     sum(r.text_bytes for r in rows), self.clock(), cid))
 
     def _reply(self, op: ResponseOp, row: Any) -> ResponseReply:
-        return ResponseReply(op.op_id, 200, conversation=StoredConversation(
+        return ResponseReply(op.op_id, conversation=StoredConversation(
             row["id"], row["created_at"], _metadata.decode(row["metadata"])))
 
     @staticmethod
     def _listing(op: ResponseOp, rows: list[ItemRow], has_more: bool) -> ResponseReply:
-        return ResponseReply(op.op_id, 200, input_items="[" + ",".join(r.item for r in rows) + "]",
+        return ResponseReply(op.op_id, input_items="[" + ",".join(r.item for r in rows) + "]",
                              item_ids=[r.item_id for r in rows], has_more=has_more)

@@ -62,7 +62,7 @@ class Loaded:
 
 @dataclass(slots=True, frozen=True)
 class Refused:
-    """A pending turn its load refused (404 previous response, 409 conversation busy, a store
+    """A pending turn its load refused (no previous response, a conversation busy, a store
     error, a prompt past the context): nothing of it was stored."""
 
     rid: str

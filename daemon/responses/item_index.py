@@ -15,7 +15,7 @@ holds one. A lookup reads only rows that still exist, so an index entry outlivin
 (deleted, pruned) never resolves; the watcher's prune drops such entries.
 
 One op's work is bounded: the rows it reads hold at most READ_BYTES, and the items it answers
-with at most REFERENCED_BYTES; past either it is a 413 that names the bound.
+with at most REFERENCED_BYTES; past either it is refused (TOO_LARGE), naming the bound.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import msgspec
 from daemon.responses.db import Database, Executor
 from daemon.responses.items import listed_ids
 from daemon.responses.rows import stored_response
+from ipc.reasons import Reason
 from ipc.response_records import ItemsLookup, ResponseOp, ResponseReply
 
 _CHUNK = 256  # rows per INSERT: well under any backend's bound on parameters
@@ -81,7 +82,7 @@ def references_reply(db: Database, op: ResponseOp, lookup: ItemsLookup) -> Respo
               if (p := _place(db, i, op.tenant)) is not None}
     rids = sorted({rid for rid, _ in places.values()})
     if not rids:
-        return ResponseReply(op.op_id, 200, input_items="[]")
+        return ResponseReply(op.op_id, input_items="[]")
     marks = ", ".join(["?"] * len(rids))
     size = db.execute(f"SELECT coalesce(sum(size), 0) AS n FROM responses WHERE id IN ({marks})",
                       rids).one()["n"]
@@ -104,7 +105,7 @@ def references_reply(db: Database, op: ResponseOp, lookup: ItemsLookup) -> Respo
     if answered > REFERENCED_BYTES:
         return _too_much(op, f"they name {answered} bytes of items; one request's references "
                          f"may name at most {REFERENCED_BYTES}")
-    return ResponseReply(op.op_id, 200, input_items=(b"[" + b",".join(found) + b"]").decode(),
+    return ResponseReply(op.op_id, input_items=(b"[" + b",".join(found) + b"]").decode(),
                          item_ids=ids, responses=[stored_response(r) for r in outputs.values()])
 
 
@@ -114,5 +115,5 @@ def _output_bytes(row: Any) -> int:
 
 
 def _too_much(op: ResponseOp, why: str) -> ResponseReply:
-    return ResponseReply(op.op_id, 413, param="input",
+    return ResponseReply(op.op_id, Reason.TOO_LARGE, param="input",
                          message=f"the item references of this request cannot be served: {why}")

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from ipc.reasons import Reason
 from ipc.response_records import ItemsPage, ResponseReply
 
 # A page holds items of at most this many bytes together (or its first item, whatever its size):
@@ -82,7 +83,7 @@ def items_reply(op_id: str, response_id: str, page: ItemsPage,
     """One page of the stored items: a reply's size follows the page, not the whole input."""
     found = page_of(response_id, input_items, page)
     if found is None:
-        return ResponseReply(op_id, 400, param="after", message=f"'after' names no input "
+        return ResponseReply(op_id, Reason.INVALID, param="after", message=f"'after' names no input "
                              f"item of response {response_id!r}: {page.after!r}")
-    return ResponseReply(op_id, 200, input_items=found.items, item_ids=found.ids,
+    return ResponseReply(op_id, input_items=found.items, item_ids=found.ids,
                          has_more=found.has_more)

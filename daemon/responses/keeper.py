@@ -28,6 +28,7 @@ from daemon.responses.events import (
     Stored,
 )
 from daemon.responses.store import previous_not_found
+from ipc.reasons import Reason
 from ipc.records import AbortCause, FinishReason, Message, Submit, Usage
 from ipc.response_records import SHUTDOWN_REASON, ResponseOp, ResponseReply
 
@@ -79,7 +80,7 @@ class Keeper:
         except Exception as e:  # one bad request must not end the thread
             log.exception("admitting %s failed", submit.rid)
             return Refused(submit.rid, Rejected(f"internal error: {type(e).__name__}: {e}",
-                                                status=500, code="internal_error"))
+                                                Reason.INTERNAL))
         return Loaded(submit.rid, prompts, placeholder)
 
     def _history(self, submit: Submit, bound: ContextBytes | None = None) -> list[Message]:
@@ -93,12 +94,11 @@ class Keeper:
             raise self._refusal("read the history of", submit.rid, exc) from None
         conversation = submit.response.conversation if submit.response else None
         if messages is None and conversation is not None:
-            raise Rejected(not_found(conversation), status=404, param="conversation",
-                           code="not_found")
+            raise Rejected(not_found(conversation), Reason.NOT_FOUND, "conversation")
         if messages is None:
             prev = submit.response.previous_response_id if submit.response else None
-            raise Rejected(previous_not_found(str(prev)), status=404,
-                           param="previous_response_id", code="previous_response_not_found")
+            raise Rejected(previous_not_found(str(prev)), Reason.PREVIOUS_RESPONSE_NOT_FOUND,
+                           "previous_response_id")
         return check_input(messages)
 
     def _admitted(self, submit: Submit) -> bool:
@@ -175,13 +175,13 @@ class Keeper:
     # --- the proxy's side -----------------------------------------------------------------------
 
     def answer(self, op: ResponseOp) -> ResponseReply:
-        """Answers one ResponseOp (ResponseStore.handle_op); a broken store answers 500 rather
+        """Answers one ResponseOp (ResponseStore.handle_op); a broken store answers STORE_ERROR rather
         than leave the client waiting."""
         try:
             return self.store.handle_op(op, op.subject in self._begun)
         except Exception as e:
             log.exception("response store failed on %s %s", op.kind, op.subject)
-            return ResponseReply(op.op_id, 500, message=f"response store error: {e}")
+            return ResponseReply(op.op_id, Reason.STORE_ERROR, message=f"response store error: {e}")
 
     # --- plumbing -------------------------------------------------------------------------------
 
@@ -205,8 +205,8 @@ class Keeper:
 
     def _refusal(self, what: str, rid: str, exc: Exception) -> Rejected:
         self._log(what, rid, exc)
-        return Rejected(f"the response store failed: {type(exc).__name__}: {exc}", status=500,
-                        code="store_error")
+        return Rejected(f"the response store failed: {type(exc).__name__}: {exc}",
+                        Reason.STORE_ERROR)
 
     def _log(self, what: str, rid: str, exc: Exception) -> None:
         log.error("response store: could not %s response %s: %s: %s", what, rid,

@@ -103,7 +103,7 @@ class Responses:
     # --- the server's side ----------------------------------------------------------------------
 
     def put_op(self, op: ResponseOp) -> ResponseReply | None:
-        """Queues a ResponseOp; or, past the queue's bounds, the 503 that answers it now."""
+        """Queues a ResponseOp; or, past the queue's bounds, the refusal (NOT_APPLIED) that answers it now."""
         return self._thread.put_op(op)
 
     def clear_ops(self) -> None:

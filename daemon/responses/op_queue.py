@@ -4,7 +4,7 @@ Each client (``ResponseOp.client``: its API key's tag, or its address on a serve
 has a queue of its own, and the clients take turns: whatever one client has waiting, another's
 op waits for at most one op of each client ahead of it. One client holds at most
 ``max_per_client`` waiting ops and all together at most ``max_waiting``; past either a new op is
-refused at once (503, not applied), so a flood costs its own client its ops, not the others.
+refused at once (NOT_APPLIED), so a flood costs its own client its ops, not the others.
 
 The store thread takes them (daemon/responses/store_thread.py: one at a time, after the engine's
 own work, and only while the replies it has not handed over are under their bound), and answers
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from ipc.reasons import Reason
 from ipc.response_records import ResponseOp, ResponseReply
 
 MAX_WAITING_OPS = 1024
@@ -33,7 +34,7 @@ class OpQueue:
         return self._count
 
     def put(self, op: ResponseOp) -> ResponseReply | None:
-        """Queues the op; or, past a bound, the 503 that answers it now (nothing applied)."""
+        """Queues the op; or, past a bound, the refusal that answers it now (nothing applied)."""
         queue = self._queues.get(op.client)
         if queue is not None and len(queue) >= self.max_per_client:
             return self._refusal(op, f"this client has {self.max_per_client} store operations "
@@ -69,4 +70,5 @@ class OpQueue:
 
     @staticmethod
     def _refusal(op: ResponseOp, why: str) -> ResponseReply:
-        return ResponseReply(op.op_id, 503, message=f"{why}; this one was not applied: retry")
+        return ResponseReply(op.op_id, Reason.NOT_APPLIED,
+                             message=f"{why}; this one was not applied: retry")

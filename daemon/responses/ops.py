@@ -17,6 +17,7 @@ from daemon.responses.db import Database
 from daemon.responses.item_index import references_reply
 from daemon.responses.items import items_reply
 from daemon.responses.rows import stored_response
+from ipc.reasons import Reason
 from ipc.response_records import (
     PLACEHOLDER_STATUSES,
     ItemsLookup,
@@ -47,7 +48,7 @@ class StoreOps:
     def handle_op(self, op: ResponseOp, running: bool) -> ResponseReply:
         """Answer one ResponseOp. ``running``: the engine holds a live session for this id.
 
-        A cancel or delete answered with status 200 obliges the caller to abort the session with
+        A cancel or delete answered as done (no reason) obliges the caller to abort the session with
         cause CANCEL (idempotent: harmless when the session has already ended).
         """
         request = op.request
@@ -59,10 +60,10 @@ class StoreOps:
         rid = request.response_id
         row = self._row(rid)
         if row is None:
-            return ResponseReply(op.op_id, 404, message=f"No response found with id '{rid}'.")
+            return ResponseReply(op.op_id, Reason.NOT_FOUND, message=f"No response found with id '{rid}'.")
         match request:
             case ResponseGet():
-                return ResponseReply(op.op_id, 200, response=stored_response(row))
+                return ResponseReply(op.op_id, response=stored_response(row))
             case ResponseInputItems(page=page):
                 return items_reply(op.op_id, rid, page, row["input_items"])
             case ResponseDelete():
@@ -92,20 +93,20 @@ class StoreOps:
         if self._is_live(row, running):
             if not row["background"]:
                 return ResponseReply(
-                    op_id, 400,
+                    op_id, Reason.INVALID,
                     message=f"Cannot delete response '{rid}' while it is {row['status']}; wait "
                     "for it to finish.",
                 )
             self._cancel_row(rid, row["owner"])
         self.placeholders.discard(rid)
         self.db.execute("DELETE FROM responses WHERE id = ?", (rid,))
-        return ResponseReply(op_id, 200, deleted=True)
+        return ResponseReply(op_id, deleted=True)
 
     def _cancel_op(self, op_id: str, row: Any) -> ResponseReply:
         rid = row["id"]
         if not row["background"]:
             return ResponseReply(
-                op_id, 400,
+                op_id, Reason.INVALID,
                 message=f"Cannot cancel response '{rid}': only background responses can be "
                 "cancelled.",
             )
@@ -116,8 +117,8 @@ class StoreOps:
             assert cancelled is not None
             row = cancelled
         elif status != ResponseStatus.CANCELLED:
-            return ResponseReply(op_id, 400, message=f"Cannot cancel a response that is {status}.")
-        return ResponseReply(op_id, 200, response=stored_response(row))
+            return ResponseReply(op_id, Reason.INVALID, message=f"Cannot cancel a response that is {status}.")
+        return ResponseReply(op_id, response=stored_response(row))
 
     def _cancel_row(self, rid: str, owner: str | None) -> None:
         """Mark it cancelled; a response another replica runs is left as a request for it."""

@@ -301,7 +301,7 @@ class ResponseStore:
         """Answer one ResponseOp (daemon/responses/ops.py). ``running``: the engine holds a live
         session for this id.
 
-        A CANCEL or DELETE answered with status 200 obliges the caller to abort the session with
+        A CANCEL or DELETE answered as done (no reason) obliges the caller to abort the session with
         cause CANCEL (idempotent: harmless when the session has already ended).
         """
         return self._ops.handle_op(op, running)
@@ -337,7 +337,7 @@ class ResponseStore:
         """At startup: end the placeholders a previous run of this replica left behind.
 
         Foreground ones are deleted (their client is long gone); background ones become
-        ``failed`` so that a client polling them sees an end rather than a 404. Rows of other
+        ``failed`` so that a client polling them sees an end rather than NOT_FOUND. Rows of other
         replicas are theirs (or their lease's) to end.
         """
         rows = self._db.execute(

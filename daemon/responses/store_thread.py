@@ -26,6 +26,7 @@ from collections.abc import Callable
 from daemon.responses.events import Result
 from daemon.responses.keeper import Keeper
 from daemon.responses.op_queue import OpQueue
+from ipc.reasons import Reason
 from ipc.response_records import ConversationItems, ResponseOp, ResponseReply
 
 log = logging.getLogger("tether.store")
@@ -64,7 +65,7 @@ class StoreThread:
             self._wake()
 
     def put_op(self, op: ResponseOp) -> ResponseReply | None:
-        """Queues the op; or, past the queue's bounds, the 503 that answers it now."""
+        """Queues the op; or, past the queue's bounds, the refusal (NOT_APPLIED) that answers it now."""
         with self._cond:
             refused = self._ops.put(op)
             if refused is None:
@@ -175,9 +176,9 @@ class StoreThread:
 
     def _answer(self, op: ResponseOp) -> ResponseReply:
         if op.deadline is not None and self.clock() >= op.deadline:
-            return ResponseReply(op.op_id, 503, message="the operation waited in the daemon's "
-                                 "queue until its proxy stopped waiting; it was not applied: "
-                                 "retry")
+            return ResponseReply(op.op_id, Reason.NOT_APPLIED,
+                                 message="the operation waited in the daemon's queue until its "
+                                 "proxy stopped waiting; it was not applied: retry")
         return self.keeper.answer(op)
 
 

@@ -1,7 +1,7 @@
 """The daemon's side of the proxy connection, on top of its pipes (ipc/daemon_side.py).
 
-It answers each Hello: a proxy of another protocol version is refused with an Error whose code
-is VERSION_MISMATCH; a new connection gets an epoch above every earlier one (`EpochCounter`)
+It answers each Hello: a proxy of another protocol version is refused with an Error whose reason
+is Reason.VERSION_MISMATCH; a new connection gets an epoch above every earlier one (`EpochCounter`)
 and a Welcome saying what model is served; a Hello repeated by the same connection (same
 nonce) gets the same epoch again. Only Submits of the current epoch are work; the others (still
 in the pipe from an earlier connection, or read after the proxy was lost or said Goodbye) come
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from ipc.connection.epochs import EpochCounter
 from ipc.daemon_side import DaemonPipes
 from ipc.loss import Loss
+from ipc.reasons import Reason
 from ipc.records import (
     PROTOCOL_VERSION,
-    VERSION_MISMATCH,
     Abort,
     Error,
     GenerationDefaults,
@@ -129,7 +129,7 @@ class DaemonConnection:
             if rec.nonce != self._refused_nonce:  # the proxy retries every few seconds
                 log.error("proxy pid %d refused: %s", rec.pid, message)
                 self._refused_nonce = rec.nonce
-            return [Error(None, message, status=500, code=VERSION_MISMATCH)]
+            return [Error(None, message, Reason.VERSION_MISMATCH)]
         out: list[ControlItem] = []
         epoch = self.epoch
         if epoch is None or rec.nonce != self._nonce:

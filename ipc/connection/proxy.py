@@ -32,11 +32,11 @@ from ipc.framing import encode, encode_control
 from ipc.loss import Loss, LossReason
 from ipc.proxy_side import DaemonUnavailable, ProxyPipes
 from ipc.proxy_writers import OutFrame
+from ipc.reasons import Reason
 from ipc.records import (
     HEARTBEAT_INTERVAL_S,
     PROTOCOL_VERSION,
     SILENCE_TIMEOUT_S,
-    VERSION_MISMATCH,
     Abort,
     AbortCause,
     Error,
@@ -259,7 +259,7 @@ class ProxyConnection:
     def _refused(self, error: Error) -> None:
         """A daemon-wide Error before the Welcome: a refusal of our Hello (another protocol
         version) ends the connection; anything else is only logged."""
-        if error.code == VERSION_MISMATCH:
+        if error.reason is Reason.VERSION_MISMATCH:
             self._mismatch(error.message)
         else:
             log.error("ipc: daemon error: %s", error.message)

@@ -23,6 +23,7 @@ from daemon.server import DaemonServer
 from ipc import daemon_side
 from ipc.framing import MAX_FRAME_BYTES, FrameDecoder, encode, encode_control
 from ipc.pipes import DaemonPipes, ensure_fifos
+from ipc.reasons import Reason
 from ipc.records import (
     PROTOCOL_VERSION,
     Abort,
@@ -283,7 +284,7 @@ def test_response_op_is_answered(daemon):
     hello(proxy)
     proxy.send(ResponseOp("op1", ResponseGet("resp_missing"), 1))
     reply = proxy.wait_for(lambda r: isinstance(r, ResponseReply))
-    assert isinstance(reply, ResponseReply) and (reply.op_id, reply.status) == ("op1", 404)
+    assert isinstance(reply, ResponseReply) and (reply.op_id, reply.reason) == ("op1", Reason.NOT_FOUND)
 
 
 def test_stop_drains_then_aborts_with_shutdown(daemon):
@@ -296,7 +297,7 @@ def test_stop_drains_then_aborts_with_shutdown(daemon):
     server.request_stop()
     proxy.send(completion("late"))
     err = proxy.wait_for(lambda r: isinstance(r, Error) and r.rid == "late")
-    assert isinstance(err, Error) and err.status == 503
+    assert isinstance(err, Error) and err.reason is Reason.SHUTTING_DOWN
     server.request_stop(force=True)  # the second signal: abort what is left
     fin = proxy.wait_for(finish_of("long"))
     assert isinstance(fin, Finish) and fin.cause is AbortCause.SHUTDOWN
@@ -348,7 +349,7 @@ def test_a_cancel_through_another_replica_is_applied_at_the_next_tick(daemon, tm
     proxy.wait_for(lambda r: isinstance(r, Delta) and r.rid == "resp_bg")
     other = ResponseStore(tmp_path / "store.db", 100, 3600.0, replica_id="other")
     cancel = ResponseOp("op-1", ResponseCancel("resp_bg"), 1)
-    assert other.handle_op(cancel, running=False).status == 200
+    assert other.handle_op(cancel, running=False).reason is None
     # The owner's watcher hands the cancel to the tick through a queue; no tick waits on it.
     watcher = server.store.watcher(server.store.db.for_thread())
     assert watcher.poll_cancels() == 1
@@ -397,11 +398,11 @@ def test_a_reply_too_large_for_a_frame_is_an_error_for_its_op_only(daemon, tmp_p
     proxy.send(ResponseOp("op1", ResponseGet("resp_huge"), 1))
     proxy.send(ResponseOp("op2", ResponseGet("resp_missing"), 1))
     huge = proxy.wait_for(lambda r: isinstance(r, ResponseReply) and r.op_id == "op1")
-    assert isinstance(huge, ResponseReply) and huge.status == 413
+    assert isinstance(huge, ResponseReply) and huge.reason is Reason.TOO_LARGE
     assert huge.message is not None and "too large" in huge.message
     assert str(MAX_FRAME_BYTES) in huge.message
     missing = proxy.wait_for(lambda r: isinstance(r, ResponseReply) and r.op_id == "op2")
-    assert isinstance(missing, ResponseReply) and missing.status == 404
+    assert isinstance(missing, ResponseReply) and missing.reason is Reason.NOT_FOUND
     proxy.send(completion("after", max_tokens=3))
     assert isinstance(proxy.wait_for(finish_of("after")), Finish)
 
@@ -421,15 +422,15 @@ def test_an_op_past_its_deadline_is_answered_and_not_applied(daemon):
     late, timely = time.monotonic() - 0.01, time.monotonic() + 30
     proxy.send(_op("late", ConversationCreate("conv_late"), deadline=late))
     proxy.send(_op("timely", ConversationCreate("conv_timely"), deadline=timely))
-    for op_id, status in (("late", 503), ("timely", 200)):
+    for op_id, reason in (("late", Reason.NOT_APPLIED), ("timely", None)):
         reply = proxy.wait_for(lambda r, i=op_id: isinstance(r, ResponseReply) and r.op_id == i)
-        assert isinstance(reply, ResponseReply) and reply.status == status, reply
+        assert isinstance(reply, ResponseReply) and reply.reason is reason, reply
     assert "not applied" in (proxy.received[-2].message or "")  # type: ignore[union-attr]
-    for cid, status in (("conv_late", 404), ("conv_timely", 200)):
+    for cid, reason in (("conv_late", Reason.NOT_FOUND), ("conv_timely", None)):
         proxy.send(_op(f"get-{cid}", ConversationGet(cid)))
         reply = proxy.wait_for(lambda r, c=cid: isinstance(r, ResponseReply)
                                and r.op_id == f"get-{c}")
-        assert isinstance(reply, ResponseReply) and reply.status == status
+        assert isinstance(reply, ResponseReply) and reply.reason is reason
 
 
 def test_slow_ops_never_hold_the_forward_pass_and_clients_take_turns(daemon, monkeypatch):

@@ -27,6 +27,16 @@ DAEMON_COUNTERS: tuple[tuple[str, dict[str, str]], ...] = (
     ("tether_engine_ticks_total", {}), ("tether_requests_finished_total", {"reason": "length"}))
 
 
+def _complete(server: Server, tokens: int) -> None:
+    """One completion of `tokens` tokens, counted in the daemon's Stats."""
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "count me", "max_tokens": tokens,
+                                            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+    wait_for(lambda: m(server.metrics(), "tether_generation_tokens_total") == tokens, 5,
+             "the daemon's Stats")
+
+
 def _streams(server: Server, count: int) -> list:
     socks = [post_raw(server, "/v1/completions", {"prompt": f"s{i}", "stream": True, **LONG})
              for i in range(count)]
@@ -55,12 +65,7 @@ def test_a_dead_daemons_counters_keep_their_last_values(tmp_path: Path) -> None:
     counters stay where they were (docs/operations.md, Metrics)."""
     server = start_server(tmp_path)
     try:
-        with server.client() as c:
-            r = c.post("/v1/completions", json={"prompt": "count me", "max_tokens": 5,
-                                                "ignore_eos": True})
-            assert r.status_code == 200, r.text
-        wait_for(lambda: m(server.metrics(), "tether_generation_tokens_total") == 5, 5,
-                 "the daemon's Stats")
+        _complete(server, 5)
         before = server.metrics()
         server.kill("daemon")
         wait_for(lambda: m(server.metrics(), "tether_daemon_up") == 0, 5, "the proxy sees it")
@@ -172,3 +177,18 @@ def test_http_answers_are_counted_by_route_template_and_status(tmp_path: Path) -
                                      ("/v1/models/{model:path}", "404"), ("unmatched", "404"))}
     assert set(counted.values()) == {1.0}
     assert not [k for k in after if "nowhere" in k or "resp_nope" in k]
+
+
+def test_each_phase_of_the_engines_step_is_timed(tmp_path: Path) -> None:
+    """schedule -> execute -> update -> emit: each phase's time, summed over the steps, in
+    tether_engine_phase_seconds_total{phase} (docs/operations.md)."""
+    phases = ("schedule", "execute", "update", "emit")
+    server = start_server(tmp_path)
+    try:
+        _complete(server, 8)
+        seen = server.metrics()
+        times = {p: m(seen, "tether_engine_phase_seconds_total", phase=p) for p in phases}
+        assert all(t > 0 for t in times.values()), times
+        assert sum(times.values()) < 60, times  # seconds: the steps of 8 tokens, not a clock
+    finally:
+        server.stop()

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from ipc.reasons import Reason
 from ipc.records import AbortCause, Finish, RequestKind, SamplingParams, Submit
 from ipc.response_records import ResponseGet
 from proxy import engine_client
@@ -32,7 +33,7 @@ async def engine(options: ProxyOptions, peer: Peer) -> AsyncIterator[EngineClien
 
 async def barrier(engine: EngineClient) -> None:
     """The peer answers a ResponseOp only after reading every control record written before it."""
-    assert (await engine.response_op(ResponseGet("resp_barrier"))).status == 404
+    assert (await engine.response_op(ResponseGet("resp_barrier"))).reason is Reason.NOT_FOUND
 
 
 def submit(rid: str, max_tokens: int = 3, prompts: int = 1, n: int = 1) -> Submit:
@@ -146,7 +147,7 @@ async def test_an_op_is_answered_as_the_daemon_answers_it_even_past_its_deadline
     await asyncio.sleep(0.3)  # past the deadline
     assert not op.done()
     peer.answer_ops = True
-    assert (await op).status == 404
+    assert (await op).reason is Reason.NOT_FOUND
 
 
 async def test_an_op_never_answered_is_503_saying_it_may_have_been_applied(

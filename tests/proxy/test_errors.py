@@ -10,8 +10,9 @@ import httpx
 import pytest
 from starlette.types import Message
 
+from ipc.reasons import Reason
 from proxy.app import create_app
-from proxy.errors import CLIENT_CLOSED_REQUEST
+from proxy.errors import CLIENT_CLOSED_REQUEST, refused
 from proxy.options import ProxyOptions
 from tests.support.peer import Peer
 from tests.support.wait import wait_until
@@ -123,3 +124,38 @@ async def test_query_parameters_are_parsed_strictly(client: httpx.AsyncClient, q
 async def test_input_items_limit_is_digits_only(client: httpx.AsyncClient) -> None:
     error = _openai_error(await client.get("/v1/responses/resp_x/input_items?limit=%205"), 400)
     assert error["param"] == "limit"
+
+
+# What clients heard for each refusal when the daemon still chose the status and the code: the
+# proxy's table must keep it (docs/api.md's errors; the e2e tests pin many of them too).
+HEARD = {
+    Reason.INVALID: (400, "invalid_request_error", None),
+    Reason.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error", "context_length_exceeded"),
+    Reason.TOO_MANY_SEQUENCES: (400, "invalid_request_error", "too_many_sequences"),
+    Reason.MAX_TOKENS_TOO_SMALL: (400, "invalid_request_error", "max_tokens_too_small"),
+    Reason.INVALID_GRAMMAR: (400, "invalid_request_error", "invalid_grammar"),
+    Reason.GRAMMAR_TOO_COMPLEX: (400, "invalid_request_error", "grammar_too_complex"),
+    Reason.GRAMMAR_TIMEOUT: (400, "invalid_request_error", "grammar_timeout"),
+    Reason.CONVERSATION_FULL: (400, "invalid_request_error", "conversation_full"),
+    Reason.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    Reason.PREVIOUS_RESPONSE_NOT_FOUND: (404, "invalid_request_error",
+                                         "previous_response_not_found"),
+    Reason.DUPLICATE_ID: (409, "invalid_request_error", None),
+    Reason.CONVERSATION_LOCKED: (409, "invalid_request_error", "conversation_locked"),
+    Reason.TOO_LARGE: (413, "invalid_request_error", None),
+    Reason.NO_STORE: (500, "server_error", None),
+    Reason.STORE_ERROR: (500, "server_error", "store_error"),
+    Reason.STORE_TIMEOUT: (503, "service_unavailable", "store_timeout"),
+    Reason.INTERNAL: (500, "server_error", "internal_error"),
+    Reason.VERSION_MISMATCH: (500, "server_error", "version_mismatch"),
+    Reason.SHUTTING_DOWN: (503, "service_unavailable", None),
+    Reason.NOT_APPLIED: (503, "service_unavailable", None),
+}
+
+
+@pytest.mark.parametrize("reason", list(Reason))
+def test_each_reason_the_daemon_refuses_for_reads_as_it_always_did(reason: Reason) -> None:
+    body = refused(reason, "why, naming the limit", "max_tokens").body()["error"]
+    status = refused(reason, "m").status
+    assert (status, body["type"], body["code"]) == HEARD[reason]
+    assert (body["message"], body["param"]) == ("why, naming the limit", "max_tokens")

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from ipc.reasons import Reason
 from ipc.records import Usage
 from ipc.response_records import ItemsLookup, ResponseReply, ResponseStatus, StoredResponse
 from proxy.errors import ApiError
@@ -24,18 +25,18 @@ STORED = StoredResponse(f"resp_{STEM}", ResponseStatus.COMPLETED, 1, "tiny", Fal
 class Store:
     """The engine's side of an ITEMS op, as the daemon answers it: what it holds of the ids."""
 
-    def __init__(self, status: int = 200) -> None:
-        self.status = status
+    def __init__(self, reason: Reason | None = None) -> None:
+        self.reason = reason
         self.ops: list[dict[str, Any]] = []
 
     async def response_op(self, lookup: ItemsLookup, **fields: Any) -> ResponseReply:
         assert isinstance(lookup, ItemsLookup)
         self.ops.append({"item_ids": lookup.item_ids, **fields})
-        if self.status != 200:
-            return ResponseReply("x", self.status, message="the store is gone")
+        if self.reason is not None:
+            return ResponseReply("x", self.reason, message="the store is gone")
         ids = [i for i in lookup.item_ids if i == "fc_mine"]
         outputs = [STORED] if any(STEM in i for i in lookup.item_ids) else []
-        return ResponseReply("x", 200, input_items=msgspec.json.encode([CALL] * len(ids)).decode(),
+        return ResponseReply("x", input_items=msgspec.json.encode([CALL] * len(ids)).decode(),
                              item_ids=ids, responses=outputs)
 
 
@@ -65,7 +66,7 @@ def test_an_id_the_store_does_not_hold_is_a_400_naming_it(item_id: str) -> None:
 
 def test_a_store_that_fails_says_so() -> None:
     with pytest.raises(ApiError) as info:
-        _resolve("fc_down", store=Store(status=500))
+        _resolve("fc_down", store=Store(Reason.STORE_ERROR))
     assert (info.value.status, info.value.message) == (500, "the store is gone")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ipc.reasons import Reason
 from ipc.records import (
     Delta,
     Error,
@@ -57,7 +58,7 @@ def test_take_stops_at_the_last_finish_and_drops_what_follows() -> None:
 
 def test_an_error_after_records_is_raised_by_the_next_take() -> None:
     s = session()
-    error = Error("r", "too long", status=400, param="prompt")
+    error = Error("r", "too long", Reason.CONTEXT_LENGTH_EXCEEDED, "prompt")
     for record in (delta(0, 1), error):
         s.push(record)
     assert s.take() == [delta(0, 1)]

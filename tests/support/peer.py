@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ipc.pipes import DaemonPipes
+from ipc.reasons import Reason
 from ipc.records import (
     PROTOCOL_VERSION,
     Abort,
@@ -151,7 +152,7 @@ class Peer:
             if not self.answer_ops:
                 self.held_ops.append(record)
                 return []
-            return [ResponseReply(record.op_id, 404, message=f"{record.subject} not found")]
+            return [ResponseReply(record.op_id, Reason.NOT_FOUND, message=f"{record.subject} not found")]
         if isinstance(record, Submit):
             self.submits.append(record)
             text = " ".join(record.prompts) + " ".join(m.content for m in record.messages)
@@ -161,8 +162,8 @@ class Peer:
                 return self._tokenize(record, text)
             if "TOO LONG" in text:
                 return [Error(record.rid, f"the prompt is longer than {MAX_MODEL_LEN} tokens",
-                              status=400, param="messages" if record.messages else "prompt",
-                              code="context_length_exceeded")]
+                              Reason.CONTEXT_LENGTH_EXCEEDED,
+                              "messages" if record.messages else "prompt")]
             count = len(record.prompts) * record.n if record.kind is RequestKind.COMPLETION \
                 else record.n
             echo = text[5:] if text.startswith("echo:") else None

@@ -5,8 +5,7 @@ from hypothesis import strategies as st
 from daemon.engine.block_manager import BlockManager, OutOfBlocks, chain_hashes
 from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import Sequence
-from daemon.engine.stops import StopMatcher
-from daemon.model.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from daemon.model.tokenizer import ByteTokenizer
 from ipc.records import SamplingParams
 
 TOK = ByteTokenizer()
@@ -83,7 +82,7 @@ def test_double_free_is_refused():
 def make_seq(prompt_len: int, n: int, max_tokens: int) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens)
     ids = [65 + i % 26 for i in range(prompt_len)]
-    group = [Sequence("r", i, list(ids), params, IncrementalDetokenizer(TOK), StopMatcher([]))
+    group = [Sequence("r", i, list(ids), params)
              for i in range(n)]
     group[0].fork_children = group[1:]
     return group[0]
@@ -111,7 +110,8 @@ def test_scheduler_never_leaks_or_double_books_blocks(program):
         assert batch.num_prefill_tokens + batch.num_decode_tokens <= 24
         for chunk in batch.chunks:
             assert len(chunk.block_table) * 16 >= chunk.start_pos + len(chunk.token_ids)
-        for seq in sched.postprocess(batch)[1]:
+        sched.update(batch)
+        for seq in batch.sampled:
             seq.token_ids.append(1)
             if seq.num_generated >= seq.params.max_tokens:
                 sched.finish(seq)

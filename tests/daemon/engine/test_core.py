@@ -9,6 +9,7 @@ from daemon.engine.core import Engine
 from daemon.engine.figures import LOGGED_TICKS
 from daemon.model.loader import load_model
 from daemon.model.runner import ModelRunner
+from ipc.reasons import Reason
 from ipc.records import (
     AbortCause,
     Admitted,
@@ -217,18 +218,18 @@ def test_tokens_after_disconnect_counts_ticks_started_after_it():
     assert engine.stats().abort_latency_obs == []  # observations are handed out once
 
 
-@pytest.mark.parametrize(("submit", "param", "status"), [
-    (completion("a", "x" * 500, max_tokens=20), "max_tokens", 400),
-    (completion("a", "", max_tokens=20), "prompt", 400),
-    (completion("a", n=9), "n", 400),
-    (completion("a", stop_token_ids=[10**6], min_tokens=2), "stop_token_ids", 400),
-    (Submit("a", RequestKind.CHAT, SamplingParams(), epoch=1), "messages", 400),
+@pytest.mark.parametrize(("submit", "param", "reason"), [
+    (completion("a", "x" * 500, max_tokens=20), "max_tokens", Reason.CONTEXT_LENGTH_EXCEEDED),
+    (completion("a", "", max_tokens=20), "prompt", Reason.INVALID),
+    (completion("a", n=9), "n", Reason.INVALID),
+    (completion("a", stop_token_ids=[10**6], min_tokens=2), "stop_token_ids", Reason.INVALID),
+    (Submit("a", RequestKind.CHAT, SamplingParams(), epoch=1), "messages", Reason.INVALID),
 ])
-def test_invalid_requests_are_rejected_naming_the_field(submit, param, status):
+def test_invalid_requests_are_rejected_naming_the_field(submit, param, reason):
     engine, _runner = make_engine()
     [err] = engine.submit(submit)
     assert isinstance(err, Error) and err.rid == "a"
-    assert (err.param, err.status) == (param, status)
+    assert (err.param, err.reason) == (param, reason)
     assert not engine.has_work
 
 

@@ -4,6 +4,7 @@ placeholder, background ones kept through a proxy's loss."""
 import msgspec
 
 from daemon.responses.store import ResponseStore
+from ipc.reasons import Reason
 from ipc.records import (
     AbortCause,
     Error,
@@ -25,9 +26,9 @@ def response(rid: str, text: str, previous: str | None = None,
                   response=fields, epoch=1)
 
 
-def get(store: ResponseStore, rid: str) -> tuple[int, dict | None]:
+def get(store: ResponseStore, rid: str) -> tuple[Reason | None, dict | None]:
     reply = store.handle_op(ResponseOp("op", ResponseGet(rid), 1), running=False)
-    return reply.status, None if reply.response is None else msgspec.to_builtins(reply.response)
+    return reply.reason, None if reply.response is None else msgspec.to_builtins(reply.response)
 
 
 def test_response_is_stored_and_continued():
@@ -38,8 +39,8 @@ def test_response_is_stored_and_continued():
     settle(engine)
     assert store.num_placeholders() == 1
     run(engine)
-    status, body = get(store, "resp_1")
-    assert status == 200 and body is not None and body["status"] == "completed"
+    reason, body = get(store, "resp_1")
+    assert reason is None and body is not None and body["status"] == "completed"
     engine.submit(response("resp_2", "second", previous="resp_1"))
     run(engine)
     assert "first" in TOK.decode(runner.context(runner.passes[-2][0]))
@@ -50,7 +51,7 @@ def test_unknown_previous_response_is_404():
     engine, _ = make_engine(store=ResponseStore(None, 100, 3600.0))
     out = engine.submit(response("resp_x", "hi", previous="resp_missing")) + settle(engine)
     [err] = [r for r in out if isinstance(r, Error)]
-    assert (err.status, err.param) == (404, "previous_response_id")
+    assert (err.reason, err.param) == (Reason.PREVIOUS_RESPONSE_NOT_FOUND, "previous_response_id")
 
 
 def test_foreground_abort_removes_the_placeholder_background_cancel_keeps_it():
@@ -63,9 +64,9 @@ def test_foreground_abort_removes_the_placeholder_background_cancel_keeps_it():
     engine.abort("resp_fg", AbortCause.CLIENT_DISCONNECT)
     engine.abort("resp_bg", AbortCause.CANCEL)
     settle(engine)
-    assert get(store, "resp_fg")[0] == 404
-    status, body = get(store, "resp_bg")
-    assert status == 200 and body is not None and body["status"] == "cancelled"
+    assert get(store, "resp_fg")[0] is Reason.NOT_FOUND
+    reason, body = get(store, "resp_bg")
+    assert reason is None and body is not None and body["status"] == "cancelled"
     assert store.num_placeholders() == 0
 
 
@@ -112,4 +113,4 @@ def test_a_background_response_stopped_by_shutdown_is_stored_incomplete_with_wha
     assert body["incomplete_reason"] == SHUTDOWN_REASON and body["error"] is None
     assert body["output_text"] == "aaaaa"
     assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] > 0
-    assert get(store, "resp_fg")[0] == 404
+    assert get(store, "resp_fg")[0] is Reason.NOT_FOUND

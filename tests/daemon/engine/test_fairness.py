@@ -4,6 +4,7 @@ block table after a preemption gives a wrong token)."""
 
 from __future__ import annotations
 
+from ipc.reasons import Reason
 from ipc.records import Delta, Error, Finish, Submit
 from tests.support.engine_kit import completion, finishes, make_engine, run, texts
 
@@ -52,11 +53,11 @@ def test_a_small_request_behind_a_big_one_finishes_first_with_its_own_text() -> 
 
 def test_a_request_over_the_sequence_cap_is_refused_naming_the_field() -> None:
     engine, _ = make_engine()
-    engine.max_seqs_per_request = 16
+    engine.intake.max_seqs_per_request = 16
     wide = completion("wide", n=8)
     wide.prompts = ["a", "b", "c"]
     [err] = engine.submit(wide)
-    assert isinstance(err, Error) and (err.param, err.status) == ("n", 400)
+    assert isinstance(err, Error) and (err.param, err.reason) == ("n", Reason.TOO_MANY_SEQUENCES)
     assert "24 sequences" in err.message and "16" in err.message
     many = completion("many")
     many.prompts = ["p"] * 17

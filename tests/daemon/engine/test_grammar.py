@@ -20,6 +20,7 @@ from daemon.engine.closing import SearchBound, closing
 from daemon.engine.constraint import Constraint
 from daemon.engine.grammar import SMALL_SPEC_BYTES, Compiled, GrammarError, Grammars
 from daemon.model.tokenizer import ByteTokenizer
+from ipc.reasons import Reason
 from ipc.records import Guide, GuideKind
 
 TOK = ByteTokenizer()
@@ -290,7 +291,7 @@ def test_a_grammar_whose_output_cannot_be_bounded_is_refused_once() -> None:
     for _ in range(2):
         with pytest.raises(GrammarError, match="limit") as info:
             fresh.compile(guide).result(timeout=30)
-        assert info.value.code == "grammar_too_complex"
+        assert info.value.reason is Reason.GRAMMAR_TOO_COMPLEX
     assert (fresh.num_misses, fresh.num_hits) == (1, 1)
 
 

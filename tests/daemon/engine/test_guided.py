@@ -11,6 +11,7 @@ import jsonschema
 from daemon.engine.grammar import Compiled, Grammars
 from daemon.engine.guided import Guidance
 from daemon.responses.store import ResponseStore
+from ipc.reasons import Reason
 from ipc.records import (
     AbortCause,
     Error,
@@ -77,7 +78,7 @@ def test_a_grammar_that_cannot_compile_is_the_request_s_400():
                 source="response_format")
     engine.submit(completion("bad", max_tokens=20, guide=bad))
     [error] = run(engine)
-    assert isinstance(error, Error) and error.status == 400
+    assert isinstance(error, Error) and error.reason is Reason.INVALID_GRAMMAR
     assert error.param == "response_format" and "uniqueItems" in error.message
     assert not engine.sessions
 
@@ -160,8 +161,8 @@ def test_a_grammar_at_its_parser_limit_ends_its_own_request_with_a_400():
     engine.submit(completion("plain", max_tokens=300, ignore_eos=True))
     out = run(engine, max_ticks=1000)
     [error] = [r for r in out if isinstance(r, Error)]
-    assert (error.rid, error.status, error.param, error.code) == (
-        "amb", 400, "guided_grammar", "grammar_too_complex")
+    assert (error.rid, error.param, error.reason) == (
+        "amb", "guided_grammar", Reason.GRAMMAR_TOO_COMPLEX)
     assert "parser items" in error.message
     assert not finishes(out, "amb") and not engine.sessions
     assert finishes(out, "plain")[0].reason is FinishReason.LENGTH

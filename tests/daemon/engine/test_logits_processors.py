@@ -11,8 +11,7 @@ import torch
 from daemon.engine.logits_processors import LogitsProcessors, bad_word_ids, banned_ids
 from daemon.engine.sampler import Sampler, seed_for
 from daemon.engine.sequence import Sequence
-from daemon.engine.stops import StopMatcher
-from daemon.model.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from daemon.model.tokenizer import ByteTokenizer
 from ipc.records import AbortCause, SamplingParams
 from tests.support.engine_kit import completion, make_engine
 
@@ -23,8 +22,8 @@ EOS = 15
 
 def seq(prompt: list[int], output: list[int] = (), index: int = 0, seed: int | None = None,  # type: ignore[assignment]
         bad_words: list[list[int]] | None = None, **params: object) -> Sequence:
-    s = Sequence("r", index, list(prompt), SamplingParams(**params), IncrementalDetokenizer(TOK),  # type: ignore[arg-type]
-                 StopMatcher([]), seed=None if seed is None else seed_for(seed, index),
+    s = Sequence("r", index, list(prompt), SamplingParams(**params),  # type: ignore[arg-type]
+                 seed=None if seed is None else seed_for(seed, index),
                  bad_words=bad_words or [])
     s.token_ids += list(output)
     return s
@@ -88,7 +87,7 @@ def test_counts_follow_the_emitted_tokens_and_go_back_with_the_sequence() -> Non
     s = seq([1], [], frequency_penalty=1.0)
     for token in (4, 4, 6):  # as the engine does: process, sample, count what was emitted
         processors(logits([0.0] * VOCAB), [s])
-        processors.count([s], [token])
+        processors.count([s], [[token]])
         s.token_ids.append(token)
     out = processors(logits([0.0] * VOCAB), [s])
     assert out[0, 4] == -2.0 and out[0, 6] == -1.0 and out[0, 1] == 0.0
@@ -157,7 +156,7 @@ def test_seeded_penalised_sampling_repeats_whatever_shares_the_batch(batch: int)
         for _ in range(24):
             seqs = [*crowd, target]
             tokens = sampler(torch.linspace(0, 1, VOCAB).repeat(len(seqs), 1), seqs)
-            sampler.count(seqs, tokens)
+            sampler.count(seqs, [[t] for t in tokens])
             for s, t in zip(seqs, tokens, strict=True):
                 s.token_ids.append(t)
             out.append(tokens[-1])
@@ -189,7 +188,7 @@ def test_only_the_sampled_ids_are_read_back(monkeypatch: pytest.MonkeyPatch) -> 
     raw = torch.randn(3, VOCAB)
     before = raw.clone()
     tokens = sampler(raw, seqs)
-    sampler.count(seqs, tokens)
+    sampler.count(seqs, [[t] for t in tokens])
     assert reads == ["tolist"]
     assert torch.equal(raw, before)
 

@@ -3,8 +3,7 @@ import torch
 
 from daemon.engine.sampler import Sampler, seed_for
 from daemon.engine.sequence import Sequence
-from daemon.engine.stops import StopMatcher
-from daemon.model.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from daemon.model.tokenizer import ByteTokenizer
 from ipc.records import SamplingParams
 
 TOK = ByteTokenizer()
@@ -13,8 +12,8 @@ EOS = 7
 
 
 def seq(index: int = 0, seed: int | None = None, generated: int = 0, **params) -> Sequence:
-    s = Sequence("r", index, [1, 2, 3], SamplingParams(**params), IncrementalDetokenizer(TOK),
-                 StopMatcher([]), seed=None if seed is None else seed_for(seed, index))
+    s = Sequence("r", index, [1, 2, 3], SamplingParams(**params),
+                 seed=None if seed is None else seed_for(seed, index))
     s.token_ids += [5] * generated
     return s
 
@@ -147,6 +146,5 @@ def test_a_plain_batch_draws_what_the_full_path_draws():
     ({"frequency_penalty": 0.5}, {}), ({"repetition_penalty": 1.1}, {}),
     ({}, {"seed": 1}), ({}, {"bad_words": [[120]]})])
 def test_any_sampling_field_takes_the_full_path(params, held):
-    s = Sequence("r", 0, [1, 2, 3], SamplingParams(**params), IncrementalDetokenizer(TOK),
-                 StopMatcher([]), **held)
+    s = Sequence("r", 0, [1, 2, 3], SamplingParams(**params), **held)
     assert not s.plain_draw

@@ -1,10 +1,8 @@
 from daemon.engine.block_manager import BlockManager
 from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import SeqStatus, Sequence
-from daemon.engine.stops import StopMatcher
-from daemon.model.tokenizer import IncrementalDetokenizer
 from ipc.records import SamplingParams
-from tests.support.scheduler_kit import TOK, run_tick, scheduler, seq
+from tests.support.scheduler_kit import run_tick, scheduler, seq
 
 
 def test_long_prompt_is_prefilled_in_chunks_under_the_budget():
@@ -102,7 +100,8 @@ def test_n_children_fork_the_prompt_blocks_once_it_is_prefilled():
     sched.add(parent)
     batch = sched.schedule()
     assert batch.seqs == [parent]  # the prompt is computed once
-    rows, sampled = sched.postprocess(batch)
+    sampled, rows = batch.sampled, batch.rows
+    sched.update(batch)
     assert [(row, s.index) for row, s in zip(rows, sampled, strict=True)] == [(0, 0), (0, 1), (0, 2)]
     full = parent.block_table[0]
     assert all(c.block_table[0] == full for c in children)
@@ -128,8 +127,7 @@ def test_fork_waits_until_blocks_for_the_copies_are_free():
 
 
 def seq_of(tokens: list[int], rid: str, n: int = 1) -> Sequence:
-    group = [Sequence(rid, i, list(tokens), SamplingParams(), IncrementalDetokenizer(TOK),
-                      StopMatcher([])) for i in range(n)]
+    group = [Sequence(rid, i, list(tokens), SamplingParams()) for i in range(n)]
     group[0].fork_children = group[1:]
     return group[0]
 
@@ -211,7 +209,7 @@ def test_forks_share_cached_blocks_and_copy_the_partial_one():
     sched.add(parent)
     batch = sched.schedule()
     assert [(c.start_pos, len(c.token_ids)) for c in batch.chunks] == [(32, 8)]
-    sched.postprocess(batch)
+    sched.update(batch)
     shared = parent.block_table[:2]
     assert all(c.block_table[:2] == shared for c in children)
     assert all(sched.block_manager.ref_count(b) == 3 for b in shared)

@@ -1,4 +1,4 @@
-from daemon.engine.sequence import _TICK_MEMORY, TickHistory
+from daemon.engine.session import _TICK_MEMORY, TickHistory
 
 
 def test_tokens_after_counts_only_ticks_that_started_later() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from daemon.engine.stored import LOAD_TIMEOUT_S
 from daemon.responses.store import ResponseStore
+from ipc.reasons import Reason
 from ipc.records import (
     AbortCause,
     Admitted,
@@ -119,7 +120,7 @@ def test_a_cancel_that_wins_over_the_last_tokens_ends_the_turn_cancelled(
         out += engine.step()
     assert store.reached.wait(30)
     other = ResponseStore(tmp_path / "store.db", 100, 3600.0, replica_id="other")
-    assert other.handle_op(ResponseOp("op", ResponseCancel("resp_bg"), 1), False).status == 200
+    assert other.handle_op(ResponseOp("op", ResponseCancel("resp_bg"), 1), False).reason is None
     store.open.set()
     [end] = finishes(out + run(engine), "resp_bg")
     assert (end.reason, end.cause) == (FinishReason.ABORT, AbortCause.CANCEL)
@@ -137,7 +138,7 @@ def test_a_load_the_store_never_answers_is_a_503_and_leaves_nothing() -> None:
     assert engine.from_store() == []
     engine.clock.now += LOAD_TIMEOUT_S  # type: ignore[attr-defined]
     [error] = engine.from_store()
-    assert isinstance(error, Error) and (error.status, error.code) == (503, "store_timeout")
+    assert isinstance(error, Error) and error.reason is Reason.STORE_TIMEOUT
     assert not engine.is_running("resp_1") and not engine.waiting_for_store
     store.open.set()
     assert settle(engine) == []

@@ -8,6 +8,7 @@ from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.conversations import ConversationLimits
 from daemon.responses.items import PAGE_BYTES
 from daemon.responses.store import ResponseStore
+from ipc.reasons import Reason
 from ipc.records import Message, RequestKind, ResponseFields, SamplingParams, Submit, Usage
 from ipc.response_records import (
     ConversationCreate,
@@ -43,7 +44,7 @@ def op(store: ResponseStore, request: StoreRequest, tenant: str = "") -> Respons
 
 
 def texts(reply: ResponseReply) -> list[str]:
-    assert reply.status == 200 and reply.input_items is not None, reply
+    assert reply.reason is None and reply.input_items is not None, reply
     objects = input_item_objects(reply.input_items, reply.item_ids)
     return [o["content"][0]["text"] for o in objects]
 
@@ -71,15 +72,15 @@ def store(open_store: Open) -> ResponseStore:
 
 def test_create_get_update_delete(store: ResponseStore) -> None:
     reply = op(store, ConversationCreate("conv_1", items=user_items("a", "b"), metadata={"k": "v"}))
-    assert reply.status == 200 and reply.conversation is not None
+    assert reply.reason is None and reply.conversation is not None
     assert reply.conversation.metadata == {"k": "v"}
     got = op(store, ConversationGet("conv_1"))
     assert got.conversation is not None and got.conversation.metadata == {"k": "v"}
     assert op(store, ConversationUpdate("conv_1", {"x": "y"})).conversation.metadata == {"x": "y"}
     assert store.conversation_counts() == (1, 2)
     assert op(store, ConversationDelete("conv_1")).deleted
-    assert op(store, ConversationGet("conv_1")).status == 404
-    assert op(store, ConversationItemsList("conv_1")).status == 404
+    assert op(store, ConversationGet("conv_1")).reason is Reason.NOT_FOUND
+    assert op(store, ConversationItemsList("conv_1")).reason is Reason.NOT_FOUND
     assert store.conversation_counts() == (0, 0)
 
 
@@ -98,9 +99,9 @@ def test_items_page_append_get_delete(store: ResponseStore) -> None:
     c_id = added.item_ids[0]
     assert texts(op(store, ConversationItemGet("conv_1", c_id))) == ["c"]
     assert op(store, ConversationItemDelete("conv_1", c_id)).conversation is not None
-    assert op(store, ConversationItemGet("conv_1", c_id)).status == 404
-    assert op(store, ConversationItemDelete("conv_1", c_id)).status == 404
-    assert op(store, ConversationItemsList("conv_1", ItemsPage(after="nope"))).status == 400
+    assert op(store, ConversationItemGet("conv_1", c_id)).reason is Reason.NOT_FOUND
+    assert op(store, ConversationItemDelete("conv_1", c_id)).reason is Reason.NOT_FOUND
+    assert op(store, ConversationItemsList("conv_1", ItemsPage(after="nope"))).reason is Reason.INVALID
     assert store.conversation_counts() == (1, 4)
 
 
@@ -139,8 +140,8 @@ def test_a_second_turn_while_one_runs_is_409_naming_it(open_store: Open) -> None
     start(one, turn("resp_1", "a"))
     with pytest.raises(Rejected, match="resp_1") as exc:
         start(two, turn("resp_2", "b"))
-    assert exc.value.status == 409
-    assert two.handle_op(ResponseOp("g", ResponseGet("resp_2"), 1), running=False).status == 404
+    assert exc.value.reason is Reason.CONVERSATION_LOCKED
+    assert two.handle_op(ResponseOp("g", ResponseGet("resp_2"), 1), running=False).reason is Reason.NOT_FOUND
     one.complete("resp_1", "done", Usage(1, 1))
     start(two, turn("resp_2", "b"))
     two.complete("resp_2", "done too", Usage(1, 1))
@@ -161,9 +162,10 @@ def test_unknown_and_full_conversations_are_refused(open_store: Open) -> None:
     op(store, ConversationCreate("conv_1", items=user_items("a", "b")))
     with pytest.raises(Rejected) as exc:
         start(store, turn("resp_1", "c"))  # its input and its output: 4 > 3
-    assert exc.value.status == 400
-    assert op(store, ConversationItemsAdd("conv_1", user_items("c", "d"))).status == 400
-    assert op(store, ConversationItemsAdd("conv_1", user_items("c"))).status == 200
+    assert exc.value.reason is Reason.CONVERSATION_FULL
+    full = op(store, ConversationItemsAdd("conv_1", user_items("c", "d")))
+    assert full.reason is Reason.CONVERSATION_FULL
+    assert op(store, ConversationItemsAdd("conv_1", user_items("c"))).reason is None
 
 
 def test_prune_by_count_age_and_bytes(open_store: Open, clock: Clock) -> None:
@@ -173,7 +175,7 @@ def test_prune_by_count_age_and_bytes(open_store: Open, clock: Clock) -> None:
         clock.now += 1
         op(store, ConversationCreate(f"conv_{i}", items=user_items(str(i))))
     assert store.conversations.prune() == 1
-    assert op(store, ConversationGet("conv_0")).status == 404
+    assert op(store, ConversationGet("conv_0")).reason is Reason.NOT_FOUND
     assert store.conversation_counts() == (2, 2)
     op(store, ConversationItemsAdd("conv_2", user_items("x" * 20_000)))
     op(store, ConversationGet("conv_1"))  # a read is no change: conv_1 stays the oldest
@@ -195,8 +197,7 @@ def test_a_turn_whose_conversation_cannot_fit_is_refused_before_its_items_are_re
     store.db.trace = reads.append
     with pytest.raises(Rejected) as exc:
         store.conversation(turn("resp_1", "hi"), ContextBytes(100, 12))  # 1,202 > 1,200 bytes
-    assert (exc.value.status, exc.value.param, exc.value.code) == (
-        400, "conversation", "context_length_exceeded")
+    assert (exc.value.param, exc.value.reason) == ("conversation", Reason.CONTEXT_LENGTH_EXCEEDED)
     assert "1202" in exc.value.message and "1200" in exc.value.message
     assert not [sql for sql in reads if "conversation_items" in sql]
     assert store.conversation(turn("resp_1", "hi"), ContextBytes(101, 12)) is not None
@@ -233,5 +234,5 @@ def test_retention_is_fair_between_tenants(open_store: Open, clock: Clock) -> No
         op(store, ConversationCreate(f"conv_{i}"), tenant="b")
     assert store.conversations.prune() == 3
     kept = [cid for cid in ["conv_mine", *[f"conv_{i}" for i in range(6)]]
-            if op(store, ConversationGet(cid)).status == 200]
+            if op(store, ConversationGet(cid)).reason is None]
     assert kept == ["conv_mine", "conv_3", "conv_4", "conv_5"]

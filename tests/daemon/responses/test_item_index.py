@@ -11,6 +11,7 @@ import msgspec
 
 from daemon.responses import item_index
 from daemon.responses.store import ResponseStore
+from ipc.reasons import Reason
 from ipc.records import Message, Usage
 from ipc.response_records import ItemsLookup, ResponseDelete, ResponseOp, ResponseReply
 from tests.daemon.responses.test_store import Clock, op, submit, target
@@ -48,7 +49,7 @@ def _ask(store: ResponseStore, *ids: str, tenant: str = "") -> ResponseReply:
 def _found(store: ResponseStore, *ids: str, tenant: str = "") -> dict[str, Any]:
     """Each id found: its input item as stored, or the id of the response holding it."""
     reply = _ask(store, *ids, tenant=tenant)
-    assert reply.status == 200, reply
+    assert reply.reason is None, reply
     found: dict[str, Any] = dict(zip(reply.item_ids, msgspec.json.decode(reply.input_items or "[]"),
                                      strict=True))
     for stored in reply.responses:
@@ -73,7 +74,7 @@ def test_output_items_name_their_response_and_nothing_outlives_it(target: Path |
     # (the proxy picks the call out of the response's output)
     assert _found(store, f"msg_{STEM}", f"fc_{STEM}_0", "fc_feed_0") == {
         f"msg_{STEM}": f"resp_{STEM}", f"fc_{STEM}_0": f"resp_{STEM}"}
-    assert store.handle_op(op(ResponseDelete(f"resp_{STEM}")), running=False).status == 200
+    assert store.handle_op(op(ResponseDelete(f"resp_{STEM}")), running=False).reason is None
     assert _found(store, "msg_client", f"msg_{STEM}") == {}
     store.prune()
     assert store.db.execute("SELECT count(*) AS n FROM response_items").one()["n"] == 0
@@ -107,9 +108,9 @@ def test_a_tenant_reaches_only_its_own_items(target: Path | str) -> None:
 def test_what_one_op_reads_and_answers_is_bounded(target: Path | str, monkeypatch: Any) -> None:
     store = _store(target, Clock())
     monkeypatch.setattr(item_index, "REFERENCED_BYTES", 100)  # msg_client's item holds 65
-    assert _ask(store, "msg_client").status == 200
+    assert _ask(store, "msg_client").reason is None
     reply = _ask(store, "msg_client", "fc_client")
-    assert reply.status == 413 and reply.message is not None and "at most 100" in reply.message
+    assert reply.reason is Reason.TOO_LARGE and reply.message is not None and "at most 100" in reply.message
     monkeypatch.setattr(item_index, "READ_BYTES", 200)  # the row stores more
     reply = _ask(store, "msg_client")
-    assert reply.status == 413 and reply.message is not None and "at most 200" in reply.message
+    assert reply.reason is Reason.TOO_LARGE and reply.message is not None and "at most 200" in reply.message

@@ -15,6 +15,7 @@ import pytest
 from daemon.engine.core import Engine
 from daemon.model.tokenizer import ByteTokenizer
 from daemon.responses.store import ResponseStore
+from ipc.reasons import Reason
 from ipc.records import (
     AbortCause,
     Admitted,
@@ -101,8 +102,8 @@ def test_a_read_only_store_costs_each_session_alone(
         # A new stored response is refused with a clear error; a completion is untouched.
         [refused] = [r for r in engine.submit(response("resp_new")) + settle(engine)
                      if isinstance(r, Error)]
-        assert refused.status == 500
-        assert refused.code == "store_error" and "readonly" in refused.message
+        assert refused.reason is Reason.STORE_ERROR
+        assert "readonly" in refused.message
         rest = run(engine)
     other = [r for r in out + rest if getattr(r, "rid", None) == "other"]
     assert "".join(r.text for r in other if isinstance(r, Delta)) == "a" * 40
@@ -152,6 +153,6 @@ def test_a_broken_store_answers_a_response_op_with_500(
         answered = responses.take_reply()
     assert answered is not None
     reply = answered[1]
-    assert (reply.op_id, reply.status) == ("op", 500)
+    assert (reply.op_id, reply.reason) == ("op", Reason.STORE_ERROR)
     assert (reply.message or "").startswith("response store error: ")
     assert any("resp_x" in line for line in store_errors(caplog))

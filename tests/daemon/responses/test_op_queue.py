@@ -2,6 +2,7 @@
 places is refused at once (503, not applied) while another still gets in."""
 
 from daemon.responses.op_queue import OpQueue
+from ipc.reasons import Reason
 from ipc.response_records import ResponseGet, ResponseOp
 
 
@@ -26,8 +27,9 @@ def test_a_client_past_its_places_is_refused_and_another_is_not() -> None:
     queue = OpQueue(max_waiting=5, max_per_client=3)
     assert [queue.put(_op("a", i)) for i in range(3)] == [None] * 3
     refused = queue.put(_op("a", 3))
-    assert refused is not None and refused.status == 503 and refused.op_id == "a-3"
+    assert refused is not None and refused.reason is Reason.NOT_APPLIED and refused.op_id == "a-3"
     assert refused.message is not None and "not applied" in refused.message
     assert queue.put(_op("b", 0)) is None and queue.put(_op("c", 0)) is None
     full = queue.put(_op("d", 0))
-    assert full is not None and full.status == 503 and "5 store operations" in (full.message or "")
+    assert full is not None and full.reason is Reason.NOT_APPLIED
+    assert "5 store operations" in (full.message or "")

@@ -12,6 +12,7 @@ from openai.types.responses import Response
 
 from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.store import CRASHED_MESSAGE, SCHEMA_VERSION, ResponseStore, StoreError
+from ipc.reasons import Reason
 from ipc.records import Message, RequestKind, ResponseFields, SamplingParams, Submit, Usage
 from ipc.response_records import (
     ResponseCancel,
@@ -67,7 +68,7 @@ def response_object(reply: ResponseReply) -> dict[str, Any] | None:
 
 def get(store: ResponseStore, rid: str) -> tuple[int, dict[str, Any] | None]:
     reply = store.handle_op(op(ResponseGet(rid)), running=False)
-    return reply.status, response_object(reply)
+    return reply.reason, response_object(reply)
 
 
 @pytest.fixture
@@ -109,14 +110,14 @@ def store(open_store: Open) -> ResponseStore:
 def test_placeholder_lifecycle(store: ResponseStore) -> None:
     store.begin(submit("resp_1", instructions="be brief"))
     assert store.num_placeholders() == 1
-    status, body = get(store, "resp_1")
-    assert status == 200 and body is not None
+    reason, body = get(store, "resp_1")
+    assert reason is None and body is not None
     assert body["status"] == "in_progress" and body["output"] == []
 
     store.complete("resp_1", "hello", Usage(4, 2))
     assert store.num_placeholders() == 0
-    status, body = get(store, "resp_1")
-    assert status == 200
+    reason, body = get(store, "resp_1")
+    assert reason is None
     parsed = Response.model_validate(body)
     assert parsed.status == "completed"
     assert parsed.output_text == "hello"
@@ -137,7 +138,7 @@ def test_store_false_leaves_no_row(store: ResponseStore) -> None:
     store.begin(submit("resp_1", store=False))
     assert store.num_placeholders() == 0
     store.complete("resp_1", "x", Usage(1, 1))
-    assert get(store, "resp_1")[0] == 404
+    assert get(store, "resp_1")[0] is Reason.NOT_FOUND
     assert store.num_stored() == 0
 
 
@@ -145,9 +146,9 @@ def test_remove_on_abort_deletes_the_placeholder(store: ResponseStore) -> None:
     store.begin(submit("resp_1"))
     store.remove("resp_1")
     assert store.num_placeholders() == 0
-    status = store.handle_op(op(ResponseGet("resp_1")), running=False)
-    assert status.status == 404
-    assert status.message == "No response found with id 'resp_1'."
+    gone = store.handle_op(op(ResponseGet("resp_1")), running=False)
+    assert gone.reason is Reason.NOT_FOUND
+    assert gone.message == "No response found with id 'resp_1'."
 
 
 def test_failed_response_keeps_its_error(store: ResponseStore) -> None:
@@ -162,7 +163,7 @@ def test_background_cancel_stays_cancelled_after_a_late_finish(store: ResponseSt
     store.begin(submit("resp_bg", background=True))
     assert get(store, "resp_bg")[1]["status"] == "queued"  # type: ignore[index]
     reply = store.handle_op(op(ResponseCancel("resp_bg")), running=True)
-    assert reply.status == 200
+    assert reply.reason is None
     assert Response.model_validate(response_object(reply)).status == "cancelled"
     assert store.num_placeholders() == 0
 
@@ -170,40 +171,40 @@ def test_background_cancel_stays_cancelled_after_a_late_finish(store: ResponseSt
     store.complete("resp_bg", "late", Usage(1, 1))
     store.fail("resp_bg", "late")
     store.remove("resp_bg")
-    status, body = get(store, "resp_bg")
-    assert status == 200 and body is not None
+    reason, body = get(store, "resp_bg")
+    assert reason is None and body is not None
     assert body["status"] == "cancelled" and body["output"] == [] and body["error"] is None
 
     again = store.handle_op(op(ResponseCancel("resp_bg")), running=False)
-    assert again.status == 200
+    assert again.reason is None
 
 
 def test_cancel_refusals(store: ResponseStore) -> None:
     store.begin(submit("resp_done", background=True))
     store.complete("resp_done", "x", Usage(1, 1))
     reply = store.handle_op(op(ResponseCancel("resp_done")), running=False)
-    assert reply.status == 400
+    assert reply.reason is Reason.INVALID
     assert reply.message == "Cannot cancel a response that is completed."
 
     store.begin(submit("resp_fg"))
     reply = store.handle_op(op(ResponseCancel("resp_fg")), running=True)
-    assert reply.status == 400 and "only background" in (reply.message or "")
+    assert reply.reason is Reason.INVALID and "only background" in (reply.message or "")
     assert get(store, "resp_fg")[1]["status"] == "in_progress"  # type: ignore[index]
 
-    assert store.handle_op(op(ResponseCancel("resp_nope")), running=False).status == 404
+    assert store.handle_op(op(ResponseCancel("resp_nope")), running=False).reason is Reason.NOT_FOUND
 
 
 def test_delete(store: ResponseStore) -> None:
     store.begin(submit("resp_1"))
     busy = store.handle_op(op(ResponseDelete("resp_1")), running=True)
-    assert busy.status == 400 and "in_progress" in (busy.message or "")
+    assert busy.reason is Reason.INVALID and "in_progress" in (busy.message or "")
 
     store.complete("resp_1", "x", Usage(1, 1))
     reply = store.handle_op(op(ResponseDelete("resp_1")), running=False)
-    assert reply.status == 200
+    assert reply.reason is None
     assert reply.deleted and reply.response is None
-    assert get(store, "resp_1")[0] == 404
-    assert store.handle_op(op(ResponseDelete("resp_1")), running=False).status == 404
+    assert get(store, "resp_1")[0] is Reason.NOT_FOUND
+    assert store.handle_op(op(ResponseDelete("resp_1")), running=False).reason is Reason.NOT_FOUND
 
 
 def test_delete_cancels_a_live_background_response_first(open_store: Open) -> None:
@@ -211,12 +212,12 @@ def test_delete_cancels_a_live_background_response_first(open_store: Open) -> No
     owner.watcher().renew()
     owner.begin(submit("resp_mine", background=True))
     reply = owner.handle_op(op(ResponseDelete("resp_mine")), running=True)
-    assert reply.status == 200 and reply.deleted
-    assert get(owner, "resp_mine")[0] == 404 and owner.num_placeholders() == 0
+    assert reply.reason is None and reply.deleted
+    assert get(owner, "resp_mine")[0] is Reason.NOT_FOUND and owner.num_placeholders() == 0
     # Deleted through another replica: its owner is asked to stop it, as for a cancel.
     owner.begin(submit("resp_there", background=True))
-    assert other.handle_op(op(ResponseDelete("resp_there")), running=False).status == 200
-    assert get(owner, "resp_there")[0] == 404
+    assert other.handle_op(op(ResponseDelete("resp_there")), running=False).reason is None
+    assert get(owner, "resp_there")[0] is Reason.NOT_FOUND
     assert owner.watcher().poll_cancels() == 1 and owner.take_cancels() == ["resp_there"]
 
 
@@ -270,7 +271,8 @@ def test_a_continuation_whose_history_cannot_fit_is_refused_before_it_is_read(
     store.db.trace = reads.append
     with pytest.raises(Rejected) as exc:
         store.conversation(submit("resp_2", "hi", previous="resp_1"), ContextBytes(100, 12))
-    assert (exc.value.param, exc.value.code) == ("previous_response_id", "context_length_exceeded")
+    assert (exc.value.param, exc.value.reason) == ("previous_response_id",
+                                                  Reason.CONTEXT_LENGTH_EXCEEDED)
     assert "1202" in exc.value.message and "1200" in exc.value.message
     assert not [sql for sql in reads if "messages" in sql]
     fits = store.conversation(submit("resp_2", "hi", previous="resp_1"), ContextBytes(101, 12))
@@ -322,11 +324,11 @@ def test_cleanup_crashed_ends_placeholders_of_a_crashed_run(open_store: Open) ->
     restarted = open_store()
     assert restarted.num_placeholders() == 0
     assert restarted.cleanup_crashed() == 2
-    assert get(restarted, "resp_fg")[0] == 404
+    assert get(restarted, "resp_fg")[0] is Reason.NOT_FOUND
     parsed = Response.model_validate(get(restarted, "resp_bg")[1])
     assert parsed.status == "failed"
     assert parsed.error is not None and parsed.error.message == CRASHED_MESSAGE
-    assert get(restarted, "resp_done")[0] == 200
+    assert get(restarted, "resp_done")[0] is None
     # Another replica's placeholder is not this replica's to end.
     assert get(restarted, "resp_other")[1]["status"] == "in_progress"  # type: ignore[index]
     assert restarted.cleanup_crashed() == 0

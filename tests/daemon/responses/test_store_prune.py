@@ -3,6 +3,7 @@ bytes (a row's size is the bytes it stores), and by the housekeeping pass."""
 
 
 from daemon.responses.store import ResponseStore
+from ipc.reasons import Reason
 from ipc.records import Usage
 from tests.daemon.responses.test_store import (
     Clock,
@@ -27,8 +28,8 @@ def test_prune_by_count_drops_the_oldest(open_store: Open, clock: Clock) -> None
         clock.now += 1
     store.begin(submit("resp_live"))
     assert store.prune() == 2
-    assert [get(store, f"resp_{i}")[0] for i in range(5)] == [404, 404, 200, 200, 200]
-    assert get(store, "resp_live")[0] == 200  # placeholders are never pruned
+    assert [get(store, f"resp_{i}")[0] for i in range(5)] == [Reason.NOT_FOUND] * 2 + [None] * 3
+    assert get(store, "resp_live")[0] is None  # placeholders are never pruned
     assert store.prune() == 0
 
 
@@ -42,9 +43,9 @@ def test_prune_by_age(store: ResponseStore, clock: Clock) -> None:
     assert store.prune() == 0
     clock.now += 700
     assert store.prune() == 1
-    assert get(store, "resp_old")[0] == 404
-    assert get(store, "resp_new")[0] == 200
-    assert get(store, "resp_old_live")[0] == 200
+    assert get(store, "resp_old")[0] is Reason.NOT_FOUND
+    assert get(store, "resp_new")[0] is None
+    assert get(store, "resp_old_live")[0] is None
 
 
 def test_a_rows_size_is_the_bytes_of_what_it_stores(store: ResponseStore) -> None:
@@ -73,8 +74,8 @@ def test_prune_by_bytes_drops_the_oldest_finished(open_store: Open, clock: Clock
         store.complete(f"resp_{i}", "y" * 100, Usage(1, 1))
         clock.now += 1
     assert store.prune() == 2
-    assert [get(store, f"resp_{i}")[0] for i in range(4)] == [404, 404, 200, 200]
-    assert get(store, "resp_live")[0] == 200  # the unfinished count, and stay
+    assert [get(store, f"resp_{i}")[0] for i in range(4)] == [Reason.NOT_FOUND] * 2 + [None] * 2
+    assert get(store, "resp_live")[0] is None  # the unfinished count, and stay
     assert store.prune() == 0
 
 
@@ -98,10 +99,10 @@ def test_retention_is_fair_between_tenants(open_store: Open, clock: Clock) -> No
         store.begin(submit(f"resp_{i}", "x" * 1000, tenant="b"))
         store.complete(f"resp_{i}", "x", Usage(1, 1))
     assert store.prune() == 6
-    assert get(store, "resp_mine")[0] == 200  # the oldest of all
-    assert [get(store, f"resp_{i}")[0] for i in range(10)] == [404] * 6 + [200] * 4
+    assert get(store, "resp_mine")[0] is None  # the oldest of all
+    assert [get(store, f"resp_{i}")[0] for i in range(10)] == [Reason.NOT_FOUND] * 6 + [None] * 4
     sizes = _sizes(store)
     store.max_bytes = sizes["resp_mine"] + 2 * sizes["resp_9"]  # its own, and two of theirs
     assert store.prune() == 2
-    assert get(store, "resp_mine")[0] == 200
-    assert [get(store, f"resp_{i}")[0] for i in range(6, 10)] == [404, 404, 200, 200]
+    assert get(store, "resp_mine")[0] is None
+    assert [get(store, f"resp_{i}")[0] for i in range(6, 10)] == [Reason.NOT_FOUND] * 2 + [None] * 2

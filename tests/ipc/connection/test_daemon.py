@@ -20,9 +20,9 @@ from ipc.pipes import (
     ModelInfo,
     Stale,
 )
+from ipc.reasons import Reason
 from ipc.records import (
     PROTOCOL_VERSION,
-    VERSION_MISMATCH,
     Abort,
     AbortCause,
     Error,
@@ -124,7 +124,8 @@ def test_another_protocol_version_is_refused_by_its_code(pair) -> None:
     proxy.send(Hello(PROTOCOL_VERSION + 1, 1, 1, nonce=5))
     [refusal] = conn.read_control()
     assert isinstance(refusal, Error) and refusal.rid is None
-    assert refusal.code == VERSION_MISMATCH and f"proxy {PROTOCOL_VERSION + 1}" in refusal.message
+    assert refusal.reason is Reason.VERSION_MISMATCH
+    assert f"proxy {PROTOCOL_VERSION + 1}" in refusal.message
     proxy.send(submit("a", 1))
     assert conn.read_requests() == [Stale(submit("a", 1))]  # no epoch was opened
 
