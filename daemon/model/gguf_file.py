@@ -18,6 +18,9 @@ from typing import Any
 import gguf
 import numpy as np
 
+from daemon.model.kernels import quant_pack
+from daemon.model.kernels.quant_pack import Blocks
+
 # general.architecture -> the transformers class config.py knows it by.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
@@ -248,6 +251,22 @@ class GGUFFile:
         if self.arch == "gemma3" and name.endswith("norm.weight"):
             values = values - 1.0  # the converter added Gemma's unit offset
         return values
+
+
+    def blocks(self, name: str, num_heads: int = 0) -> Blocks | None:
+        """Tensor `name` as quantized blocks (quant_pack) in Hugging Face's row order, as the
+        CPU kernels compute on them; None for a float type."""
+        tensor = self.tensors[name]
+        if tensor.tensor_type not in quant_pack.QUANTIZED_TYPES or len(tensor.data.shape) != 2:
+            return None
+        rows = tensor.data.shape[0]
+        try:
+            out = quant_pack.from_gguf(tensor.data, tensor.tensor_type, rows)
+        except ValueError as e:
+            raise GGUFError(f"{self.path}: tensor {name!r}: {e}") from e
+        if num_heads and self.arch in _PERMUTED_QK:
+            out = out.rows(_unpermute(np.arange(rows), num_heads))
+        return out
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:

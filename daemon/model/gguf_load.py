@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -17,6 +18,8 @@ from daemon.model.config import ConfigError, ModelConfig
 from daemon.model.decoder import DecoderLM
 from daemon.model.gguf_file import GGUFError, GGUFFile
 from daemon.model.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
+from daemon.model.kernels import quant_pack
+from daemon.model.kernels.quant_pack import Blocks
 from daemon.model.loader import (
     LoadedModel,
     ModelLoadError,
@@ -48,8 +51,10 @@ def package_gguf(spec: str) -> Path:
     return Path(str(dist.locate_file(files[0])))
 
 
-def load_gguf(path: Path, device: torch.device, dtype: torch.dtype,
-              group: TPGroup) -> LoadedModel:
+def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, group: TPGroup,
+              keep_quantized: bool = False) -> LoadedModel:
+    """keep_quantized: quantized tensors go to `model.quantized` as they are (for the CPU
+    kernels) instead of into the model's parameters, dequantized."""
     try:
         file = GGUFFile(path)
         tokens = file.require("tokenizer.ggml.tokens")
@@ -64,7 +69,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype,
         config.eos_token_ids = tokenizer.eos_token_ids
         _check_shardable(path, config, group)
         model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
-        load_gguf_weights_(model, file)
+        load_gguf_weights_(model, file, keep_quantized)
     except (GGUFError, GGUFTokenizerError) as e:
         raise ModelLoadError(str(e)) from e
     return LoadedModel(config, model.eval(), tokenizer, file.name, config.max_model_len,
@@ -99,7 +104,7 @@ class _Names(Collection[str]):
 
 
 @torch.no_grad()
-def load_gguf_weights_(model: DecoderLM, file: GGUFFile) -> None:
+def load_gguf_weights_(model: DecoderLM, file: GGUFFile, keep_quantized: bool = False) -> None:
     config = model.config
     names = _Names(file)
     plan: dict[str, list[tuple[str, int]]] = {}  # our parameter -> (GGUF tensor, its heads)
@@ -120,12 +125,22 @@ def load_gguf_weights_(model: DecoderLM, file: GGUFFile) -> None:
                         f"{config.architecture} without extras ({len(unused)} such tensors)")
     params = dict(model.named_parameters())
     for ours, parts in plan.items():
-        values = [torch.from_numpy(file.dequantized(name, heads)) for name, heads in parts]
-        full = torch.cat(values) if len(values) > 1 else values[0]
         param = params[ours]
         spec = shard_of(param)
         expected = param.shape if spec is None else torch.Size(spec.full_shape(param.shape))
-        if full.shape != expected:
-            raise GGUFError(f"{file.path}: tensor {parts[0][0]!r} has shape "
-                            f"{tuple(full.shape)}, the metadata implies {tuple(expected)}")
+        blocks = [file.blocks(name, heads) for name, heads in parts] if keep_quantized else []
+        if blocks and all(b is not None for b in blocks):
+            kept = quant_pack.concat(cast(list[Blocks], blocks))
+            _check_shape(file, parts[0][0], kept.codes.shape, expected)
+            model.quantized[ours] = kept
+            continue
+        values = [torch.from_numpy(file.dequantized(name, heads)) for name, heads in parts]
+        full = torch.cat(values) if len(values) > 1 else values[0]
+        _check_shape(file, parts[0][0], full.shape, expected)
         param.copy_(full if spec is None else spec.take(full))
+
+
+def _check_shape(file: GGUFFile, name: str, shape: tuple[int, ...], expected: torch.Size) -> None:
+    if tuple(shape) != tuple(expected):
+        raise GGUFError(f"{file.path}: tensor {name!r} has shape {tuple(shape)}, the metadata "
+                        f"implies {tuple(expected)}")

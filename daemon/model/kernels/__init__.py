@@ -52,6 +52,17 @@ def install(model: DecoderLM, device: torch.device, kernels: str = "auto",
         reason = "Triton is not installed"
     else:
         reason = f"kernels={kernels!r}, device {device.type}, dtype {model.dtype}"
+    _dequantize_kept_(model)
     if quantization is not None:
         raise ValueError(f"--quantization {quantization} needs the CPU kernels ({reason})")
     return "torch"
+
+
+@torch.no_grad()
+def _dequantize_kept_(model: DecoderLM) -> None:
+    """The weights a GGUF file held quantized, into the torch modules' parameters (the kernels
+    that would have computed on them do not run)."""
+    params = dict(model.named_parameters())
+    for name, blocks in model.quantized.items():
+        params[name].copy_(torch.from_numpy(blocks.dequantized()))
+    model.quantized.clear()

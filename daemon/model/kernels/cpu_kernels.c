@@ -175,19 +175,6 @@ INLINE void store_row(float* y, int64_t n0, int64_t n_valid, const fvec v[NV], i
   for (int64_t i = 0; i < n; i++) y[n0 + i] = (mode == TL_ADD ? res[n0 + i] : 0.0f) + tmp[i];
 }
 
-/* A packed weight (daemon/model/kernels/cpu.py: pack): `blocks` blocks of 32 rows of n_in, n_out
- * rows in use. scale (int8's, and any output multiplier) and bias are in packed row order, or
- * NULL. mode TL_STORE, or TL_SILU_MUL / TL_GELU_TANH_MUL (each block holds 16 gate rows then
- * their 16 up rows; the output is act(gate) * up, n_out columns). Mirrored by ctypes in
- * cpu.py: keep the two in step. */
-typedef struct {
-  const void* w;
-  const float* scale;
-  const float* bias;
-  int64_t blocks, n_in, n_out;
-  int32_t type, mode;
-} tl_weights;
-
 /* Rows [0, mr) of one block, in groups of at most HT rows (WR while mr <= WM), balanced (8 rows
  * are 3 + 3 + 2, 16 are 6 + 5 + 5), each walking the block KC k at a time: a chunk's weights
  * come from memory once and stay in L1 for every group and vector pair, and each pass over a
@@ -215,56 +202,89 @@ INLINE void block_rows(const float* x, int64_t ldx, int mr, int64_t K, const cha
   }
 }
 
+/* Rows [0, mt) of block b's sums, acc[m][0..32): scaled, biased and stored (or gated) into
+ * the rows of y from y (with TL_ADD, res + the sums). */
+INLINE void emit(const tl_weights* W, int64_t b, const fvec acc[][NV], int64_t mt, float* y,
+                 int64_t ldy, int mode, const float* res, int64_t ldr) {
+  const float *scale = W->scale, *bias = W->bias;
+  int64_t n_out = W->n_out;
+  fvec sc[NV], bi[NV];
+  for (int j = 0; j < NV; j++) {
+    sc[j] = scale ? loadv(scale, b * NB + j * VL, TL_F32) : splat(1.0f);
+    bi[j] = bias ? loadv(bias, b * NB + j * VL, TL_F32) : splat(0.0f);
+  }
+  for (int64_t m = 0; m < mt; m++) {
+    fvec v[NV];
+    for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];
+    float* yrow = y + m * ldy;
+    if (mode >= TL_SILU_MUL) { /* vectors [0, NV/2): gates; [NV/2, NV): their ups */
+      float tmp[NB / 2];
+      for (int j = 0; j < NV / 2; j++) {
+        fvec out = gate_act(v[j], mode) * v[j + NV / 2];
+        memcpy(tmp + j * VL, &out, sizeof out);
+      }
+      int64_t n0 = b * (NB / 2), n = n_out - n0 < NB / 2 ? n_out - n0 : NB / 2;
+      for (int64_t i = 0; i < n; i++) yrow[n0 + i] = tmp[i];
+    } else {
+      store_row(yrow, b * NB, n_out, v, mode, res + m * ldr);
+    }
+  }
+}
+
+/* Every row of block b (its weights at wb, of `type`) into y: up to MT rows stream the block
+ * once in a whole-block tile (batch 1's weight-streaming path); up to CM, where memory and
+ * FMAs take about as long, block_rows; more rows are compute-bound and walk the block HT rows
+ * at a time, TV vectors at a time, each walk prefetching its share (`lines`) of the next. */
+INLINE void walk_block(const float* x, int64_t ldx, int64_t M, const tl_weights* W, int64_t b,
+                       const char* wb, int type, int64_t lines, float* y, int64_t ldy, int mode,
+                       const float* res, int64_t ldr) {
+  int64_t K = W->n_in;
+  int rows = M <= MT ? MT : M <= CM ? CM : HT; /* rows per walk over a block */
+  int64_t block = K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1); /* bytes */
+  for (int64_t m0 = 0; m0 < M; m0 += rows) {
+    int mt = M - m0 < rows ? (int)(M - m0) : rows;
+    fvec acc[CM][NV];
+    const char* pf = wb + block + m0 / rows * lines * 64;
+    if (rows == CM) block_rows(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+    else if (rows > MT) big_tile(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc);
+    else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc); /* and HT == MT's */
+    emit(W, b, acc, mt, y + m0 * ldy, ldy, mode, res + m0 * ldr, ldr);
+  }
+}
+
 /* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with TL_ADD, y = res + x W^T (res may be y).
- * Up to MT rows stream each block once in a whole-block tile (batch 1's weight-streaming
- * path); up to CM, where memory and FMAs take about as long, block_rows; more rows are
- * compute-bound and walk each block HT rows at a time, TV vectors at a time (the block from
- * L2: the walks of the block before prefetched it). Walking those chunk by chunk too was as
- * fast at its best but slower at the median on this shared machine. */
+ * Quantized weights go to quant.c. Walking more than CM rows chunk by chunk too was as fast
+ * at its best but slower at the median on this shared machine. */
 static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                    int64_t ldy, int add, const float* res, int64_t ldr) {
-  const void* w = W->w;
-  const float *scale = W->scale, *bias = W->bias;
-  int64_t K = W->n_in, n_out = W->n_out, num_blocks = W->blocks;
   int type = W->type, mode = add ? TL_ADD : W->mode;
-  int rows = M <= MT ? MT : M <= CM ? CM : HT; /* rows per walk over a block */
+  if (type >= TL_Q4) {
+    tl_quant_linear(x, ldx, M, W, y, ldy, mode, res, ldr);
+    return;
+  }
+  int64_t K = W->n_in, num_blocks = W->blocks;
+  int rows = M <= MT ? MT : M <= CM ? CM : HT;
   int64_t block = K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1); /* bytes */
   /* More than CM rows walk each block several times: each walk prefetches its share of the
    * next block's lines (at most one a k), so that the next block's first walk finds it in L2. */
   int64_t walks = (M + rows - 1) / rows, lines = M > CM ? (block / 64 + walks - 1) / walks : 0;
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < num_blocks; b++) {
-    const char* wb = (const char*)w + b * block;
-    fvec sc[NV], bi[NV];
-    for (int j = 0; j < NV; j++) {
-      sc[j] = scale ? loadv(scale, b * NB + j * VL, TL_F32) : splat(1.0f);
-      bi[j] = bias ? loadv(bias, b * NB + j * VL, TL_F32) : splat(0.0f);
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += rows) {
-      int mt = M - m0 < rows ? (int)(M - m0) : rows;
-      fvec acc[CM][NV];
-      const char* pf = wb + block + m0 / rows * lines * 64;
-      if (rows == CM) block_rows(x + m0 * ldx, ldx, mt, K, wb, type, acc);
-      else if (rows > MT) big_tile(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc);
-      else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc); /* and HT == MT's */
-      for (int m = 0; m < mt; m++) {
-        fvec v[NV];
-        for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];
-        float* yrow = y + (m0 + m) * ldy;
-        if (mode >= TL_SILU_MUL) { /* vectors [0, NV/2): gates; [NV/2, NV): their ups */
-          float tmp[NB / 2];
-          for (int j = 0; j < NV / 2; j++) {
-            fvec out = gate_act(v[j], mode) * v[j + NV / 2];
-            memcpy(tmp + j * VL, &out, sizeof out);
-          }
-          int64_t n0 = b * (NB / 2), n = n_out - n0 < NB / 2 ? n_out - n0 : NB / 2;
-          for (int64_t i = 0; i < n; i++) yrow[n0 + i] = tmp[i];
-        } else {
-          store_row(yrow, b * NB, n_out, v, mode, res + (m0 + m) * ldr);
-        }
-      }
-    }
-  }
+  for (int64_t b = 0; b < num_blocks; b++)
+    walk_block(x, ldx, M, W, b, (const char*)W->w + b * block, type, lines, y, ldy, mode, res,
+               ldr);
+}
+
+void tl_walk_f32(const float* x, int64_t ldx, int64_t M, const tl_weights* W, int64_t b,
+                 const float* wb, float* y, int64_t ldy, int mode, const float* res,
+                 int64_t ldr) {
+  walk_block(x, ldx, M, W, b, (const char*)wb, TL_F32, 0, y, ldy, mode, res, ldr);
+}
+
+void tl_emit(const tl_weights* W, int64_t b, const float* sums, int64_t mt, float* y,
+             int64_t ldy, int mode, const float* res, int64_t ldr) {
+  fvec acc[QMR][NV];
+  memcpy(acc, sums, sizeof(float) * NB * mt);
+  emit(W, b, acc, mt, y, ldy, mode, res, ldr);
 }
 
 void tl_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,

@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant.h"
+
 /* Vectors of the machine's own width: GCC lowers a wider generic vector badly (through the
  * stack, lane by lane, for AVX2). Up to MT rows of activations (batch 1's weight streaming)
  * walk whole blocks, MT rows times NV vectors per block row of accumulators, sized to the
@@ -52,6 +54,29 @@ enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2, TL_GELU_TANH_MUL = 3 };
 #define NB 32       /* output rows per packed block */
 #define NV (NB / VL) /* vectors per packed block row */
 #define INLINE static inline __attribute__((always_inline))
+
+/* A packed weight (daemon/model/kernels/cpu.py: pack): `blocks` blocks of 32 rows of n_in, n_out
+ * rows in use (quantized types: quant.h). scale (int8's, and any output multiplier) and bias are in packed row order, or
+ * NULL. mode TL_STORE, or TL_SILU_MUL / TL_GELU_TANH_MUL (each block holds 16 gate rows then
+ * their 16 up rows; the output is act(gate) * up, n_out columns). Mirrored by ctypes in
+ * cpu.py: keep the two in step. */
+typedef struct {
+  const void* w;
+  const float* scale;
+  const float* bias;
+  int64_t blocks, n_in, n_out;
+  int32_t type, mode;
+} tl_weights;
+
+/* The quantized linears (quant.c) and the pieces of cpu_kernels.c they share: the fp32 walk
+ * over one block of 32 rows, and the scale / bias / mode step of a tile's sums [mt][32]. */
+void tl_quant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
+                     int64_t ldy, int mode, const float* res, int64_t ldr);
+void tl_walk_f32(const float* x, int64_t ldx, int64_t M, const tl_weights* W, int64_t b,
+                 const float* wb, float* y, int64_t ldy, int mode, const float* res,
+                 int64_t ldr);
+void tl_emit(const tl_weights* W, int64_t b, const float* sums, int64_t mt, float* y,
+             int64_t ldy, int mode, const float* res, int64_t ldr);
 
 /* A broadcast (one load when v is in memory); `0 + v` cost an add and a register shuffle per
  * activation in the linears' inner loop. */

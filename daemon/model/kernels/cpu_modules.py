@@ -23,62 +23,89 @@ from torch import Tensor, nn
 from daemon.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from daemon.model.config import ModelConfig
 from daemon.model.decoder import DecoderLayer, DecoderLM, RMSNorm
-from daemon.model.kernels import cpu
+from daemon.model.kernels import cpu, quant_pack
 from daemon.model.kernels.cpu import Kernels
+from daemon.model.kernels.quant_pack import Blocks
 from daemon.model.parallel.layers import Linear
 
 QUANTIZATIONS = ("int8",)
 
 
 def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None) -> None:
-    """Replace the model's layers, final norm, embedding and head, in place."""
+    """Replace the model's layers, final norm, embedding and head, in place. The weights in
+    `model.quantized` are packed as they are (and leave it)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, "
                          f"got {quantization!r}")
     int8 = quantization == "int8"
-    model.layers = nn.ModuleList(CpuDecoderLayer(cast(DecoderLayer, layer), model.config,
-                                                 kernels, int8) for layer in model.layers)
+    kept = model.quantized
+    model.layers = nn.ModuleList(
+        CpuDecoderLayer(cast(DecoderLayer, layer), model.config, kernels, int8,
+                        {k.removeprefix(f"layers.{i}."): v for k, v in kept.items()
+                         if k.startswith(f"layers.{i}.")})
+        for i, layer in enumerate(model.layers))
     model.norm = KernelRMSNorm(model.norm, kernels)  # type: ignore[assignment]
     limit, tied = model.vocab_limit, model.lm_head is None
+    name = "embed_tokens.weight" if tied else "lm_head.weight"
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    head = PackedLinear(weight if limit is None else weight[:limit], None, kernels, int8)
+    blocks = kept.get(name)
+    head = PackedLinear(weight if limit is None else weight[:limit], None, kernels, int8) \
+        if blocks is None else PackedLinear(blocks if limit is None else blocks.rows(slice(0, limit)),
+                                            None, kernels, int8)
     # A tied head serves the embedding lookups too, so the table is held once, packed; with a
     # vocab limit the packed head lacks rows a token id may still name.
-    source = head if tied and limit is None else model.embed_tokens.weight
+    embed = kept.get("embed_tokens.weight")
+    source: PackedLinear | Tensor = (
+        head if tied and limit is None else model.embed_tokens.weight if embed is None
+        else PackedLinear(embed, None, kernels, False))
     model.embed_tokens = KernelEmbedding(source)  # type: ignore[assignment]
     model.lm_head = KernelLMHead(head, model.config.vocab_size)  # type: ignore[assignment]
+    model.quantized = {}
 
 
 class PackedLinear(nn.Module):
     """A weight packed for tl_linear; forward gives y = (x W^T + bias) * out_scale, float32.
-    With gate_up, act(gate) * up (act: a key of cpu.GATED)."""
+    With gate_up, act(gate) * up (act: a key of cpu.GATED). The weight is a tensor (float32,
+    bfloat16, or int8 with a scale per row when `int8`) or quantized Blocks (quant.h)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, kernels: Kernels, int8: bool,
-                 gate_up: bool = False, act: str = "silu", out_scale: float = 1.0) -> None:
+    def __init__(self, weight: Tensor | Blocks, bias: Tensor | None, kernels: Kernels,
+                 int8: bool, gate_up: bool = False, act: str = "silu",
+                 out_scale: float = 1.0) -> None:
         super().__init__()
-        weight = weight.detach()
         row_scale = None
-        if int8:
-            weight, row_scale = cpu.quantize_int8(weight)
-        elif weight.dtype not in cpu.WEIGHT_TYPES:
-            weight = weight.float()
+        if isinstance(weight, Blocks):
+            n, n_in = weight.codes.shape
+            self.packed, kind = quant_pack.pack(weight, gate_up), weight.kind
+            units = -(-n // 2 // quant_pack.GROUP) if gate_up else -(-n // quant_pack.UNIT)
+        else:
+            weight = weight.detach()
+            if int8:
+                weight, row_scale = cpu.quantize_int8(weight)
+            elif weight.dtype not in cpu.WEIGHT_TYPES:
+                weight = weight.float()
+            n, n_in = weight.shape
+            self.packed, kind = cpu.pack(weight, gate_up), cpu.WEIGHT_TYPES[weight.dtype]
+            units = self.packed.shape[0]
         if out_scale != 1.0:  # Granite's residual multiplier rides on the row scales
-            row_scale = (torch.ones(weight.shape[0]) if row_scale is None else row_scale) * out_scale
+            row_scale = (torch.ones(n) if row_scale is None else row_scale) * out_scale
             bias = None if bias is None else bias.detach().float() * out_scale
-        self.packed = cpu.pack(weight, gate_up)
         self.scale = None if row_scale is None else cpu.pack_vector(row_scale, gate_up)
         self.bias = None if bias is None else cpu.pack_vector(bias.detach(), gate_up)
-        n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
-        self.desc = cpu.Weights(
-            self.packed.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.packed.shape[0],
-            weight.shape[1], n_out, cpu.WEIGHT_TYPES[weight.dtype],
-            cpu.GATED[act] if gate_up else cpu.STORE)
+        self.desc = cpu.Weights(self.packed.data_ptr(), _ptr(self.scale), _ptr(self.bias), units,
+                                n_in, n // 2 if gate_up else n, kind,
+                                cpu.GATED[act] if gate_up else cpu.STORE)
         self.kernels = kernels
 
     @classmethod
     def replacing(cls, linear: Linear, kernels: Kernels, int8: bool, gate_up: bool = False,
-                  act: str = "silu", out_scale: float = 1.0) -> PackedLinear:
-        return cls(linear.weight, linear.bias, kernels, int8, gate_up, act, out_scale)
+                  act: str = "silu", out_scale: float = 1.0,
+                  blocks: Blocks | None = None) -> PackedLinear:
+        weight = linear.weight if blocks is None else blocks
+        return cls(weight, linear.bias, kernels, int8, gate_up, act, out_scale)
+
+    @property
+    def quantized(self) -> bool:
+        return self.desc.type >= quant_pack.TL_Q4
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.float().contiguous()
@@ -89,24 +116,36 @@ class PackedLinear(nn.Module):
 
     def rows(self, ids: Tensor) -> Tensor:
         """Rows `ids` of the weight, float32 (a tied head serving embedding lookups)."""
-        out = cpu.unpack_rows(self.packed, ids).float()
+        if self.quantized:
+            ids = ids.to(torch.int64).contiguous()
+            out = torch.empty(ids.shape[0], self.desc.n_in)
+            self.kernels.quant_rows(ctypes.byref(self.desc), ids.data_ptr(), ids.shape[0],
+                                    out.data_ptr())
+        else:
+            out = cpu.unpack_rows(self.packed, ids).float()
         return out if self.scale is None else out * self.scale[ids][:, None]
 
 
 class CpuDecoderLayer(nn.Module):
     def __init__(self, layer: DecoderLayer, cfg: ModelConfig, kernels: Kernels,
-                 int8: bool) -> None:
+                 int8: bool, quantized: dict[str, Blocks] | None = None) -> None:
+        """quantized: this layer's weights kept quantized, by parameter name in the layer."""
         super().__init__()
+        kept = quantized or {}
         attn, mlp = layer.attn, layer.mlp
         # Granite's residual multiplier scales a branch's output; after its norm if it has one.
         out_norms = [None if n is None else n.scale() * cfg.residual_multiplier
                      for n in (layer.attn_out_norm, layer.mlp_out_norm)]
         o_scale, down_scale = (cfg.residual_multiplier if n is None else 1.0 for n in out_norms)
-        self.qkv = PackedLinear.replacing(attn.qkv_proj, kernels, int8)
-        self.o = PackedLinear.replacing(attn.o_proj, kernels, int8, out_scale=o_scale)
+        self.qkv = PackedLinear.replacing(attn.qkv_proj, kernels, int8,
+                                          blocks=kept.get("attn.qkv_proj.weight"))
+        self.o = PackedLinear.replacing(attn.o_proj, kernels, int8, out_scale=o_scale,
+                                        blocks=kept.get("attn.o_proj.weight"))
         self.gate_up = PackedLinear.replacing(mlp.gate_up_proj, kernels, int8, gate_up=True,
-                                              act=cfg.hidden_act)
-        self.down = PackedLinear.replacing(mlp.down_proj, kernels, int8, out_scale=down_scale)
+                                              act=cfg.hidden_act,
+                                              blocks=kept.get("mlp.gate_up_proj.weight"))
+        self.down = PackedLinear.replacing(mlp.down_proj, kernels, int8, out_scale=down_scale,
+                                           blocks=kept.get("mlp.down_proj.weight"))
         # Kept referenced: the layer descriptor holds their addresses.
         self.norms = [layer.input_norm.scale(), layer.post_attention_norm.scale(),
                       *(None if n is None else n.scale() for n in (attn.q_norm, attn.k_norm)),
