@@ -80,6 +80,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "tl_quant_tier_name": ([_C], ctypes.c_char_p),
     "tl_quant_set_dequant_rows": ([_I], None),
     "tl_quant_set_two_term_rows": ([_I], None),
+    "tl_quant_set_prefetch": ([_I], None),
     "tl_quant_rows": ([_W, _P, _I, _P], None),
 }
 
@@ -105,6 +106,7 @@ class Kernels:
     quant_tier_name: Callable[[int], bytes]
     quant_set_dequant_rows: Callable[[int], None]
     quant_set_two_term_rows: Callable[[int], None]
+    quant_set_prefetch: Callable[[int], None]
     quant_rows: Callable[..., None]
 
 

@@ -19,6 +19,10 @@ static int tier = -1;
 static int64_t dequant_rows = INT64_MAX;
 /* Calls of at most this many rows quantize activations in two terms (quant.h). */
 static int64_t two_term_rows = 2;
+/* How far ahead the kernels prefetch the weights they stream, in records: 64 (20 KB of TL_Q4)
+ * read 18 GB per CPU-second on one thread against 11 with none and 14.6 with 8, the real
+ * model's 120 linears at one row taking turns in one process. */
+static int64_t prefetch_records = 64;
 
 static const tl_quant_tier* tier_table(int t) {
 #if defined(TL_X86)
@@ -64,6 +68,8 @@ const char* tl_quant_tier_name(int t) { return t >= 0 && t < TIERS ? tier_names[
 void tl_quant_set_dequant_rows(int64_t rows) { dequant_rows = rows; }
 
 void tl_quant_set_two_term_rows(int64_t rows) { two_term_rows = rows; }
+
+void tl_quant_set_prefetch(int64_t records) { prefetch_records = records; }
 
 /* ---- float16 and one unit's weights as float32 ------------------------------------------ */
 
@@ -197,7 +203,7 @@ void tl_quant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W
                      int64_t ldy, int mode, const float* res, int64_t ldr) {
   if (tier < 0) tl_quant_select(-1);
   const tl_quant_tier* t = tier_table(tier);
-  tl_group_fn fn = !t ? NULL : W->type == TL_Q4 ? t->q4 : W->type == TL_Q8 ? t->q8 : t->q8_16;
+  tl_unit_fn fn = !t ? NULL : W->type == TL_Q4 ? t->q4 : W->type == TL_Q8 ? t->q8 : t->q8_16;
   if (!fn || M >= dequant_rows) {
     dequant_linear(x, ldx, M, W, y, ldy, mode, res, ldr);
     return;
@@ -209,7 +215,7 @@ void tl_quant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W
   float* scales = malloc(sizeof(float) * 2 * M * nb);
   int8_t* q2 = two ? q + M * ldq : NULL;
   quantize_rows(x, ldx, M, W->n_in, bs, q, q2, scales, scales + M * nb, ldq, nb);
-  tl_qact a = {q, q2, scales, scales + M * nb, ldq, nb};
+  tl_qact a = {q, q2, scales, scales + M * nb, ldq, nb, prefetch_records * tl_record_bytes(W->type)};
 #pragma omp parallel for schedule(static)
   for (int64_t u = 0; u < W->blocks; u++) {
     const uint8_t* wu = (const uint8_t*)W->w + u * 2 * group;
@@ -217,7 +223,6 @@ void tl_quant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W
       int mt = M - m0 < QMR ? (int)(M - m0) : QMR;
       float sums[QMR * QU];
       fn(&a, m0, mt, wu, nb, sums, QU);
-      fn(&a, m0, mt, wu + group, nb, sums + QG, QU);
       tl_emit(W, u, sums, mt, y + m0 * ldy, ldy, mode, res + m0 * ldr, ldr);
     }
   }

@@ -39,16 +39,17 @@ typedef struct {
   const float* dx;
   const float* s;
   int64_t ldq, lds;
+  int64_t prefetch; /* bytes ahead of the record in use that the kernels prefetch */
 } tl_qact;
 
-/* out[r * ldo + i] (i < 16) = the sums of activation rows m0 + r (r < mr <= QMR) with the
- * 16 weight rows of one group, over its nb records. */
-typedef void (*tl_group_fn)(const tl_qact* a, int64_t m0, int mr, const uint8_t* group,
-                            int64_t nb, float* out, int64_t ldo);
+/* out[r * ldo + i] (i < 32) = the sums of activation rows m0 + r (r < mr <= QMR) with the
+ * 32 weight rows of one unit (its two groups of nb records each). */
+typedef void (*tl_unit_fn)(const tl_qact* a, int64_t m0, int mr, const uint8_t* unit,
+                           int64_t nb, float* out, int64_t ldo);
 
 typedef struct {
   const char* name;
-  tl_group_fn q4, q8, q8_16;
+  tl_unit_fn q4, q8, q8_16;
 } tl_quant_tier;
 
 /* Weak: cpu.py leaves out a tier its compiler cannot build. */

@@ -34,6 +34,8 @@ INLINE void half_tile(const tl_qact* a, int64_t m0, const int mr, const uint8_t*
 #pragma GCC unroll 8
   for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++, g += rec) {
+    if (h == 0)
+      for (int64_t l = 0; l < rec; l += 64) _mm_prefetch((const char*)g + a->prefetch + l, _MM_HINT_T0);
     __m256i c[8];
     if (type == TL_Q4) {
       for (int j = 0; j < 4; j++) {
@@ -69,15 +71,20 @@ INLINE void tile(const tl_qact* a, int64_t m0, const int mr, const uint8_t* g, i
   half_tile(a, m0, mr, g, nb, out, ldo, type, two, 1);
 }
 
-#define ROWS2(TYPE, TWO)                                                 \
-  for (int r0 = 0; r0 < mr; r0 += YMR) {                                 \
-    int rows = mr - r0 < YMR ? mr - r0 : YMR;                            \
-    float* o = out + ldo * r0;                                           \
-    switch (rows) {                                                      \
-      case 4: tile(a, m0 + r0, 4, g, nb, o, ldo, TYPE, TWO); break;      \
-      case 3: tile(a, m0 + r0, 3, g, nb, o, ldo, TYPE, TWO); break;      \
-      case 2: tile(a, m0 + r0, 2, g, nb, o, ldo, TYPE, TWO); break;      \
-      default: tile(a, m0 + r0, 1, g, nb, o, ldo, TYPE, TWO); break;     \
-    }                                                                    \
+/* A unit, group after group, YMR rows at a time. */
+#define ROWS2(TYPE, TWO)                                                          \
+  for (int r0 = 0; r0 < mr; r0 += YMR) {                                          \
+    int rows = mr - r0 < YMR ? mr - r0 : YMR;                                     \
+    for (int k = 0; k < 2; k++) {                                                 \
+      const uint8_t* gk = g + k * nb * tl_record_bytes(TYPE);                     \
+      float* o = out + ldo * r0 + QG * k;                                         \
+      switch (rows) {                                                             \
+        case 4: tile(a, m0 + r0, 4, gk, nb, o, ldo, TYPE, TWO); break;            \
+        case 3: tile(a, m0 + r0, 3, gk, nb, o, ldo, TYPE, TWO); break;            \
+        case 2: tile(a, m0 + r0, 2, gk, nb, o, ldo, TYPE, TWO); break;            \
+        default: tile(a, m0 + r0, 1, gk, nb, o, ldo, TYPE, TWO); break;           \
+      }                                                                           \
+    }                                                                             \
   }
+
 #endif
