@@ -76,8 +76,9 @@ def load_model(spec: str, device: torch.device | str = "cpu", dtype: torch.dtype
                quantization: str | None = None) -> LoadedModel:
     """group: with several tensor-parallel ranks, this rank's shard of the model only.
     kernels: 'auto' (compiled kernels for the device, see daemon/model/kernels) or 'torch';
-    quantization: None or 'int8' (weight-only, per output row; CPU kernels only). With dtype
-    'auto', a GGUF file's quantized weights are computed on as they are (CPU kernels)."""
+    quantization: None, 'int8' or 'int4' (weight-only, in blocks of 32 inputs as GGUF's Q8_0
+    and Q4_1; CPU kernels only). With dtype 'auto', a GGUF file's quantized weights are
+    computed on as they are (CPU kernels)."""
     device = pick_device(device) if isinstance(device, str) else device
     # A GGUF file's quantized tensors stay quantized where the CPU kernels can compute on
     # them, unless a dtype or a quantization of tether's own was asked for.

@@ -24,8 +24,8 @@ def install(model: DecoderLM, device: torch.device, kernels: str = "auto",
             quantization: str | None = None) -> str:
     """Swap kernels into `model`; returns which ones it now runs: 'cpu', 'triton' or 'torch'.
 
-    Raises ValueError for a combination that cannot run (int8 weights without the CPU
-    kernels)."""
+    Raises ValueError for a combination that cannot run (weights quantized by --quantization
+    without the CPU kernels)."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
     ranks = model.embed_tokens.group.size
@@ -45,7 +45,7 @@ def install(model: DecoderLM, device: torch.device, kernels: str = "auto",
 
         if available():
             install_(model)
-            reason = "int8 weights are a CPU kernel option"
+            reason = "quantized weights are a CPU kernel option"
             if quantization is None:
                 return "triton"
             raise ValueError(f"--quantization {quantization}: {reason}")

@@ -44,10 +44,10 @@ TIERS = {
     "quant_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
 }
 BLOCK = 32  # output rows per packed block (NB in the C source)
-F32, BF16, I8 = 0, 1, 2  # weight and cache element types (TL_* in the C source)
+F32, BF16 = 0, 1  # float weight and cache element types (TL_* in the C source)
 STORE = 0  # a packed weight's output: plain, or act(gate) * up (GATED[act])
 GATED = {"silu": 2, "gelu_pytorch_tanh": 3}
-WEIGHT_TYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.int8: I8}
+WEIGHT_TYPES = {torch.float32: F32, torch.bfloat16: BF16}
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -232,12 +232,3 @@ def _pad_rows(weight: Tensor, multiple: int) -> Tensor:
     if not extra:
         return weight
     return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])])
-
-
-def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8: weight ~= q * scale[:, None]. Rows of zeros get scale 1."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale

@@ -14,8 +14,8 @@
  * hash of this file and the CPU) and loaded after torch, so its OpenMP regions run on torch's
  * own libgomp thread pool and follow torch.set_num_threads.
  *
- * Activations are float32 throughout; weights are float32, bfloat16 or int8 with a float32
- * scale per output row; the KV cache is float32 or bfloat16.
+ * Activations are float32 throughout; weights are float32 or bfloat16 here, quantized ones
+ * in quant.c; the KV cache is float32 or bfloat16.
  */
 #include "cpu_kernels.h"
 
@@ -83,10 +83,9 @@ INLINE void part_tile(const float* x, int64_t ldx, int mt, int64_t k0, int64_t k
 }
 
 /* Constant row count and type per call, so each case compiles to a fully unrolled tile. */
-#define TILE_TYPES(FN, ROWS)                                               \
-  if (type == TL_F32) FN(x, ldx, ROWS, K, w, TL_F32, pf, lines, acc);      \
-  else if (type == TL_BF16) FN(x, ldx, ROWS, K, w, TL_BF16, pf, lines, acc); \
-  else FN(x, ldx, ROWS, K, w, TL_I8, pf, lines, acc);                      \
+#define TILE_TYPES(FN, ROWS)                                          \
+  if (type == TL_F32) FN(x, ldx, ROWS, K, w, TL_F32, pf, lines, acc); \
+  else FN(x, ldx, ROWS, K, w, TL_BF16, pf, lines, acc);               \
   return;
 
 INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
@@ -121,10 +120,9 @@ INLINE void half_tile_any(const float* x, int64_t ldx, int mt, int64_t K, const 
 
 #define PART(ROWS, TVV, TYPE) \
   part_tile(x, ldx, ROWS, k0, k1, w, TYPE, h, TVV, pf, lines, per_k, acc)
-#define PART_TYPES(ROWS, TVV)                                 \
-  if (type == TL_F32) PART(ROWS, TVV, TL_F32);                \
-  else if (type == TL_BF16) PART(ROWS, TVV, TL_BF16);         \
-  else PART(ROWS, TVV, TL_I8);                                \
+#define PART_TYPES(ROWS, TVV)                  \
+  if (type == TL_F32) PART(ROWS, TVV, TL_F32); \
+  else PART(ROWS, TVV, TL_BF16);               \
   return;
 
 INLINE void part_tile_any(const float* x, int64_t ldx, int mt, int64_t k0, int64_t k1,
@@ -183,7 +181,7 @@ INLINE void store_row(float* y, int64_t n0, int64_t n_valid, const fvec v[NV], i
  * during the later walks: 8 rows cost 2x one row's tick, for ~13 ms of FMAs in a ~28 ms tick. */
 INLINE void block_rows(const float* x, int64_t ldx, int mr, int64_t K, const char* wb, int type,
                        fvec acc[][NV]) {
-  int64_t row = NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1);
+  int64_t row = NB * (type == TL_F32 ? 4 : 2);
   int wide = mr <= WM, ht = wide ? WR : HT, tv = wide ? NV : TV;
   int groups = (mr + ht - 1) / ht, passes = groups * (NV / tv);
   int64_t lines = (KC * row / 64 + passes - 1) / passes; /* of the next chunk, per pass */
@@ -240,7 +238,7 @@ INLINE void walk_block(const float* x, int64_t ldx, int64_t M, const tl_weights*
                        const float* res, int64_t ldr) {
   int64_t K = W->n_in;
   int rows = M <= MT ? MT : M <= CM ? CM : HT; /* rows per walk over a block */
-  int64_t block = K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1); /* bytes */
+  int64_t block = K * NB * (type == TL_F32 ? 4 : 2); /* bytes */
   for (int64_t m0 = 0; m0 < M; m0 += rows) {
     int mt = M - m0 < rows ? (int)(M - m0) : rows;
     fvec acc[CM][NV];
@@ -264,7 +262,7 @@ static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
   }
   int64_t K = W->n_in, num_blocks = W->blocks;
   int rows = M <= MT ? MT : M <= CM ? CM : HT;
-  int64_t block = K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1); /* bytes */
+  int64_t block = K * NB * (type == TL_F32 ? 4 : 2); /* bytes */
   /* More than CM rows walk each block several times: each walk prefetches its share of the
    * next block's lines (at most one a k), so that the next block's first walk finds it in L2. */
   int64_t walks = (M + rows - 1) / rows, lines = M > CM ? (block / 64 + walks - 1) / walks : 0;

@@ -49,15 +49,15 @@ typedef float fvec __attribute__((vector_size(VL * 4)));
 typedef int32_t ivec __attribute__((vector_size(VL * 4)));
 typedef uint16_t hvec __attribute__((vector_size(VL * 2)));
 
-enum { TL_F32 = 0, TL_BF16 = 1, TL_I8 = 2 };
+enum { TL_F32 = 0, TL_BF16 = 1 }; /* quantized weights: quant.h's TL_Q4 and on */
 enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2, TL_GELU_TANH_MUL = 3 };
 #define NB 32       /* output rows per packed block */
 #define NV (NB / VL) /* vectors per packed block row */
 #define INLINE static inline __attribute__((always_inline))
 
-/* A packed weight (daemon/model/kernels/cpu.py: pack): `blocks` blocks of 32 rows of n_in, n_out
- * rows in use (quantized types: quant.h). scale (int8's, and any output multiplier) and bias are in packed row order, or
- * NULL. mode TL_STORE, or TL_SILU_MUL / TL_GELU_TANH_MUL (each block holds 16 gate rows then
+/* A packed weight (daemon/model/kernels/cpu.py: pack; quantized types: quant.h): `blocks`
+ * blocks of 32 rows of n_in, n_out rows in use. scale (an output multiplier per row) and bias
+ * are in packed row order, or NULL. mode TL_STORE, or TL_SILU_MUL / TL_GELU_TANH_MUL (each block holds 16 gate rows then
  * their 16 up rows; the output is act(gate) * up, n_out columns). Mirrored by ctypes in
  * cpu.py: keep the two in step. */
 typedef struct {
@@ -109,23 +109,11 @@ INLINE fvec loadv(const void* base, int64_t i, int type) {
   fvec out;
   if (type == TL_F32) {
     memcpy(&out, (const float*)base + i, sizeof out);
-  } else if (type == TL_BF16) {
+  } else {
     hvec h;
     memcpy(&h, (const uint16_t*)base + i, sizeof h);
     ivec bits = __builtin_convertvector(h, ivec) << 16;
     memcpy(&out, &bits, sizeof out);
-  } else {
-    /* GCC scalarises a generic int8 -> float vector conversion; say it in intrinsics. */
-    const int8_t* p = (const int8_t*)base + i;
-#if defined(__AVX512F__)
-    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-    memcpy(&out, &v, sizeof out);
-#elif defined(__AVX2__)
-    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-    memcpy(&out, &v, sizeof out);
-#else
-    for (int j = 0; j < VL; j++) out[j] = (float)p[j];
-#endif
   }
   return out;
 }

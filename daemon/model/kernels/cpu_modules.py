@@ -6,8 +6,9 @@ SDPA); then the output projection with its residual, norm, gate/up with SiLU-and
 the down projection with its residual (tl_layer_attn_out_mlp). Between op-by-op calls Python
 cost more than the normalisation, RoPE and attention together at batch 1.
 
-Activations are float32 whatever the weights' dtype; weights are packed once (cpu.pack) as
-float32, bfloat16 or int8 with a scale per row. Each replacement keeps the forward signature
+Activations are float32 whatever the weights' dtype; weights are packed once as float32 or
+bfloat16 (cpu.pack), or quantized (quant_pack.pack: a GGUF file's blocks as they are, or
+weights quantized at load by --quantization). Each replacement keeps the forward signature
 of the torch module it replaces (daemon/model/decoder.py).
 """
 
@@ -28,19 +29,16 @@ from daemon.model.kernels.cpu import Kernels
 from daemon.model.kernels.quant_pack import Blocks
 from daemon.model.parallel.layers import Linear
 
-QUANTIZATIONS = ("int8",)
-
 
 def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None) -> None:
     """Replace the model's layers, final norm, embedding and head, in place. The weights in
     `model.quantized` are packed as they are (and leave it)."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, "
-                         f"got {quantization!r}")
-    int8 = quantization == "int8"
+    if quantization is not None and quantization not in quant_pack.QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(quant_pack.QUANTIZATIONS)} "
+                         f"or None, got {quantization!r}")
     kept = model.quantized
     model.layers = nn.ModuleList(
-        CpuDecoderLayer(cast(DecoderLayer, layer), model.config, kernels, int8,
+        CpuDecoderLayer(cast(DecoderLayer, layer), model.config, kernels, quantization,
                         {k.removeprefix(f"layers.{i}."): v for k, v in kept.items()
                          if k.startswith(f"layers.{i}.")})
         for i, layer in enumerate(model.layers))
@@ -49,15 +47,18 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
     name = "embed_tokens.weight" if tied else "lm_head.weight"
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     blocks = kept.get(name)
-    head = PackedLinear(weight if limit is None else weight[:limit], None, kernels, int8) \
-        if blocks is None else PackedLinear(blocks if limit is None else blocks.rows(slice(0, limit)),
-                                            None, kernels, int8)
+    if blocks is None:
+        head = PackedLinear(weight if limit is None else weight[:limit], None, kernels,
+                            quantization)
+    else:
+        head = PackedLinear(blocks if limit is None else blocks.rows(slice(0, limit)), None,
+                            kernels)
     # A tied head serves the embedding lookups too, so the table is held once, packed; with a
     # vocab limit the packed head lacks rows a token id may still name.
     embed = kept.get("embed_tokens.weight")
     source: PackedLinear | Tensor = (
         head if tied and limit is None else model.embed_tokens.weight if embed is None
-        else PackedLinear(embed, None, kernels, False))
+        else PackedLinear(embed, None, kernels))
     model.embed_tokens = KernelEmbedding(source)  # type: ignore[assignment]
     model.lm_head = KernelLMHead(head, model.config.vocab_size)  # type: ignore[assignment]
     model.quantized = {}
@@ -65,29 +66,30 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
 
 class PackedLinear(nn.Module):
     """A weight packed for tl_linear; forward gives y = (x W^T + bias) * out_scale, float32.
-    With gate_up, act(gate) * up (act: a key of cpu.GATED). The weight is a tensor (float32,
-    bfloat16, or int8 with a scale per row when `int8`) or quantized Blocks (quant.h)."""
+    With gate_up, act(gate) * up (act: a key of cpu.GATED). The weight is a float32 or
+    bfloat16 tensor, quantized here when `quantize` names a format (quant_pack.QUANTIZATIONS),
+    or quantized Blocks (quant.h) as a GGUF file held them."""
 
     def __init__(self, weight: Tensor | Blocks, bias: Tensor | None, kernels: Kernels,
-                 int8: bool, gate_up: bool = False, act: str = "silu",
+                 quantize: str | None = None, gate_up: bool = False, act: str = "silu",
                  out_scale: float = 1.0) -> None:
         super().__init__()
-        row_scale = None
+        if isinstance(weight, Tensor) and quantize is not None:
+            weight = quant_pack.quantize(weight, quant_pack.QUANTIZATIONS[quantize])
         if isinstance(weight, Blocks):
-            n, n_in = weight.codes.shape
+            n, n_in = weight.codes.shape[0], weight.inputs
             self.packed, kind = quant_pack.pack(weight, gate_up), weight.kind
             units = -(-n // 2 // quant_pack.GROUP) if gate_up else -(-n // quant_pack.UNIT)
         else:
             weight = weight.detach()
-            if int8:
-                weight, row_scale = cpu.quantize_int8(weight)
-            elif weight.dtype not in cpu.WEIGHT_TYPES:
+            if weight.dtype not in cpu.WEIGHT_TYPES:
                 weight = weight.float()
             n, n_in = weight.shape
             self.packed, kind = cpu.pack(weight, gate_up), cpu.WEIGHT_TYPES[weight.dtype]
             units = self.packed.shape[0]
+        row_scale = None
         if out_scale != 1.0:  # Granite's residual multiplier rides on the row scales
-            row_scale = (torch.ones(n) if row_scale is None else row_scale) * out_scale
+            row_scale = torch.full((n,), out_scale)
             bias = None if bias is None else bias.detach().float() * out_scale
         self.scale = None if row_scale is None else cpu.pack_vector(row_scale, gate_up)
         self.bias = None if bias is None else cpu.pack_vector(bias.detach(), gate_up)
@@ -97,11 +99,11 @@ class PackedLinear(nn.Module):
         self.kernels = kernels
 
     @classmethod
-    def replacing(cls, linear: Linear, kernels: Kernels, int8: bool, gate_up: bool = False,
-                  act: str = "silu", out_scale: float = 1.0,
+    def replacing(cls, linear: Linear, kernels: Kernels, quantize: str | None,
+                  gate_up: bool = False, act: str = "silu", out_scale: float = 1.0,
                   blocks: Blocks | None = None) -> PackedLinear:
         weight = linear.weight if blocks is None else blocks
-        return cls(weight, linear.bias, kernels, int8, gate_up, act, out_scale)
+        return cls(weight, linear.bias, kernels, quantize, gate_up, act, out_scale)
 
     @property
     def quantized(self) -> bool:
@@ -128,8 +130,10 @@ class PackedLinear(nn.Module):
 
 class CpuDecoderLayer(nn.Module):
     def __init__(self, layer: DecoderLayer, cfg: ModelConfig, kernels: Kernels,
-                 int8: bool, quantized: dict[str, Blocks] | None = None) -> None:
-        """quantized: this layer's weights kept quantized, by parameter name in the layer."""
+                 quantize: str | None = None, quantized: dict[str, Blocks] | None = None
+                 ) -> None:
+        """quantize: a format to quantize float weights into; quantized: this layer's weights
+        a GGUF file held quantized, by parameter name in the layer."""
         super().__init__()
         kept = quantized or {}
         attn, mlp = layer.attn, layer.mlp
@@ -137,14 +141,14 @@ class CpuDecoderLayer(nn.Module):
         out_norms = [None if n is None else n.scale() * cfg.residual_multiplier
                      for n in (layer.attn_out_norm, layer.mlp_out_norm)]
         o_scale, down_scale = (cfg.residual_multiplier if n is None else 1.0 for n in out_norms)
-        self.qkv = PackedLinear.replacing(attn.qkv_proj, kernels, int8,
+        self.qkv = PackedLinear.replacing(attn.qkv_proj, kernels, quantize,
                                           blocks=kept.get("attn.qkv_proj.weight"))
-        self.o = PackedLinear.replacing(attn.o_proj, kernels, int8, out_scale=o_scale,
+        self.o = PackedLinear.replacing(attn.o_proj, kernels, quantize, out_scale=o_scale,
                                         blocks=kept.get("attn.o_proj.weight"))
-        self.gate_up = PackedLinear.replacing(mlp.gate_up_proj, kernels, int8, gate_up=True,
+        self.gate_up = PackedLinear.replacing(mlp.gate_up_proj, kernels, quantize, gate_up=True,
                                               act=cfg.hidden_act,
                                               blocks=kept.get("mlp.gate_up_proj.weight"))
-        self.down = PackedLinear.replacing(mlp.down_proj, kernels, int8, out_scale=down_scale,
+        self.down = PackedLinear.replacing(mlp.down_proj, kernels, quantize, out_scale=down_scale,
                                            blocks=kept.get("mlp.down_proj.weight"))
         # Kept referenced: the layer descriptor holds their addresses.
         self.norms = [layer.input_norm.scale(), layer.post_attention_norm.scale(),

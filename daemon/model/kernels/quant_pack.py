@@ -27,6 +27,11 @@ class Blocks:
     m: np.ndarray
     bs: int  # inputs per block: 16 or 32
     bits: int  # the codes' width: at most 4 bits pack two to a byte
+    n_in: int | None = None  # the weight's inputs, where codes pad them to whole blocks
+
+    @property
+    def inputs(self) -> int:
+        return self.codes.shape[1] if self.n_in is None else self.n_in
 
     @property
     def kind(self) -> int:
@@ -36,10 +41,11 @@ class Blocks:
     def dequantized(self) -> np.ndarray:
         n, k = self.codes.shape
         codes = self.codes.reshape(n, -1, self.bs).astype(np.float32)
-        return (codes * self.d[..., None] + self.m[..., None]).reshape(n, k)
+        return (codes * self.d[..., None] + self.m[..., None]).reshape(n, k)[:, : self.inputs]
 
     def rows(self, index: np.ndarray | slice) -> Blocks:
-        return Blocks(self.codes[index], self.d[index], self.m[index], self.bs, self.bits)
+        return Blocks(self.codes[index], self.d[index], self.m[index], self.bs, self.bits,
+                      self.n_in)
 
 
 def concat(parts: list[Blocks]) -> Blocks:
@@ -50,7 +56,7 @@ def concat(parts: list[Blocks]) -> Blocks:
                                          np.repeat(p.m, p.bs // bs, axis=1), bs, bits)
              for p in parts]
     return Blocks(np.concatenate([p.codes for p in parts]), np.concatenate([p.d for p in parts]),
-                  np.concatenate([p.m for p in parts]), bs, bits)
+                  np.concatenate([p.m for p in parts]), bs, bits, parts[0].n_in)
 
 
 # ---- GGUF's types
@@ -152,6 +158,35 @@ def from_gguf(raw: np.ndarray, qtype: Q, rows: int) -> Blocks:
                   _float16(m).reshape(rows, -1).astype(np.float32), bs, bits)
 
 
+# ---- weights quantized here (--quantization)
+
+QUANTIZATIONS = {"int8": 8, "int4": 4}
+
+
+def quantize(weight: torch.Tensor, bits: int) -> Blocks:
+    """`weight` [N, K] in blocks of 32 inputs (K padded with zeros): 8 bits symmetric, as
+    GGUF's Q8_0 (d = max |w| / 127, codes q + 128); 4 bits from each block's min to its max, as
+    Q4_1 (d = (max - min) / 15, m = min). Codes are rounded from the float16 d and m."""
+    w = weight.detach().float()
+    n, k = w.shape
+    w = torch.nn.functional.pad(w, (0, -k % 32)).view(n, -1, 32)
+    if bits == 8:
+        d = _half_of(w.abs().amax(-1) / 127)
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        codes = torch.round(w * inv[..., None]).clamp_(-127, 127) + 128
+        m = -128 * d
+    else:
+        lo, hi = w.amin(-1), w.amax(-1)
+        d, m = _half_of((hi - lo) / 15), _half_of(lo)
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        codes = torch.round((w - m[..., None]) * inv[..., None]).clamp_(0, 15)
+    return Blocks(codes.to(torch.uint8).view(n, -1).numpy(), d.numpy(), m.numpy(), 32, bits, k)
+
+
+def _half_of(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.float16).float()
+
+
 # ---- packing
 
 
@@ -163,7 +198,7 @@ def _pad_rows(b: Blocks, multiple: int) -> Blocks:
     def pad(a: np.ndarray) -> np.ndarray:
         return np.concatenate([a, np.zeros((extra, a.shape[1]), a.dtype)])
 
-    return Blocks(pad(b.codes), pad(b.d), pad(b.m), b.bs, b.bits)
+    return Blocks(pad(b.codes), pad(b.d), pad(b.m), b.bs, b.bits, b.n_in)
 
 
 def pack(b: Blocks, gate_up: bool = False) -> torch.Tensor:
