@@ -31,17 +31,19 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_attention.c", HERE / "quant.c")
-HEADERS = (HERE / "cpu_kernels.h", HERE / "quant.h", HERE / "quant_ymm.h")
+SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_attention.c", HERE / "quant.c", HERE / "bf16.c")
+HEADERS = (HERE / "cpu_kernels.h", HERE / "quant.h", HERE / "quant_ymm.h", HERE / "bf16.h")
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-Wno-psabi"]
-# The quantized kernels' CPU tiers, each built with its own instructions whatever this CPU
-# has (quant.c calls one only where CPUID says the CPU has them); x86-64 only. A tier the
-# compiler cannot build is left out (quant.c sees its table missing).
+# The quantized and bf16 kernels' CPU tiers, each built with its own instructions whatever
+# this CPU has (quant.c and bf16.c call one only where CPUID says the CPU has them); x86-64
+# only. A tier the compiler cannot build is left out (its table is then missing).
+_AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 TIERS = {
-    "quant_avx512.c": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                       "-mavx512vnni"],
+    "quant_avx512.c": [*_AVX512, "-mavx512vnni"],
     "quant_avxvnni.c": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "quant_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "bf16_avx512.c": [*_AVX512, "-mavx512bf16"],
+    "bf16_amx.c": ["-mamx-tile", "-mamx-bf16"],
 }
 BLOCK = 32  # output rows per packed block (NB in the C source)
 F32, BF16 = 0, 1  # float weight and cache element types (TL_* in the C source)
@@ -82,6 +84,9 @@ _SIGNATURES = {  # name: (argument types, result type)
     "tl_quant_set_two_term_rows": ([_I], None),
     "tl_quant_set_prefetch": ([_I], None),
     "tl_quant_rows": ([_W, _P, _I, _P], None),
+    "tl_bf16_select": ([_C], _C),
+    "tl_bf16_tier_name": ([_C], ctypes.c_char_p),
+    "tl_bf16_set_rows": ([_I], None),
 }
 
 
@@ -108,6 +113,9 @@ class Kernels:
     quant_set_two_term_rows: Callable[[int], None]
     quant_set_prefetch: Callable[[int], None]
     quant_rows: Callable[..., None]
+    bf16_select: Callable[[int], int]
+    bf16_tier_name: Callable[[int], bytes]
+    bf16_set_rows: Callable[[int], None]
 
 
 _loaded: Kernels | None = None

@@ -251,7 +251,8 @@ INLINE void walk_block(const float* x, int64_t ldx, int64_t M, const tl_weights*
 }
 
 /* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with TL_ADD, y = res + x W^T (res may be y).
- * Quantized weights go to quant.c. Walking more than CM rows chunk by chunk too was as fast
+ * Quantized weights go to quant.c; bfloat16 ones of enough rows to bf16.c where the CPU has
+ * bf16 products. Walking more than CM rows chunk by chunk too was as fast
  * at its best but slower at the median on this shared machine. */
 static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                    int64_t ldy, int add, const float* res, int64_t ldr) {
@@ -260,6 +261,7 @@ static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
     tl_quant_linear(x, ldx, M, W, y, ldy, mode, res, ldr);
     return;
   }
+  if (type == TL_BF16 && tl_bf16_linear(x, ldx, M, W, y, ldy, mode, res, ldr)) return;
   int64_t K = W->n_in, num_blocks = W->blocks;
   int rows = M <= MT ? MT : M <= CM ? CM : HT;
   int64_t block = K * NB * (type == TL_F32 ? 4 : 2); /* bytes */
@@ -362,12 +364,6 @@ typedef struct {
   const float* mlp_out_norm;
   tl_weights qkv, o, gate_up, down;
 } tl_layer;
-
-INLINE uint16_t to_bf16(float v) { /* round to nearest even */
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
 
 /* qkv [M, (H + 2 KVH) d] = rope(norm(x) Wqkv^T), the q and k heads normed first when the layer
  * has q/k norms, no rope when cos_ is NULL (a layer without RoPE); K and V rows then go to the

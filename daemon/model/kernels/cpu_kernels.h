@@ -68,10 +68,13 @@ typedef struct {
   int32_t type, mode;
 } tl_weights;
 
-/* The quantized linears (quant.c) and the pieces of cpu_kernels.c they share: the fp32 walk
- * over one block of 32 rows, and the scale / bias / mode step of a tile's sums [mt][32]. */
+/* The quantized linears (quant.c), the bf16 products (bf16.c: 0 when it leaves the call to
+ * cpu_kernels.c), and the pieces of cpu_kernels.c they share: the fp32 walk over one block of
+ * 32 rows, and the scale / bias / mode step of a tile's sums [mt][32] (mt <= QMR). */
 void tl_quant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                      int64_t ldy, int mode, const float* res, int64_t ldr);
+int tl_bf16_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
+                   int64_t ldy, int mode, const float* res, int64_t ldr);
 void tl_walk_f32(const float* x, int64_t ldx, int64_t M, const tl_weights* W, int64_t b,
                  const float* wb, float* y, int64_t ldy, int mode, const float* res,
                  int64_t ldr);
@@ -116,6 +119,12 @@ INLINE fvec loadv(const void* base, int64_t i, int type) {
     memcpy(&out, &bits, sizeof out);
   }
   return out;
+}
+
+INLINE uint16_t to_bf16(float v) { /* round to nearest even */
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 /* exp, arguments clamped to [-87, 88]; Cephes' polynomial after reduction by ln 2 (about 1 ulp). */
