@@ -78,6 +78,8 @@ _SIGNATURES = {  # name: (argument types, result type)
                             None),
     "tl_layer_attn_in": ([_L, _P, _I, _P, _P, _P, _P, _P, _C, _P], None),
     "tl_layer_attn_out_mlp": ([_L, _P, _I, _P], None),
+    "tl_layer_decode": ([_L, _P, _I, _P, _P, _P, _P, _P, _C, _P, _I, _P, _I, _F, _I, _P, _P],
+                        None),
     "tl_quant_select": ([_C], _C),
     "tl_quant_tier_name": ([_C], ctypes.c_char_p),
     "tl_quant_set_dequant_rows": ([_I], None),
@@ -107,6 +109,7 @@ class Kernels:
     decode_attention: Callable[..., None]
     layer_attn_in: Callable[..., None]
     layer_attn_out_mlp: Callable[..., None]
+    layer_decode: Callable[..., None]
     quant_select: Callable[[int], int]
     quant_tier_name: Callable[[int], bytes]
     quant_set_dequant_rows: Callable[[int], None]

@@ -172,10 +172,16 @@ class CpuDecoderLayer(nn.Module):
         qkv = x.new_empty(x.shape[0], heads + 2 * kv_heads, head_dim)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         tables = (cos.data_ptr(), sin.data_ptr()) if self.rope else (None, None)
-        self.kernels.layer_attn_in(
-            ctypes.byref(self.desc), x.data_ptr(), x.shape[0], *tables,
-            meta.write_rows.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-            cpu.WEIGHT_TYPES[kv_cache.dtype], qkv.data_ptr())
+        cache = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), cpu.WEIGHT_TYPES[kv_cache.dtype])
+        if not meta.prefills and isinstance(self.paged, CpuPagedAttention):  # all decodes
+            out = x.new_empty(x.shape[0], heads * head_dim)
+            self.kernels.layer_decode(
+                ctypes.byref(self.desc), x.data_ptr(), x.shape[0], *tables,
+                meta.write_rows.data_ptr(), *cache, *self.paged.decode_args(kv_cache[0], meta),
+                qkv.data_ptr(), out.data_ptr())
+            return x
+        self.kernels.layer_attn_in(ctypes.byref(self.desc), x.data_ptr(), x.shape[0], *tables,
+                                   meta.write_rows.data_ptr(), *cache, qkv.data_ptr())
         out = self.paged.attend(qkv[:, :heads], qkv[:, heads : heads + kv_heads],
                                 qkv[:, heads + kv_heads :], kv_cache, meta).contiguous()
         self.kernels.layer_attn_out_mlp(ctypes.byref(self.desc), x.data_ptr(), x.shape[0],
@@ -236,20 +242,27 @@ class CpuPagedAttention(PagedAttention):
 
     def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                meta: AttentionMetadata) -> Tensor:
-        tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        assert tables is not None and lens is not None
+        tables, width, lens, block_size, scale, window = self.decode_args(k_cache, meta)
         num_seqs, num_heads, head_dim = q.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.float().contiguous()
-        num_kv_heads, block_size = k_cache.shape[1:3]
         out = q.new_empty(num_seqs, num_heads, head_dim)
         self.kernels.decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            cpu.WEIGHT_TYPES[k_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-            num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-            1.0 / math.sqrt(head_dim) if self.scale is None else self.scale, self.window or 0,
-            out.data_ptr())
+            cpu.WEIGHT_TYPES[k_cache.dtype], tables, width, lens, num_seqs, num_heads,
+            k_cache.shape[1], head_dim, block_size, scale, window, out.data_ptr())
         return out
+
+    def decode_args(self, k_cache: Tensor, meta: AttentionMetadata
+                    ) -> tuple[int, int, int, int, float, int]:
+        """tl_decode_attention's block tables, their width, the context lengths, the cache's
+        block size, the score scale and the window (0: none)."""
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and lens is not None
+        head_dim = k_cache.shape[-1]
+        scale = 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale
+        return (tables.data_ptr(), tables.shape[1], lens.data_ptr(), k_cache.shape[2], scale,
+                self.window or 0)
 
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,

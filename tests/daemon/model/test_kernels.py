@@ -124,14 +124,17 @@ def test_rmsnorm_matches_the_torch_module(kernels: cpu.Kernels) -> None:
     assert torch.allclose(KernelRMSNorm(norm, kernels)(x), norm(x), atol=1e-5)
 
 
-def both_layers(kernels: cpu.Kernels, model: DecoderLM
+DECODES = [ScheduledChunk([1], 20, [3, 9], True), ScheduledChunk([2], 5, [4], True)]
+
+
+def both_layers(kernels: cpu.Kernels, model: DecoderLM, decodes_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(CPU layer's output, torch layer's, their caches) for the model's one layer over a
-    batch of decodes and prefill chunks."""
+    batch of decodes and prefill chunks (or of decodes only: one kernel call a layer)."""
     runner = ModelRunner(model, model.config, num_blocks=32)
-    chunks = [ScheduledChunk([1], 20, [3, 9], True), ScheduledChunk([2], 5, [4], True),
-              ScheduledChunk([3, 4, 5], 14, [7, 8], True),
-              ScheduledChunk(list(range(6, 15)), 0, [30], True)]
+    chunks = DECODES if decodes_only else [
+        *DECODES, ScheduledChunk([3, 4, 5], 14, [7, 8], True),
+        ScheduledChunk(list(range(6, 15)), 0, [30], True)]
     batch = runner._prepare(chunks)
     torch.manual_seed(0)
     dtype = model.dtype
@@ -151,14 +154,17 @@ def both_layers(kernels: cpu.Kernels, model: DecoderLM
                                                          (torch.float32, True, 32),
                                                          (torch.bfloat16, False, 64),
                                                          (torch.float32, False, 24)])
+@pytest.mark.parametrize("decodes_only", [False, True])
 def test_decoder_layer_matches_the_torch_layer(kernels: cpu.Kernels, dtype: torch.dtype,
-                                               bias: bool, head_dim: int) -> None:
-    """One layer over a batch of decodes and prefill chunks: same output, same cache."""
+                                               bias: bool, head_dim: int,
+                                               decodes_only: bool) -> None:
+    """One layer over a batch of decodes and prefill chunks, or of decodes only (one kernel
+    call: tl_layer_decode): same output, same cache."""
     config = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=72, num_layers=1,
                          num_heads=6, num_kv_heads=2, head_dim=head_dim, qkv_bias=bias)
     model = DecoderLM(config, torch.device("cpu"), dtype)
     init_random_(model, seed=3)
-    got, want, cache, cache_want = both_layers(kernels, model)
+    got, want, cache, cache_want = both_layers(kernels, model, decodes_only)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert (got - want).abs().max() < tol
     assert (cache - cache_want).abs().max() < tol
