@@ -48,6 +48,7 @@ def run(options: DaemonOptions, notify: Notify | None = None) -> int:
 def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: Notify | None,
            t0: float) -> int:
     runner, tokenizer, name, max_model_len, defaults = built
+    name = options.served_model_name or name
     o = options.store
     try:
         limits = ConversationLimits(o.max_conversations, o.conversation_max_age_s,

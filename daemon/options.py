@@ -63,3 +63,4 @@ class DaemonOptions:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_bytes: int = 64 << 20
     tool_call_parser: str = "auto"  # a ToolCallFormat's value, or auto: the chat template's
+    served_model_name: str = ""  # the model id clients see; empty: the model's own

@@ -13,20 +13,26 @@ said Goodbye) end at once as aborted with cause ``proxy_lost``.
 
 The proxy is never dropped for reading slowly, only for not reading (ipc/daemon_side.py); what
 waits for it is bounded here instead. While the tokens backlog is over its bound the loop runs
-no forward pass, and ResponseOps, whose replies can be large (a stored response, a page of
-input items), wait in order and are answered one by one while the backlog is under the bound:
-however many arrive at once, the backlog holds at most one reply beyond it.
+no forward pass, and the replies to ResponseOps, which can be large (a stored response, a page
+of input items), wait and go out one by one while the backlog is under the bound: however many
+come at once, the backlog holds at most one reply beyond it.
+
+The Responses store is never touched here: its transactions run on the responses room's own
+thread (daemon/responses/store_thread.py). The tick hands it the ResponseOps (queued there fairly
+between clients, answered "not applied" once their proxy stopped waiting) and sends its replies,
+in order with the aborts that a cancel or a delete obliges, at most OPS_BYTES of them a tick so
+that the forward pass comes round as often however many a client asks for.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable
 
 from daemon.engine.core import Engine
 from daemon.responses.store import ResponseStore
+from daemon.responses.store_thread import reply_bytes
 from ipc.framing import FrameTooLarge
 from ipc.pipes import (
     Connected,
@@ -50,7 +56,7 @@ from ipc.records import (
     ToolCallFormat,
     Welcome,
 )
-from ipc.response_records import ResponseOp, ResponseOpKind, ResponseReply
+from ipc.response_records import ResponseCancel, ResponseDelete, ResponseOp, ResponseReply
 from ipc.wire import ToProxy
 
 log = logging.getLogger("tether.daemon")
@@ -59,12 +65,17 @@ Notify = Callable[[str], object]
 
 STATS_INTERVAL_S = 0.1
 IDLE_WAIT_S = 0.05
-GRAMMAR_POLL_S = 0.001
+# A grammar compiles, or the store thread works, on threads of their own: while they do, the
+# loop looks again this soon.
+WORK_POLL_S = 0.001
 WATCHDOG_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
 FLUSH_TIMEOUT_S = 1.0
-# ResponseOps waiting for the tokens pipe; past this a new one is refused at once (503).
-MAX_WAITING_OPS = 1024
+# The replies one tick sends (the first whatever its size; a store op's own is bounded at the
+# edge).
+OPS_BYTES = 8 << 20
+# How long the store thread has, at shutdown, to record the ends of the sessions stopped.
+STORE_CLOSE_S = 5.0
 
 
 class DaemonServer:
@@ -92,7 +103,6 @@ class DaemonServer:
         # Set (from any thread) when the daemon cannot go on, e.g. a tensor-parallel rank died.
         self.failure: str | None = None
         self._out: list[ToProxy] = []
-        self._ops: collections.deque[ResponseOp] = collections.deque()
         self._last_stats = 0.0
         self._last_sessions: tuple[int, int, int] | None = None
         self._last_watchdog = 0.0
@@ -117,9 +127,8 @@ class DaemonServer:
         self.notify("READY=1")
         while not self._done():
             ran = self.tick()
-            if not ran:
-                # A grammar compiles on its own thread, in a millisecond or so: look again soon.
-                self.pipes.wait_readable(GRAMMAR_POLL_S if self.engine.waiting_for_grammar
+            if not ran and not self._replies_ready:
+                self.pipes.wait_readable(WORK_POLL_S if self._waiting_for_threads
                                          else IDLE_WAIT_S)
         self._shutdown()
         return 0 if self.failure is None else 1
@@ -129,7 +138,8 @@ class DaemonServer:
         now = self.clock()
         self._drain_control(now)
         self._drain_requests()
-        self._answer_ops()
+        self._out += self.engine.from_store()
+        self._send_replies()
         self._out += self.engine.admit_guided()
         if self._out and self.engine.has_work:
             # Admissions and evictions go out before a forward pass that may take seconds.
@@ -156,7 +166,7 @@ class DaemonServer:
             if isinstance(item, Stale):
                 self._out += self.engine.refuse(item.submit, AbortCause.PROXY_LOST)
             elif isinstance(item, ResponseOp):  # a conversation's: answered as any other op
-                self._queue_op(item)
+                self._put_op(item)
             else:
                 self._submit(item)
 
@@ -205,17 +215,17 @@ class DaemonServer:
         elif isinstance(item, Pause | Resume):
             self.engine.set_paused(item.rid, isinstance(item, Pause))
         elif isinstance(item, ResponseOp):
-            self._queue_op(item)
+            self._put_op(item)
         elif isinstance(item, Connected):
             # The sessions of older connections belong to clients their proxy already failed;
             # so do the ops still waiting for an answer.
-            self._ops.clear()
+            self._clear_ops()
             self._out += self.engine.abort_epoch_older_than(item.epoch, AbortCause.PROXY_LOST)
         elif isinstance(item, Goodbye):
             self._out += self.engine.abort_epoch_older_than(item.epoch + 1, AbortCause.PROXY_LOST)
         elif isinstance(item, Lost):
             log.warning("proxy lost (%s); aborting its requests", item.loss.detail)
-            self._ops.clear()
+            self._clear_ops()
             self._out += self.engine.abort_all(AbortCause.PROXY_LOST)
         elif isinstance(item, Welcome | Error):
             self._out.append(item)  # the connection's answers go out in order with ours
@@ -231,41 +241,57 @@ class DaemonServer:
             self._out.append(Error(rec.rid, f"internal error: {type(e).__name__}: {e}",
                                    status=500, code="internal_error"))
 
-    # --- ResponseOps: answered as fast as the proxy reads the replies -------------------------
+    # --- ResponseOps: answered on the store thread, sent as fast as the proxy reads them ---------
 
-    def _queue_op(self, op: ResponseOp) -> None:
-        if len(self._ops) >= MAX_WAITING_OPS:
-            self._out.append(ResponseReply(
-                op.op_id, 503, message=f"{MAX_WAITING_OPS} response operations are waiting "
-                "for the proxy to read earlier replies; retry"))
-        else:
-            self._ops.append(op)
+    def _put_op(self, op: ResponseOp) -> None:
+        responses = self.engine.responses
+        refused = (responses.put_op(op) if responses is not None else
+                   ResponseReply(op.op_id, 500, message="the Responses API needs the response "
+                                 "store"))
+        if refused is not None:
+            self._out.append(refused)
 
-    def _answer_ops(self) -> None:
-        while self._ops and not self.pipes.backlogged:
-            op = self._ops.popleft()
-            reply = self._response_op(op)
+    def _clear_ops(self) -> None:
+        if self.engine.responses is not None:
+            self.engine.responses.clear_ops()
+
+    @property
+    def _replies_ready(self) -> bool:
+        """Replies wait that this tick's budget left, and the proxy is reading: go round at
+        once."""
+        responses = self.engine.responses
+        return responses is not None and responses.has_reply and not self.pipes.backlogged
+
+    @property
+    def _waiting_for_threads(self) -> bool:
+        responses = self.engine.responses
+        return self.engine.waiting_for_grammar or (responses is not None and responses.busy)
+
+    def _send_replies(self) -> None:
+        """Sends the store thread's replies in order until the tick's budget is spent; a 200 to
+        a cancel or a delete first stops the session, if it still runs here (a live background
+        response is cancelled before it is deleted; a live foreground one is never deleted)."""
+        responses = self.engine.responses
+        spent = 0
+        while responses is not None and not self.pipes.backlogged \
+                and (answered := responses.take_reply()) is not None:
+            op, reply = answered
+            if isinstance(op.request, ResponseCancel | ResponseDelete) and reply.status == 200 \
+                    and self.engine.is_running(op.request.response_id):
+                self._out += self.engine.abort(op.request.response_id, AbortCause.CANCEL)
             out, self._out = self._out, []
             self.pipes.send(out)  # in order: what came before, and a cancel's aborts
             try:
                 self.pipes.send([reply])
             except FrameTooLarge as exc:  # only that request's error
-                log.warning("the reply to %s %s does not fit a frame: %s", op.op,
-                            op.response_id, exc)
-                self.pipes.send([ResponseReply(op.op_id, 500, message=f"the reply is too large "
-                                               f"for the daemon's pipe: {exc}")])
-
-    def _response_op(self, op: ResponseOp) -> ResponseReply:
-        running = self.engine.is_running(op.response_id)
-        responses = self.engine.responses
-        reply = (responses.handle_op(op, running) if responses is not None else
-                 ResponseReply(op.op_id, 500, message="the Responses API needs the response store"))
-        # A 200 to either obliges us to stop the session: a live background response is
-        # cancelled before it is deleted (a live foreground one is refused, never deleted).
-        ends = op.op is ResponseOpKind.CANCEL or op.op is ResponseOpKind.DELETE
-        if ends and reply.status == 200 and running:
-            self._out += self.engine.abort(op.response_id, AbortCause.CANCEL)
-        return reply
+                log.warning("the reply to %s %s does not fit a frame: %s", op.kind, op.subject,
+                            exc)
+                self.pipes.send([ResponseReply(op.op_id, 413, message=f"the answer is too "
+                                               f"large for the daemon's pipe ({exc}): ask for "
+                                               "less at once")])
+            spent += reply_bytes(op, reply)
+            if spent >= OPS_BYTES:
+                return
 
     # --- shutdown -------------------------------------------------------------------------------
 
@@ -274,7 +300,8 @@ class DaemonServer:
             return True
         if self.stop_deadline is None:
             return False
-        idle = not (self.engine.has_work or self.engine.waiting_for_grammar)
+        idle = not (self.engine.has_work or self.engine.waiting_for_grammar
+                    or self.engine.waiting_for_store)
         return idle or self.clock() >= self.stop_deadline
 
     def _shutdown(self) -> None:
@@ -283,7 +310,11 @@ class DaemonServer:
             log.error("stopping: %s", self.failure)
             self._out += self.engine.fail_all(self.failure)
         self._out += self.engine.abort_all(AbortCause.SHUTDOWN)
+        if self.engine.stored is not None:  # the ends it was just told, and results held
+            self._out += self.engine.stored.close(STORE_CLOSE_S)
         self._flush_records(self.clock(), force=True)
+        if self.failure is None and (goodbye := self.connection.goodbye()) is not None:
+            self.pipes.send([goodbye])  # last of all: the proxy takes our EOF for a stop
         deadline = self.clock() + FLUSH_TIMEOUT_S
         while self.pipes.proxy_connected and self.pipes.tokens_backlog \
                 and self.clock() < deadline:

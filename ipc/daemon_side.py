@@ -303,9 +303,13 @@ class DaemonPipes:
         with self._tokens.lock:
             return len(self._tokens.buf) > BACKLOG_BOUND_BYTES
 
-    def close(self) -> None:
+    def stop_keepalive(self) -> None:
+        """Nothing more from the keepalive thread: a Goodbye stays the last record written."""
         self._closing.set()
         self._keepalive.join()
+
+    def close(self) -> None:
+        self.stop_keepalive()
         self._control.close()
         self._requests.close()
         self._tokens.close()

@@ -55,13 +55,19 @@ def ensure_fifos(runtime_dir: Path, group: str | int | None = None) -> dict[str,
     Our own paths with a wrong mode or group are fixed; a path that is not a FIFO (or not a
     directory) or that another user owns is refused, since it could be a planted trap.
     """
-    gid = resolve_group(group)
+    gid = ensure_dir(runtime_dir, group)
     runtime_dir = Path(runtime_dir)
-    _ensure_node(runtime_dir, 0o750 if gid is not None else 0o700, gid, is_dir=True)
     paths = {name: runtime_dir / name for name in FIFO_NAMES}
     for path in paths.values():
         _ensure_node(path, 0o660 if gid is not None else 0o600, gid, is_dir=False)
     return paths
+
+
+def ensure_dir(runtime_dir: Path, group: str | int | None = None) -> int | None:
+    """Create (or check) the runtime dir alone, as `ensure_fifos` does; returns the group's gid."""
+    gid = resolve_group(group)
+    _ensure_node(Path(runtime_dir), 0o750 if gid is not None else 0o700, gid, is_dir=True)
+    return gid
 
 
 def _ensure_node(path: Path, mode: int, gid: int | None, *, is_dir: bool) -> None:

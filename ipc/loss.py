@@ -15,6 +15,7 @@ class LossReason(enum.StrEnum):
     SILENCE = "silence"  # nothing heard within the silence bound: hung alive
     STALLED_READER = "stalled_reader"  # the proxy took nothing from a full tokens pipe
     VERSION_MISMATCH = "version_mismatch"  # the peer speaks another protocol version
+    STOPPED = "stopped"  # the peer said Goodbye: a clean stop, not a failure
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,12 @@ import msgspec
 # 12: ResponseFields.echo / StoredResponse.echo (the request fields a Response object echoes),
 # Stats.grammar_pending
 # 13: Welcome.single_tool_call, Welcome.generation_defaults (the model's own sampling defaults)
-PROTOCOL_VERSION = 13
+# 14: the daemon's Goodbye on tokens (a clean stop, told from a crash)
+# 15: ResponseOp.tenant / client / deadline, ITEMS (every reference of a request in one op, on
+# the requests pipe) in place of ITEM; ResponseFields.tenant
+# 16: ResponseOp.request, one record a kind (ResponseGet, ConversationCreate, ...) in place of
+# ResponseOp.op and its optional fields
+PROTOCOL_VERSION = 16
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -206,6 +211,9 @@ class ResponseFields(msgspec.Struct, frozen=True):
     # The request fields the Response object echoes (text, tools, tool_choice, metadata, ...),
     # as JSON text of an object: stored as they are, read by the proxy only.
     echo: str = "{}"
+    # Whose response it is: the API key's tag ("" without keys). Retention is fair between
+    # tenants, and a tenant's item references reach only its own items.
+    tenant: str = ""
 
 
 # --- proxy -> daemon: requests pipe -------------------------------------------------------------
@@ -267,6 +275,9 @@ class Heartbeat(msgspec.Struct, tag=Kind.HEARTBEAT.value, tag_field="k"):
 
 
 class Goodbye(msgspec.Struct, tag=Kind.GOODBYE.value, tag_field="k"):
+    """The last record of a side that stops cleanly (the proxy on control, the daemon on
+    tokens): the EOF that follows is a close, not a loss."""
+
     epoch: int
 
 

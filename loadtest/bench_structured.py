@@ -1,7 +1,9 @@
 """Structured outputs: valid within the budget, and what the constraint costs.
 
     python -m loadtest.bench_structured [--schemas 300] [--streams 8,64] [--tokens 256]
-                                        [--reps 3] [--models builtin:tiny,sim:0] [--out DIR]
+                                        [--reps 3] [--models builtin:tiny,sim:0]
+                                        [--attacks nested,no_close,ambiguous,ambiguous_x4,compiles]
+                                        [--out DIR]
 
 Figures, all measured in this run:
   validity   --schemas random JSON schemas (bounded strings, enums, integer ranges, nested
@@ -17,8 +19,13 @@ Figures, all measured in this run:
              median of --reps, at each --streams, on each model
   compile    the daemon's compile times (tether_grammar_compile_seconds) and cache hits over
              the run, and the first-token latency of a new schema against the same one cached
+  attacks    grammars a hostile client chooses, each beside a bystander stream on sim:20: the
+             bystander's longest gap between two tokens, the attack's answers, whether the
+             daemon was replaced (loadtest/grammar_attacks.py); an empty --models or
+             --attacks skips that part
 Goals: 100% valid and no `length` ending; constrained tokens/s within 10% of unconstrained at
-8 and 64 streams. Writes structured.json under results/bench-structured-<timestamp>/.
+8 and 64 streams; under each attack the bystander's longest gap under 1 s and the daemon the
+same process. Writes structured.json under results/bench-structured-<timestamp>/.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import jsonschema
 import psutil
 
 from loadtest import sse_client
+from loadtest.grammar_attacks import ATTACKS, attack_lines, run_attacks
 from loadtest.metrics import scrape
 from loadtest.pair import ServerPair, served_model
 from loadtest.report import goal_line, results_dir, summary, write_json
@@ -322,16 +330,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--window-s", type=float, default=6.0)
-    ap.add_argument("--models", type=lambda s: s.split(","), default=["builtin:tiny", "sim:0"])
+    names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--models", type=names, default=["builtin:tiny", "sim:0"])
+    ap.add_argument("--attacks", type=names, default=list(ATTACKS))
     ap.add_argument("--validity-model", default="builtin:tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     runs = [run_model(model, args) for model in args.models]
-    lines = report(runs)
+    attacks = run_attacks(args.attacks)
+    lines = report(runs) + (attack_lines(attacks) if attacks else [])
     print("\n".join(lines))
     path = write_json(results_dir(args.out, "bench-structured") / "structured.json",
-                      {"args": vars(args), "runs": runs, "report": lines})
+                      {"args": vars(args), "runs": runs, "attacks": attacks, "report": lines})
     print(f"wrote {path}")
     return 0
 

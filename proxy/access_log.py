@@ -1,6 +1,7 @@
 """One structured log line per HTTP request: method, route, status, duration, request ids, and
 for a refused request the reason it was given (pure ASGI, so disconnects still reach the
-handlers as they happen).
+handlers as they happen); and every request counted by route and status in /metrics
+(`tether_http_requests_total`), whatever the log's sample.
 
 A line is written when the answer's last byte is handed on, or when the client is seen to leave
 first (``client_left``; ``status`` null if no answer had begun). Every 4xx and 5xx is written,
@@ -14,10 +15,14 @@ import logging
 import random
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("tether.access")
 
@@ -35,7 +40,7 @@ class AccessLogMiddleware:
     # client is seen to leave, whichever comes first: no frame of ours stays alive for a
     # request's lifetime (thousands of streams can be held open).
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
-        if scope["type"] != "http" or self.sample <= 0.0:
+        if scope["type"] != "http":
             return self.app(scope, receive, send)
         entry = _Entry(self, scope, receive, send)
         return self.app(scope, entry.receive, entry.send)
@@ -80,9 +85,13 @@ class _Entry:
             return
         self.written = True
         status = self.status
-        if status < 400 and self.log.chance() >= self.log.sample:
-            return
         scope = self.scope
+        metrics: ProxyMetrics | None = getattr(scope["app"].state, "metrics", None)
+        if metrics is not None:
+            metrics.http_requests.labels(route_template(scope), str(status or "none")).inc()
+        sample = self.log.sample
+        if sample <= 0.0 or (status < 400 and self.log.chance() >= sample):
+            return
         route = scope.get("route")
         fields: dict[str, Any] = {
             "method": scope["method"],
@@ -103,6 +112,16 @@ class _Entry:
         level = logging.WARNING if status >= 500 else logging.INFO
         log.log(level, "%s %s %s", fields["method"], fields["route"], status or "-",
                 extra={"fields": fields})
+
+
+def route_template(scope: Scope) -> str:
+    """The route's path template, never the path itself: a label's values must not be the
+    client's to choose. A request refused before routing (401, 413) is matched here."""
+    route = scope.get("route")
+    if route is None:
+        route = next((r for r in scope["app"].routes if r.matches(scope)[0] is not Match.NONE),
+                     None)
+    return getattr(route, "path", None) or "unmatched"
 
 
 def _reason(body: bytes) -> dict[str, Any]:

@@ -232,6 +232,7 @@ class ModelList(msgspec.Struct):
 
 class Health(msgspec.Struct):
     status: Literal["ok", "unavailable"]
+    version: str | None = None  # tether's release
     model: str | None = None
     max_model_len: int | None = None
     tensor_parallel_size: int | None = None  # ranks the daemon runs the model on

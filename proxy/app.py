@@ -24,7 +24,7 @@ from proxy.errors import EXCEPTION_HANDLERS, ApiError, error_response
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.openapi import openapi_json
 from proxy.options import ProxyOptions
-from proxy.schemas import REQUEST_ID_PATTERN
+from proxy.schemas import REQUEST_ID_PATTERN, check_model
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN.encode())
 
@@ -97,21 +97,33 @@ class BodyLimitMiddleware:
 
 async def health(request: Request) -> Response:
     engine: EngineClient = request.app.state.engine
+    version = request.app.state.options.version
     if engine.up:
-        return JSONResponse({"status": "ok", "model": engine.model,
+        return JSONResponse({"status": "ok", "version": version, "model": engine.model,
                              "max_model_len": engine.max_model_len,
                              "tensor_parallel_size": engine.tensor_parallel_size,
                              "generation_defaults": msgspec.to_builtins(
                                  engine.generation_defaults)})
-    return JSONResponse({"status": "unavailable", "reason": engine.down_reason}, status_code=503)
+    return JSONResponse({"status": "unavailable", "version": version,
+                         "reason": engine.down_reason}, status_code=503)
+
+
+def _model_card(request: Request, name: str) -> dict[str, object]:
+    engine: EngineClient = request.app.state.engine
+    return {"id": name, "object": "model", "created": request.app.state.started_at,
+            "owned_by": "tether", "max_model_len": engine.max_model_len}
 
 
 async def models(request: Request) -> Response:
-    name = completions.served_model(request)
-    engine: EngineClient = request.app.state.engine
-    card = {"id": name, "object": "model", "created": request.app.state.started_at,
-            "owned_by": "tether", "max_model_len": engine.max_model_len}
+    card = _model_card(request, completions.served_model(request))
     return JSONResponse({"object": "list", "data": [card]})
+
+
+async def model(request: Request) -> Response:
+    """One model, as OpenAI's `GET /v1/models/{model}` answers; an unknown id is a 404."""
+    name: str = request.path_params["model"]
+    check_model(name, completions.served_models(request))
+    return JSONResponse(_model_card(request, name))
 
 
 async def metrics(request: Request) -> Response:
@@ -146,6 +158,8 @@ def create_app(options: ProxyOptions) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        # :path: an id such as org/name arrives with its slash (clients send it as %2F).
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *completions.routes,
         *responses.routes,
@@ -160,7 +174,8 @@ def create_app(options: ProxyOptions) -> Starlette:
                       allow_headers=cors.headers, expose_headers=["X-Request-Id"])]
           if (cors := options.cors).origins else []),
         Middleware(RequestIdMiddleware),
-        Middleware(ApiKeyMiddleware, keys=options.api_keys),
+        Middleware(ApiKeyMiddleware, keys=options.api_keys,
+                   everywhere=options.api_key_everywhere),
         Middleware(BodyLimitMiddleware, max_bytes=options.max_body_bytes),
     ]
     app = Starlette(routes=routes, middleware=middleware,

@@ -2,10 +2,15 @@
 
 Pure ASGI (not BaseHTTPMiddleware) because the handlers' disconnect detection needs the
 server's own ``receive``: wrapping it in a task-and-queue layer delays or loses http.disconnect.
+
+The key a request matched names its tenant (``scope["state"]["tenant"]``, read by
+proxy/tenancy.py): a tag derived from the key, never the key, under which the store keeps what
+the request stores.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Sequence
 
@@ -13,27 +18,40 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.errors import ApiError, error_response
 
-# The API lives under /v1, and vLLM's /tokenize and /detokenize beside it; /health and /metrics
-# stay open for probes and scrapers.
+# The API lives under /v1, and vLLM's /tokenize and /detokenize beside it; /health, /metrics and
+# /openapi.json stay open for probes and scrapers unless the key guards everything.
 PROTECTED_PREFIX = ("/v1", "/tokenize", "/detokenize")
 
 
+def tenant_tag(key: bytes) -> str:
+    """The tenant a key names in the store: a slow hash, so that a store's reader learns
+    nothing of a short key from it."""
+    return hashlib.pbkdf2_hmac("sha256", key, b"tether tenant", 100_000)[:8].hex()
+
+
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Sequence[str], everywhere: bool = False) -> None:
         self.app = app
         self.keys = [key.encode() for key in keys]
+        self.prefix = ("/",) if everywhere else PROTECTED_PREFIX
+        self.tenants = [tenant_tag(key) for key in self.keys]
 
     # A plain function returning the inner app's awaitable: no frame of ours stays alive for
     # the request's lifetime (thousands of requests can be held open at once).
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
-        if (scope["type"] != "http" or not self.keys
-                or not scope["path"].startswith(PROTECTED_PREFIX) or self._allowed(scope)):
+        if scope["type"] != "http" or not self.keys:
+            return self.app(scope, receive, send)
+        tenant = self._tenant(scope)
+        if tenant is not None:
+            scope.setdefault("state", {})["tenant"] = tenant
+        if tenant is not None or not scope["path"].startswith(self.prefix):
             return self.app(scope, receive, send)
         exc = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return error_response(exc)(scope, receive, send)
 
-    def _allowed(self, scope: Scope) -> bool:
+    def _tenant(self, scope: Scope) -> str | None:
+        """The tenant of the key the request offers; None when it offers none of ours."""
         offered = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -42,7 +60,8 @@ class ApiKeyMiddleware:
                     offered = token.strip()
                 break
         # Compare against every key so the time taken does not tell which one nearly matched.
-        matched = False
-        for key in self.keys:
-            matched |= hmac.compare_digest(offered, key)
+        matched: str | None = None
+        for key, tenant in zip(self.keys, self.tenants, strict=True):
+            if hmac.compare_digest(offered, key):
+                matched = tenant
         return matched

@@ -17,21 +17,34 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ipc.response_records import ConversationItems, ResponseOpKind, ResponseReply, StoredConversation
+from ipc.response_records import (
+    ConversationCreate,
+    ConversationDelete,
+    ConversationGet,
+    ConversationItemDelete,
+    ConversationItemGet,
+    ConversationItems,
+    ConversationItemsAdd,
+    ConversationItemsList,
+    ConversationRequest,
+    ConversationUpdate,
+    ResponseReply,
+    StoredConversation,
+)
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.input_items import (
     MAX_ITEM_ID,
     decode_items,
-    input_item_objects,
+    listed_items,
     stored_items,
     to_messages,
 )
 from proxy.responses import item_list, items_page
 from proxy.responses_request import Metadata
 from proxy.schemas import REQUEST_ID_PATTERN, decode_body, new_id
+from proxy.tenancy import who
 
-K = ResponseOpKind
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI's bound on the items of one create or append
 
 # Each item decoded on its own, as the Responses API's input (a message may leave out its type).
@@ -73,9 +86,9 @@ def check_conversation_id(cid: str, param: str = "conversation_id") -> str:
     return cid
 
 
-async def _op(request: Request, op: ResponseOpKind, cid: str, **fields: Any) -> ResponseReply:
+async def _op(request: Request, op: ConversationRequest) -> ResponseReply:
     engine: EngineClient = request.app.state.engine
-    reply = await engine.response_op(op, cid, **fields)
+    reply = await engine.response_op(op, who=who(request))
     if reply.status != 200:
         code = "not_found" if reply.status == 404 else None
         raise ApiError(reply.status, reply.message or f"conversation operation failed "
@@ -108,25 +121,24 @@ async def create_conversation(request: Request) -> Response:
     body = await request.body()
     req = decode_body(body or b"{}", CreateConversation)
     items = conversation_items(req.items) if req.items else None
-    reply = await _op(request, K.CONVERSATION_CREATE, new_id("conv_"), items=items,
-                      metadata=req.metadata or {})
+    reply = await _op(request, ConversationCreate(new_id("conv_"), items, req.metadata or {}))
     return _conversation(reply)
 
 
 async def get_conversation(request: Request) -> Response:
     cid = check_conversation_id(request.path_params["conversation_id"])
-    return _conversation(await _op(request, K.CONVERSATION_GET, cid))
+    return _conversation(await _op(request, ConversationGet(cid)))
 
 
 async def update_conversation(request: Request) -> Response:
     cid = check_conversation_id(request.path_params["conversation_id"])
     req = decode_body(await request.body(), UpdateConversation)
-    return _conversation(await _op(request, K.CONVERSATION_UPDATE, cid, metadata=req.metadata))
+    return _conversation(await _op(request, ConversationUpdate(cid, req.metadata)))
 
 
 async def delete_conversation(request: Request) -> Response:
     cid = check_conversation_id(request.path_params["conversation_id"])
-    await _op(request, K.CONVERSATION_DELETE, cid)
+    await _op(request, ConversationDelete(cid))
     return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
 
 
@@ -134,28 +146,31 @@ async def list_items(request: Request) -> Response:
     cid = check_conversation_id(request.path_params["conversation_id"])
     _no_include(request)
     page = items_page(request.query_params, f"no item of conversation {cid!r}")
-    return JSONResponse(item_list(await _op(request, K.CONVERSATION_ITEMS, cid, page=page)))
+    return item_list(await _op(request, ConversationItemsList(cid, page)))
 
 
 async def add_items(request: Request) -> Response:
     cid = check_conversation_id(request.path_params["conversation_id"])
     _no_include(request)
     req = decode_body(await request.body(), AddItems)
-    reply = await _op(request, K.CONVERSATION_ADD_ITEMS, cid, items=conversation_items(req.items))
-    return JSONResponse(item_list(reply))
+    items = conversation_items(req.items)
+    reply = await _op(request, ConversationItemsAdd(cid, items))
+    # The daemon answers with the ids it listed them under: the items are ours already.
+    return item_list(msgspec.structs.replace(reply, input_items=items.items))
 
 
 async def get_item(request: Request) -> Response:
     cid, item_id = _path_ids(request)
     _no_include(request)
-    reply = await _op(request, K.CONVERSATION_ITEM_GET, cid, item_id=item_id)
-    return JSONResponse(input_item_objects(reply.input_items or "[]", reply.item_ids)[0])
+    reply = await _op(request, ConversationItemGet(cid, item_id))
+    listed = listed_items(reply.input_items or "[]", reply.item_ids)
+    return Response(listed[1:-1], media_type="application/json")  # the list's one item
 
 
 async def delete_item(request: Request) -> Response:
     """Answers with the conversation, as OpenAI does."""
     cid, item_id = _path_ids(request)
-    return _conversation(await _op(request, K.CONVERSATION_ITEM_DELETE, cid, item_id=item_id))
+    return _conversation(await _op(request, ConversationItemDelete(cid, item_id)))
 
 
 routes = [

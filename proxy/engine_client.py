@@ -20,9 +20,9 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
-from typing import Any
 
-from ipc.pipes import DaemonUnavailable, Loss, ProxyConnection
+from ipc.framing import MAX_FRAME_BYTES, FrameTooLarge
+from ipc.pipes import DaemonUnavailable, Loss, LossReason, ProxyConnection
 from ipc.records import (
     Abort,
     AbortCause,
@@ -34,22 +34,35 @@ from ipc.records import (
     Submit,
     ToolCallFormat,
 )
-from ipc.response_records import CONVERSATION_OPS, ItemsPage, ResponseOp, ResponseOpKind, ResponseReply
+from ipc.response_records import REQUESTS_PIPE, ResponseOp, ResponseReply, StoreRequest
 from ipc.stats import Stats
 from ipc.wire import ToProxy
 from proxy.batching import Batch
 from proxy.errors import ApiError
 from proxy.session import Flow, Phase, Session
+from proxy.tenancy import ANYONE, Who
 
 log = logging.getLogger("tether.proxy")
 
 StatsListener = Callable[[Stats], None]
 
 SWEEP_S = 0.5
+# How long past an op's deadline its answer is waited for: the daemon answers an op it did not
+# get to by then at once, unapplied; only one already under way (a store waiting on a lock:
+# SQLite's busy timeout is 5 s) can take longer.
+REPLY_GRACE_S = 10.0
 
 
 def unavailable(reason: str) -> ApiError:
     return ApiError(503, f"the engine is unavailable: {reason}", code="engine_unavailable")
+
+
+def too_large(exc: FrameTooLarge) -> ApiError:
+    """A request that, as the engine would be sent it (its item references resolved, its text
+    escaped), outgrows the pipe's frame."""
+    return ApiError(413, f"the request is too large for the engine as sent: {exc} (the limit "
+                    f"of one request as the daemon is sent it, {MAX_FRAME_BYTES} bytes)",
+                    code="request_too_large")
 
 
 class EngineClient:
@@ -71,6 +84,7 @@ class EngineClient:
                                            self._on_delivered)
         self._flow = Flow(max_buffered, merge_tokens, self._connection.control)
         self._sweeper: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()  # set while up: what readiness waits for
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -109,6 +123,10 @@ class EngineClient:
     @property
     def down_reason(self) -> str:
         return self._connection.down_reason
+
+    async def wait_up(self) -> None:
+        """Until the daemon has welcomed us: a request sent then is served."""
+        await self._connected.wait()
 
     # What the daemon serves, as its last Welcome said (None until the first).
 
@@ -178,6 +196,8 @@ class EngineClient:
             session.frame = self._connection.queue_submit(submit)
         except DaemonUnavailable as exc:
             session.fail(unavailable(str(exc) or self.down_reason))
+        except FrameTooLarge as exc:
+            session.fail(too_large(exc))
         return session
 
     def close_session(self, session: Session, abort: bool = True) -> None:
@@ -212,27 +232,37 @@ class EngineClient:
         if session.frame is None or not self._connection.withdraw(session.frame):
             self.abort(session.rid, cause, t_disconnect)
 
-    async def response_op(self, op: ResponseOpKind, response_id: str, timeout: float = 5.0,  # noqa: ASYNC109
-                          page: ItemsPage | None = None, **fields: Any) -> ResponseReply:
-        """One ResponseOp and its reply. A conversation's (``fields``: its items, metadata or
-        item id) travels on the requests pipe, as big as a Submit; the others on control."""
+    async def response_op(self, request: StoreRequest, timeout: float = 5.0,  # noqa: ASYNC109
+                          who: Who = ANYONE) -> ResponseReply:
+        """One ResponseOp and its reply. A conversation's and a request's item references
+        travel on the requests pipe, as big as a Submit; the others on control.
+
+        The daemon applies the op only within ``timeout``; past it, it answers without
+        applying it. So this waits for that answer rather than give up at ``timeout``: a 503
+        that says "not applied" is true, and a client's retry stores once. Only a daemon that
+        says nothing for REPLY_GRACE_S longer (lost, or stuck in one operation) is answered
+        with a 503 that cannot say."""
         if not self.up:
             raise unavailable(self.down_reason)
         op_id = uuid.uuid4().hex
         future: asyncio.Future[ResponseReply] = asyncio.get_running_loop().create_future()
         self._ops[op_id] = future
-        record = ResponseOp(op_id, op, response_id, page=page, **fields)
+        record = ResponseOp(op_id, request, tenant=who.tenant, client=who.client,
+                            deadline=time.monotonic() + timeout)
         try:
-            if op in CONVERSATION_OPS:
+            if isinstance(request, REQUESTS_PIPE):
                 try:
                     self._connection.queue_submit(record)
                 except DaemonUnavailable:
                     raise unavailable(self.down_reason) from None
+                except FrameTooLarge as exc:
+                    raise too_large(exc) from None
             elif not self._connection.control(record):
                 raise unavailable(self.down_reason)
-            return await asyncio.wait_for(future, timeout)
+            return await asyncio.wait_for(future, timeout + REPLY_GRACE_S)
         except TimeoutError:
-            raise unavailable(f"no answer from the daemon within {timeout:g} s") from None
+            raise unavailable(f"no answer from the daemon within {timeout + REPLY_GRACE_S:g} s; "
+                              "the operation may or may not have been applied") from None
         finally:
             self._ops.pop(op_id, None)
 
@@ -295,11 +325,13 @@ class EngineClient:
 
     def _on_state(self, loss: Loss | None) -> None:
         if loss is None:
+            self._connected.set()
             welcome = self._connection.welcome
             assert welcome is not None  # up means welcomed
             log.info("daemon %d serves %s (max_model_len %d, tensor parallel %d)", welcome.pid,
                      welcome.model, welcome.max_model_len, welcome.tensor_parallel_size)
             return
+        self._connected.clear()
         # The next connection gets a new epoch: a daemon that only stalled then evicts the
         # sessions we just failed here, and refuses their Submits still in the pipe.
         error = unavailable(loss.detail)
@@ -308,7 +340,10 @@ class EngineClient:
         for future in self._ops.values():
             if not future.done():
                 future.set_exception(error)
-        log.warning("daemon lost: %s", loss.detail)
+        if loss.reason is LossReason.STOPPED:
+            log.info("%s; answering 503 until a daemon connects", loss.detail)
+        else:
+            log.warning("daemon lost: %s", loss.detail)
 
 
     # --- what would otherwise wait forever ------------------------------------------------------

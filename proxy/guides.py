@@ -22,7 +22,9 @@ from proxy.errors import ApiError
 from proxy.fields import honoured, no_op, refused
 
 # A spec (a schema as JSON, a regex, a grammar, the choices as JSON) beyond this is refused: real
-# schemas take kilobytes, and one this size compiles in about 0.3 s.
+# schemas take kilobytes. One this size may take seconds to compile (8,000 optional properties:
+# 4 to 14 s here), so the daemon compiles large specs in a lane of their own, where they never
+# hold up a small one (daemon/engine/grammar.py).
 MAX_GUIDE_BYTES = 256 << 10
 MAX_CHOICES = 1024
 

@@ -158,7 +158,11 @@ InputItem = (MessageItem | FunctionCallItem | FunctionCallOutputItem | Reasoning
              | CustomToolCallItem | CustomToolCallOutputItem)
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning",
               "custom_tool_call", "custom_tool_call_output")
-NonEmptyRaws = Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1)]
+# A request's input items: each costs the proxy's loop and the daemon's tick its own work
+# (decoding, rendering, indexing), so they are bounded in number as well as by the body's bytes
+# (as many as a conversation holds).
+MAX_INPUT_ITEMS = 10_000
+NonEmptyRaws = Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1, max_length=MAX_INPUT_ITEMS)]
 
 _item = msgspec.json.Decoder(InputItem)
 _input = msgspec.json.Decoder(InputItem | ItemReference)
@@ -258,20 +262,34 @@ def explain_unsupported(error: ApiError) -> ApiError:
                     code="invalid_value")
 
 
-def input_item_objects(items: str, ids: list[str]) -> list[dict[str, Any]]:
+_raw_fields = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+_COMPLETED = msgspec.Raw(b'"completed"')
+
+
+def listed_items(items: str, ids: list[str]) -> bytes:
     """A page of stored input items (JSON text, as the daemon sent it, and the id each is listed
-    under) as the API lists them: messages with typed parts, other items as stored. Rows stored
-    by earlier releases hold messages as their client sent them, so each is read leniently."""
-    out = []
-    for item_id, item in zip(ids, msgspec.json.decode(items), strict=True):
-        kind = item.get("type", "message")
+    under) as the API lists them, as JSON: messages with typed parts, other items as stored.
+    Rows stored by earlier releases hold messages as their client sent them, so each is read
+    leniently. Each field's value stays the raw JSON it was stored as: items of megabytes
+    cost a copy, not a decoding and an encoding."""
+    out: list[dict[str, Any]] = []
+    for item_id, item in zip(ids, _raw_fields.decode(items), strict=True):
+        kind = msgspec.json.decode(item.get("type", b'"message"'))
+        status = item.get("status", _COMPLETED)
         if kind != "message":
-            out.append({**item, "id": item_id, "status": item.get("status", "completed")})
+            out.append({**item, "id": item_id, "status": status})
             continue
-        content = item.get("content")
-        if isinstance(content, str):
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            content = [{"type": part, "text": content}]
+        content: Any = item.get("content", msgspec.Raw(b"null"))
+        if memoryview(content)[:1] == b'"':  # a string: one part of text
+            role = msgspec.json.decode(item.get("role", b"null"))
+            content = [{"type": "output_text" if role == "assistant" else "input_text",
+                        "text": content}]
         out.append({"id": item_id, "type": "message", "role": item.get("role"),
-                    "status": item.get("status", "completed"), "content": content})
-    return out
+                    "status": status, "content": content})
+    return msgspec.json.encode(out)
+
+
+def input_item_objects(items: str, ids: list[str]) -> list[dict[str, Any]]:
+    """`listed_items`, as Python objects."""
+    listed: list[dict[str, Any]] = msgspec.json.decode(listed_items(items, ids))
+    return listed

@@ -2,45 +2,65 @@
 it names before the input is read: an input item of a stored response, by the id it is listed
 under, or an output item (a message, a function call), built as a GET of its response lists it.
 The store holds them or the request is a 400 naming ``input[i].id``, as OpenAI answers: an id a
-client chose resolves only when a stored response holds an item under it."""
+client chose resolves only when one of its own tenant's stored responses holds an item under
+it, and an id of the server's making only within the response it names
+(daemon/responses/item_index.py).
+
+A request names at most MAX_REFERENCES items, and all of them go to the daemon as one operation:
+however many a client sends, it costs the store's queue one place.
+"""
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 
-from ipc.response_records import ResponseOpKind, ResponseReply
+from ipc.response_records import ItemsLookup, ResponseReply
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.input_items import InputItem, ItemReference, decode_stored
 from proxy.responses_events import stored_object
+from proxy.tenancy import ANYONE, Who
 
-_one = msgspec.json.Decoder(list[msgspec.Raw])
+MAX_REFERENCES = 100
+
+_items = msgspec.json.Decoder(list[msgspec.Raw])
 
 
-async def resolve_references(engine: EngineClient, input: str | list[InputItem | ItemReference]
-                             ) -> str | list[InputItem]:
+async def resolve_references(engine: EngineClient, input: str | list[InputItem | ItemReference],
+                             who: Who = ANYONE) -> str | list[InputItem]:
     """The input with each reference replaced by the item it names."""
     if isinstance(input, str):
         return input
     refs = {i: item.id for i, item in enumerate(input) if isinstance(item, ItemReference)}
-    replies = await asyncio.gather(*[engine.response_op(ResponseOpKind.ITEM, "", item_id=item_id)
-                                     for item_id in refs.values()])
-    found = {i: _item(reply, item_id, f"input[{i}]")
-             for (i, item_id), reply in zip(refs.items(), replies, strict=True)}
-    return [found[i] if isinstance(item, ItemReference) else item
-            for i, item in enumerate(input)]
+    if not refs:
+        return input  # type: ignore[return-value]  # no reference: only InputItems
+    if len(refs) > MAX_REFERENCES:
+        raise ApiError(400, f"input holds {len(refs)} item references; a request may hold at "
+                       f"most {MAX_REFERENCES}", param="input", code="too_many_references")
+    reply = await engine.response_op(ItemsLookup(list(dict.fromkeys(refs.values()))), who=who)
+    if reply.status != 200:
+        raise ApiError(reply.status, reply.message or f"item lookup failed ({reply.status})",
+                       param=reply.param)
+    found = _found(reply)
+    out: list[InputItem] = []
+    for i, item in enumerate(input):
+        if not isinstance(item, ItemReference):
+            out.append(item)
+        elif item.id in found:
+            out.append(decode_stored(found[item.id], f"input[{i}]"))
+        else:
+            raise ApiError(400, f"Item with id '{item.id}' not found.", param=f"input[{i}].id",
+                           code="invalid_value")
+    return out
 
 
-def _item(reply: ResponseReply, item_id: str, where: str) -> InputItem:
-    if reply.status == 200 and reply.input_items is not None:
-        return decode_stored(bytes(_one.decode(reply.input_items)[0]), where)
-    if reply.status == 200 and reply.response is not None:
-        for item in stored_object(reply.response)["output"]:
-            if item.get("id") == item_id:
-                return decode_stored(msgspec.json.encode(item), where)
-    if reply.status in (200, 404):
-        raise ApiError(400, f"Item with id '{item_id}' not found.", param=f"{where}.id",
-                       code="invalid_value")
-    raise ApiError(reply.status, reply.message or f"item lookup failed ({reply.status})")
+def _found(reply: ResponseReply) -> dict[str, bytes]:
+    """Each item the store answered with, as JSON, by its id: the input items as stored, the
+    output items of the responses as a GET lists them."""
+    found = {item_id: bytes(raw) for item_id, raw in
+             zip(reply.item_ids, _items.decode(reply.input_items or "[]"), strict=True)}
+    for stored in reply.responses:
+        for item in stored_object(stored)["output"]:
+            if isinstance(item.get("id"), str):
+                found.setdefault(item["id"], msgspec.json.encode(item))
+    return found

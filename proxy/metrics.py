@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -145,6 +145,11 @@ class ProxyMetrics:
         self.request_duration = Histogram(
             "tether_request_duration_seconds", "From request arrival to its last byte",
             labelnames=["endpoint"], buckets=_DURATION_BUCKETS, registry=self.registry)
+        # Counted by the access log middleware as each answer ends (proxy/access_log.py).
+        self.http_requests = Counter(
+            "tether_http_requests",
+            "HTTP requests by route template and status (none: the client left before any "
+            "answer)", labelnames=["route", "status"], registry=self.registry)
         engine.stats_listeners.append(self._on_stats)
 
     def _on_stats(self, stats: Stats) -> None:

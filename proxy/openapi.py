@@ -172,6 +172,10 @@ def _paths() -> JSON:
                         _query("after", {"type": "string"})])},
         "/v1/models": {"get": _operation("The served model", _answers("ModelList", errors=(
             "401",)))},
+        "/v1/models/{model}": {"get": _operation(
+            "One model (404 for an id not served)", _answers("ModelCard", errors=("401", "404")),
+            parameters=[{"name": "model", "in": "path", "required": True,
+                         "schema": {"type": "string", "minLength": 1, "maxLength": 256}}])},
         "/tokenize": {"post": _operation(
             "Token ids of a prompt, or of chat messages rendered by the chat template (vLLM's)",
             _answers("TokenizeResponse", errors=lookup), "TokenizeRequest")},

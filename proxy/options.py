@@ -47,3 +47,6 @@ class ProxyOptions:
     # Browsers and the access log (the share of successful requests written).
     cors: CorsOptions = CorsOptions()
     access_log_sample: float = 1.0
+    # The key guards every route, /health, /metrics and /openapi.json too (--api-key-scope all).
+    api_key_everywhere: bool = False
+    version: str = ""  # tether's, shown by /health

@@ -12,7 +12,12 @@ from typing import Any
 import msgspec
 
 from ipc.records import Usage
-from ipc.response_records import PLACEHOLDER_STATUSES, ResponseStatus, StoredResponse
+from ipc.response_records import (
+    PLACEHOLDER_STATUSES,
+    SHUTDOWN_REASON,
+    ResponseStatus,
+    StoredResponse,
+)
 
 
 def message_id(response_id: str) -> str:
@@ -90,7 +95,9 @@ def build_response(
             output.append(output_message(output_id or message_id(id), status, output_text))
     incomplete_details = None
     if status is ResponseStatus.INCOMPLETE:
-        incomplete_details = {"reason": incomplete_reason or "max_output_tokens"}
+        # OpenAI's reasons name none for a server that stopped: its reason is null.
+        incomplete_details = {"reason": None if incomplete_reason == SHUTDOWN_REASON
+                              else incomplete_reason or "max_output_tokens"}
     return {
         "id": id,
         "object": "response",

@@ -19,19 +19,28 @@ import time
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ipc.records import AbortCause
-from ipc.response_records import ItemsPage, ResponseOpKind, ResponseReply, ResponseStatus
+from ipc.response_records import (
+    ItemsPage,
+    ResponseCancel,
+    ResponseDelete,
+    ResponseGet,
+    ResponseInputItems,
+    ResponseReply,
+    ResponseStatus,
+)
 from proxy.batching import Batch
 from proxy.completions import served_model, served_models
 from proxy.engine_client import EngineClient, unavailable
 from proxy.errors import ApiError
 from proxy.exchange import exchange
-from proxy.input_items import MAX_ITEM_ID, input_item_objects
+from proxy.input_items import MAX_ITEM_ID, listed_items
 from proxy.item_references import resolve_references
 from proxy.metrics import RequestTimer
 from proxy.options import ProxyOptions
@@ -48,6 +57,7 @@ from proxy.responses_request import (
 )
 from proxy.schemas import check_response_id, client_request_id, new_id
 from proxy.sse import SSEResponse, sse_event
+from proxy.tenancy import who
 from proxy.tool_calls import call_ids
 
 
@@ -91,7 +101,8 @@ async def create_response(request: Request) -> Response:
     engine = _engine(request)
     # Refused before any item reference costs the store a lookup.
     use = tool_use(req, engine.single_tool_call)
-    decoded = decode_request(body, req, await resolve_references(engine, items))
+    caller = who(request)
+    decoded = decode_request(body, req, await resolve_references(engine, items, caller))
     if not engine.up:
         raise unavailable(engine.down_reason)
     registry = background_registry(request.app)
@@ -99,7 +110,8 @@ async def create_response(request: Request) -> Response:
     params = response_params(decoded, rid, served_model(request), sampling,
                              engine.single_tool_call)
     fmt = engine.tool_call_format
-    submit = build_submit(decoded, params, sampling, t_submit, client_id, use, fmt)
+    submit = build_submit(decoded, params, sampling, t_submit, client_id, use, fmt,
+                          caller.tenant)
     events = (ResponseEvents(params, use.parser(fmt, call_ids(fmt, rid)), use.custom) if use
               else ResponseEvents(params))
     timer = RequestTimer(request.app.state.metrics, "responses", t_submit)
@@ -188,7 +200,7 @@ async def get_response(request: Request) -> Response:
                                 default=-1, low=-1, high=2**31)
     if _bool_param(request.query_params.get("stream"), "stream"):
         if run is None:
-            reply = await _engine(request).response_op(ResponseOpKind.GET, rid)
+            reply = await _engine(request).response_op(ResponseGet(rid), who=who(request))
             if reply.status != 200:
                 return _reply(reply, rid)  # 404 for what does not exist, or no longer does
             raise ApiError(400, f"response {rid!r} cannot be streamed: only a background "
@@ -198,7 +210,7 @@ async def get_response(request: Request) -> Response:
         # Live state, with the text so far; the daemon's placeholder has no output yet.
         return JSONResponse(run.events.snapshot())
     try:
-        reply = await _engine(request).response_op(ResponseOpKind.GET, rid)
+        reply = await _engine(request).response_op(ResponseGet(rid), who=who(request))
     except ApiError:
         if run is None or run.interrupted:
             raise
@@ -215,7 +227,7 @@ async def delete_response(request: Request) -> Response:
     run = registry.get(rid)
     if run is not None and not run.finished:
         engine.abort(rid, AbortCause.CANCEL)  # ahead of the DELETE: see the module's docstring
-    reply = await engine.response_op(ResponseOpKind.DELETE, rid)
+    reply = await engine.response_op(ResponseDelete(rid), who=who(request))
     if run is not None and reply.status in (200, 404):
         run.end(Outcome(ResponseStatus.CANCELLED))
         registry.remove(rid)
@@ -230,7 +242,7 @@ async def cancel_response(request: Request) -> Response:
     engine = _engine(request)
     run = background_registry(request.app).get(rid)
     live = run is not None and not run.finished
-    reply = await engine.response_op(ResponseOpKind.CANCEL, rid)
+    reply = await engine.response_op(ResponseCancel(rid), who=who(request))
     if reply.status == 200 or (live and reply.status == 404):
         engine.abort(rid, AbortCause.CANCEL)
     if run is not None and live and reply.status in (200, 404):
@@ -245,10 +257,11 @@ async def list_input_items(request: Request) -> Response:
     daemon sends the page asked for, never every item."""
     rid = check_response_id(request.path_params["response_id"])
     page = items_page(request.query_params, f"no input item of response {rid!r}")
-    reply = await _engine(request).response_op(ResponseOpKind.INPUT_ITEMS, rid, page=page)
+    reply = await _engine(request).response_op(ResponseInputItems(rid, page),
+                                               who=who(request))
     if reply.status != 200 or reply.input_items is None:
         return _reply(reply, rid)
-    return JSONResponse(item_list(reply))
+    return item_list(reply)
 
 
 def items_page(query: Mapping[str, str], unknown: str) -> ItemsPage:
@@ -265,11 +278,15 @@ def items_page(query: Mapping[str, str], unknown: str) -> ItemsPage:
     return ItemsPage(limit, "asc" if order == "asc" else "desc", after)
 
 
-def item_list(reply: ResponseReply) -> dict[str, Any]:
-    """A page of stored items (ResponseReply.input_items) as OpenAI's list object."""
-    items = input_item_objects(reply.input_items or "[]", reply.item_ids)
-    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None, "has_more": reply.has_more}
+def item_list(reply: ResponseReply) -> Response:
+    """A page of stored items (ResponseReply.input_items) as OpenAI's list object (its items
+    copied as stored, not decoded: proxy/input_items.py `listed_items`)."""
+    ids = reply.item_ids
+    data = msgspec.Raw(listed_items(reply.input_items or "[]", ids))
+    return Response(msgspec.json.encode({
+        "object": "list", "data": data, "first_id": ids[0] if ids else None,
+        "last_id": ids[-1] if ids else None, "has_more": reply.has_more}),
+        media_type="application/json")
 
 
 def _int_param(raw: str | None, name: str, default: int, low: int, high: int) -> int:

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 
 from ipc.records import Submit
-from ipc.response_records import PLACEHOLDER_STATUSES, ResponseOpKind, ResponseStatus
+from ipc.response_records import PLACEHOLDER_STATUSES, ResponseGet, ResponseStatus
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.event_history import EventHistory
@@ -190,7 +190,7 @@ class BackgroundRun:
             if not engine.up:
                 continue
             try:
-                reply = await engine.response_op(ResponseOpKind.GET, self.id)
+                reply = await engine.response_op(ResponseGet(self.id))
             except ApiError:
                 continue  # lost again: keep asking
             if reply.status == 404:

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from ipc.records import AbortCause, Delta, Finish, FinishReason, Usage
-from ipc.response_records import ResponseStatus, StoredResponse
+from ipc.response_records import SHUTDOWN_REASON, ResponseStatus, StoredResponse
 from proxy.errors import ApiError
 from proxy.response_object import (
     build_response,
@@ -86,16 +86,20 @@ class Outcome:
     status: ResponseStatus
     usage: Usage | None = None
     error: str | None = None
+    incomplete_reason: str | None = None  # None: max_output_tokens
 
 
 def finish_outcome(reason: FinishReason, usage: Usage, cause: AbortCause | None,
-                   message: str | None) -> Outcome:
+                   message: str | None, background: bool = False) -> Outcome:
     if reason is FinishReason.STOP:
         return Outcome(ResponseStatus.COMPLETED, usage)
     if reason is FinishReason.LENGTH:
         return Outcome(ResponseStatus.INCOMPLETE, usage)
     if reason is FinishReason.ABORT and cause is AbortCause.CANCEL:
         return Outcome(ResponseStatus.CANCELLED, usage)
+    if reason is FinishReason.ABORT and cause is AbortCause.SHUTDOWN and background:
+        # The daemon stopped: the store keeps what it had generated, as incomplete.
+        return Outcome(ResponseStatus.INCOMPLETE, usage, incomplete_reason=SHUTDOWN_REASON)
     if reason is FinishReason.ABORT:
         # Shutdown, timeout or a lost proxy: nobody asked for it to stop, so it failed.
         return Outcome(ResponseStatus.FAILED, usage, f"generation aborted ({cause})")
@@ -106,7 +110,8 @@ def apply_record(events: ResponseEvents, record: Delta | Finish) -> list[Event]:
     """The events one engine record causes (n is 1: the only Finish ends the response)."""
     if isinstance(record, Delta):
         return events.delta(record.text)
-    return events.finish(finish_outcome(record.reason, record.usage, record.cause, record.message))
+    return events.finish(finish_outcome(record.reason, record.usage, record.cause, record.message,
+                                        events.params.background))
 
 
 class ResponseEvents:
@@ -154,6 +159,7 @@ class ResponseEvents:
             usage=out.usage if out else None, instructions=p.instructions,
             previous_response_id=p.previous_response_id, background=p.background, store=p.store,
             error=out.error if out else None,
+            incomplete_reason=out.incomplete_reason if out else None,
             temperature=p.temperature, top_p=p.top_p, max_output_tokens=p.max_output_tokens,
             completed_at=self.completed_at, echo=p.echo, conversation=p.conversation,
         )

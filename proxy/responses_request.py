@@ -264,8 +264,9 @@ def sampling_params(req: CreateResponse, max_model_len: int | None,
 
 def build_submit(decoded: Decoded, params: ResponseParams, sampling: SamplingParams,
                  t_submit: float, client_id: str | None = None, use: ToolUse | None = None,
-                 fmt: ToolCallFormat = ToolCallFormat.HERMES) -> Submit:
-    """The Submit; `use` the request's tools, `fmt` how the model writes its calls."""
+                 fmt: ToolCallFormat = ToolCallFormat.HERMES, tenant: str = "") -> Submit:
+    """The Submit; `use` the request's tools, `fmt` how the model writes its calls, `tenant`
+    whose it is in the store (proxy/tenancy.py)."""
     req = decoded.req
     if use is not None:
         sampling = msgspec.structs.replace(sampling, guide=tool_guide(use, fmt, sampling.guide))
@@ -276,7 +277,8 @@ def build_submit(decoded: Decoded, params: ResponseParams, sampling: SamplingPar
                             model=params.model,
                             tool_call_format=fmt if use is not None and use.parsed else None,
                             conversation=req.conversation_id, input_spans=decoded.spans,
-                            echo=msgspec.json.encode(params.echo or {}).decode())
+                            echo=msgspec.json.encode(params.echo or {}).decode(),
+                            tenant=tenant)
     return Submit(rid=params.id, kind=RequestKind.RESPONSE, sampling=sampling,
                   n=1, messages=[], response=fields, t_submit=t_submit, client_id=client_id,
                   tools=list(use.tools) if use is not None else [])

@@ -32,6 +32,9 @@ log = logging.getLogger("tether.proxy")
 Notify = Callable[[str], object]
 
 WATCHDOG_INTERVAL_S = 2.0
+# Until the daemon has connected, each ping also pushes the supervisor's start timeout this far
+# out (EXTEND_TIMEOUT_USEC): the proxy is alive and waiting, however long the daemon loads.
+START_EXTEND_S = 30.0
 # Once open sessions were aborted, their responses end within a moment.
 CLOSE_TIMEOUT_S = 2.0
 # Each client socket's kernel send buffer. Left to autotuning it grows to tcp_wmem's maximum
@@ -49,6 +52,8 @@ class ProxyServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self.notify: Notify = notify or (lambda message: None)
         self._watchdog: asyncio.Task[None] | None = None
+        self._readiness: asyncio.Task[None] | None = None
+        self.ready = False
 
     @property
     def port(self) -> int | None:
@@ -74,13 +79,26 @@ class ProxyServer(uvicorn.Server):
                 # Accepted connections inherit the listening socket's buffer size.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._watchdog = asyncio.create_task(self._pet_watchdog(), name="tether-watchdog")
-        self.notify(f"STATUS=listening on {self.config.host}:{self.port}")
+        self._readiness = asyncio.create_task(self._ready_once_connected(),
+                                              name="tether-readiness")
+
+    async def _ready_once_connected(self) -> None:
+        """READY=1 once the daemon has connected, not when the port is bound: ready means a
+        request sent now is served. Until then the proxy answers 503 and says why."""
+        where = f"listening on {self.config.host}:{self.port}"
+        self.notify(f"STATUS={where}, waiting for the daemon")
+        engine: EngineClient = self.app.state.engine
+        await engine.wait_up()
+        self.ready = True
+        self.notify(f"STATUS={where}")
         self.notify("READY=1")
 
     async def _pet_watchdog(self) -> None:
-        # From the event loop, so a blocked loop stops the pings and systemd notices.
+        # From the event loop, so a blocked loop stops the pings and systemd notices. They start
+        # before READY=1 and never pause: the first ping arms systemd's watchdog, ready or not.
+        extend = f"\nEXTEND_TIMEOUT_USEC={int(START_EXTEND_S * 1_000_000)}"
         while True:
-            self.notify("WATCHDOG=1")
+            self.notify("WATCHDOG=1" + ("" if self.ready else extend))
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -90,10 +108,11 @@ class ProxyServer(uvicorn.Server):
         engine: EngineClient | None = getattr(self.app.state, "engine", None)
         if engine is not None:
             await self._drain(engine)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+        for task in (self._readiness, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await super().shutdown(sockets)
 
     async def _drain(self, engine: EngineClient) -> None:

@@ -14,6 +14,10 @@ import resource
 import sys
 from collections.abc import Callable, Sequence
 
+import tether
+from ipc import dir_lock
+from ipc.dir_lock import Role
+from ipc.fifo import PipeError
 from tether import logs, options, sdnotify, settings
 from tether.settings import Settings
 
@@ -39,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible LLM server that stops work the moment a client goes away.",
         epilog=_env_summary(),
     )
+    parser.add_argument("--version", action="version", version=f"tether {tether.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text,
@@ -75,15 +80,35 @@ def _serve(s: Settings, args: argparse.Namespace) -> int | None:
 
 
 def _daemon(s: Settings, args: argparse.Namespace) -> int | None:
-    from daemon import main as server
+    def run() -> int | None:
+        from daemon import main as server
 
-    return server.run(options.daemon_options(s), notify=sdnotify.notify)
+        return server.run(options.daemon_options(s), notify=sdnotify.notify)
+
+    return _owning(s, Role.DAEMON, run)
 
 
 def _proxy(s: Settings, args: argparse.Namespace) -> int | None:
-    from proxy import server
+    def run() -> int | None:
+        from proxy import server
 
-    return server.run(options.proxy_options(s), notify=sdnotify.notify)
+        return server.run(options.proxy_options(s), notify=sdnotify.notify)
+
+    return _owning(s, Role.PROXY, run)
+
+
+def _owning(s: Settings, role: Role, run: Callable[[], int | None]) -> int | None:
+    """`run` while this process holds `role`'s lock on the runtime directory (ipc/dir_lock.py);
+    taken before the model or the app is loaded, so a second pair is refused at once."""
+    try:
+        lock = dir_lock.take(s.runtime_dir, role, s.pipe_group)
+    except PipeError as exc:
+        log.error("%s", exc)
+        return 1
+    try:
+        return run()
+    finally:
+        lock.release()
 
 
 def _cluster(s: Settings, args: argparse.Namespace) -> int | None:

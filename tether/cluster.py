@@ -96,6 +96,12 @@ class Cluster:
         return [f"http://127.0.0.1:{r.port}" for r in self.replicas]
 
     def run(self) -> int:
+        if self.settings.api_key_scope == "all":
+            # smg 1.13 probes each replica's /health without its --api-key: every replica
+            # would be taken for down.
+            log.error("--api-key-scope all: smg's health checks send no key; run the cluster "
+                      "with --api-key-scope api (/health, /metrics and /openapi.json open)")
+            return 1
         smg = smg_path()
         if smg is None:
             log.error("smg is not installed: pip install 'tether[cluster]'")

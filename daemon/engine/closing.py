@@ -2,18 +2,40 @@
 budget of daemon/engine/grammar.py keeps room for.
 
 The search is greedy over single-byte tokens (a vocabulary's token per byte, where it has one)
-and never touches the matcher it is given.
+and never touches the matcher it is given. Its cost is the client's to choose (an ambiguous
+grammar makes every matcher call dearer, one that never closes walks as far as it may), so
+every search runs under a `SearchBound`: a number of matcher steps and a deadline, whichever
+comes first. Each matcher call's own cost is bounded by the parser limits the grammar was
+compiled with (daemon/engine/grammar.py), so the deadline is overrun by one call at most.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from enum import Enum
 from typing import NamedTuple
 
 import llguidance
 
 # The closing search gives up beyond this many bytes (the budget then cannot be kept).
 MAX_CLOSING = 4096
-_PREFERRED = [ord(c) for c in '}]0"[{ntf,:']  # bytes that end a structure soonest, first
+# Bytes that end a structure soonest, first: a closing bracket (JSON's, and the ones grammars
+# nest with), a one-character value, an empty container.
+_PREFERRED = [ord(c) for c in '}])>0"[{ntf,:']
+_ORDER = [*_PREFERRED, *(b for b in range(256) if b not in _PREFERRED)]
+# Inside free text (a string, a regex class), the byte that ends it first.
+_FREE_ORDER = [ord('"'), *(b for b in _ORDER if b != ord('"'))]
+_PROBES = [ord(c) for c in "aQz7~ "]  # all allowed: free text
+
+
+class Stopped(Enum):
+    """Why a search found no closing."""
+
+    BOUND = "bound"  # its SearchBound ran out
+    TOO_LONG = "too_long"  # MAX_CLOSING bytes and still open
+    DEAD_END = "dead_end"  # no byte token leads on
+    PARSER_LIMIT = "parser_limit"  # the matcher hit its parser limits on the way
 
 
 class Closing(NamedTuple):
@@ -24,9 +46,40 @@ class Closing(NamedTuple):
     cost: int
 
 
-def closing(matcher: llguidance.LLMatcher, byte_tokens: dict[int, int]) -> bytes | None:
+class SearchBound:
+    """The work and time one search may take: `steps` tokens consumed or checked by the matcher
+    (a call that checks k tokens spends k), until `deadline` on `clock`."""
+
+    __slots__ = ("_clock", "deadline", "exhausted", "steps", "steps_left")
+
+    def __init__(self, steps: int, deadline: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.steps = steps
+        self.steps_left = steps
+        self.deadline = deadline
+        self.exhausted = False
+        self._clock = clock
+
+    @classmethod
+    def within(cls, steps: int, seconds: float,
+               clock: Callable[[], float] = time.monotonic) -> SearchBound:
+        return cls(steps, clock() + seconds, clock)
+
+    def spend(self, steps: int = 1) -> bool:
+        """Whether `steps` more may be spent (they are counted); False once over the bound."""
+        if self.exhausted:
+            return False
+        if self.steps_left < steps or self._clock() >= self.deadline:
+            self.exhausted = True
+            return False
+        self.steps_left -= steps
+        return True
+
+
+def closing(matcher: llguidance.LLMatcher, byte_tokens: dict[int, int],
+            bound: SearchBound) -> bytes | Stopped:
     """A short string of bytes that takes `matcher` to an accepting state (without touching it),
-    or None when none is found within MAX_CLOSING bytes.
+    or why none was found.
 
     Greedy over single bytes: the forced bytes first, then, where the grammar allows a wide set
     (free text), the byte that closes a string, and elsewhere the bytes that end a structure
@@ -36,18 +89,26 @@ def closing(matcher: llguidance.LLMatcher, byte_tokens: dict[int, int]) -> bytes
     while len(out) < MAX_CLOSING:
         if m.is_accepting():
             return bytes(out)
+        if not bound.spend():
+            return Stopped.BOUND
         forced = m.compute_ff_bytes()
         if forced:
+            if not bound.spend(len(forced)):
+                return Stopped.BOUND
             if not _consume_bytes(m, forced, byte_tokens):
-                return None
+                return _dead_end(m)
             out += forced
             continue
-        choice = _next_byte(m, byte_tokens)
+        choice = _next_byte(m, byte_tokens, bound)
         if choice is None:
-            return None
+            return Stopped.BOUND if bound.exhausted else _dead_end(m)
         m.consume_token(byte_tokens[choice])
         out.append(choice)
-    return None
+    return Stopped.TOO_LONG
+
+
+def _dead_end(m: llguidance.LLMatcher) -> Stopped:
+    return Stopped.PARSER_LIMIT if m.is_error() else Stopped.DEAD_END
 
 
 def _consume_bytes(m: llguidance.LLMatcher, data: bytes, byte_tokens: dict[int, int]) -> bool:
@@ -58,25 +119,22 @@ def _consume_bytes(m: llguidance.LLMatcher, data: bytes, byte_tokens: dict[int, 
     return True
 
 
-def _allowed(m: llguidance.LLMatcher, byte: int, byte_tokens: dict[int, int]) -> bool:
+def _allowed(m: llguidance.LLMatcher, byte: int, byte_tokens: dict[int, int],
+             bound: SearchBound) -> bool:
     token = byte_tokens.get(byte)
-    return token is not None and m.validate_tokens([token]) == 1
+    return token is not None and bound.spend() and m.validate_tokens([token]) == 1
 
 
-_PROBES = [ord(c) for c in "aQz7~ "]  # all allowed: free text (inside a string, a regex class)
-
-
-def _next_byte(m: llguidance.LLMatcher, byte_tokens: dict[int, int]) -> int | None:
-    if all(_allowed(m, b, byte_tokens) for b in _PROBES):
-        order = [ord('"'), *_PREFERRED]
-    else:
-        order = _PREFERRED
-    for b in order:
-        if _allowed(m, b, byte_tokens):
+def _next_byte(m: llguidance.LLMatcher, byte_tokens: dict[int, int],
+               bound: SearchBound) -> int | None:
+    if m.is_error():  # a parser limit hit by the last byte: nothing is allowed any more
+        return None
+    free = all(_allowed(m, b, byte_tokens, bound) for b in _PROBES)
+    for b in _FREE_ORDER if free else _ORDER:
+        if _allowed(m, b, byte_tokens, bound):
             return b
-    for b in range(256):
-        if _allowed(m, b, byte_tokens):
-            return b
+        if bound.exhausted:
+            return None
     return None
 
 

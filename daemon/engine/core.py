@@ -19,6 +19,7 @@ from daemon.engine.admission import (
     build_sequences,
     check_limits,
     check_sequences,
+    max_token_bytes,
     render_prompts,
 )
 from daemon.engine.block_manager import BlockManager
@@ -27,11 +28,12 @@ from daemon.engine.guided import Guidance, check_guide
 from daemon.engine.sampler import Sampler, prompt_logprobs, sampled_logprobs
 from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import Detokenizer, Sequence, Session
+from daemon.engine.stored import StoredTurns, unbuilt_finishes
 from daemon.engine.tokenize import tokenize
 from daemon.model.batch import ScheduledChunk
 from daemon.model.tokenizer import Tokenizer
-from daemon.rejected import Rejected
-from daemon.responses.lifecycle import Aborted, Completed, Ending, Failed, Responses, Store
+from daemon.rejected import ContextBytes, Rejected
+from daemon.responses.lifecycle import Aborted, Ending, Failed, History, Responses, Store
 from ipc.records import (
     AbortCause,
     Admitted,
@@ -41,7 +43,6 @@ from ipc.records import (
     RequestKind,
     Submit,
     TokenLogprob,
-    Usage,
 )
 from ipc.stats import Stats
 from ipc.wire import ToProxy
@@ -70,11 +71,14 @@ class Engine:
                  max_seqs_per_request: int | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        # A stored response's whole life goes through here: a failing store costs one session.
+        # A stored response's whole life goes through here, off the tick: a failing or slow
+        # store costs the sessions that need it, nobody else.
         self.responses = Responses(store) if store is not None else None
         self.max_num_seqs = max_num_seqs
         self.max_seqs_per_request = max_seqs_per_request  # None: only n <= max_num_seqs
         self.max_model_len = max_model_len
+        # The most text a prompt that fits can hold: what a longer one is refused by, untokenized.
+        self.context_bytes = ContextBytes(max_model_len, max_token_bytes(tokenizer))
         self.model_name = model_name
         self.clock = clock
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
@@ -88,6 +92,8 @@ class Engine:
         self.sessions: dict[str, Session] = {}
         self.tombstones = Tombstones(clock=clock)
         self.figures = Figures(clock)
+        self.stored = (StoredTurns(self.responses, self.figures) if self.responses is not None
+                       else None)
 
     @property
     def has_work(self) -> bool:
@@ -97,6 +103,10 @@ class Engine:
     def waiting_for_grammar(self) -> bool:
         return self.guidance is not None and self.guidance.num_pending > 0
 
+    @property
+    def waiting_for_store(self) -> bool:  # turns that load, or whose result is being stored
+        return self.stored is not None and self.stored.waiting
+
     def is_running(self, rid: str) -> bool:
         return rid in self.sessions
 
@@ -104,7 +114,8 @@ class Engine:
 
     def submit(self, rec: Submit) -> list[ToProxy]:
         """Admit a request: [Admitted], or its refusal (an Error, or Finishes if it was aborted
-        before it arrived)."""
+        before it arrived). A Responses turn that needs the store is admitted pending, as a
+        guided one is: its sequences come once the store thread has loaded it."""
         tombstone = self.tombstones.pop(rec.rid)
         if tombstone is not None:
             return self.refuse(rec, *tombstone)
@@ -115,21 +126,33 @@ class Engine:
             return tokenize(rec, self.tokenizer)
         try:
             check_guide(rec, self.guidance)
+            if self.stored is not None and Responses.needs_store(rec):
+                self.sessions[rec.rid] = session = self._new_session(rec, [])
+                self.stored.load(rec, session, self._prompts)
+                return [Admitted(rec.rid)]
             history = self.responses.history if self.responses is not None else None
-            prompts = render_prompts(rec, self.tokenizer, history)
-            check_sequences(rec, self.max_num_seqs, self.max_seqs_per_request)
-            check_limits(rec, prompts, self.max_model_len, self.block_manager,
-                         self.tokenizer.vocab_size)
-            session = self._open_session(rec, prompts)
+            session = self._new_session(rec, self._sequences(rec, self._prompts(rec, history)))
         except Rejected as e:
             return [e.to_error(rec.rid)]
+        self._admit(session, rec)
+        return [Admitted(rec.rid)]
+
+    def _prompts(self, rec: Submit, history: History | None) -> list[list[int]]:
+        """A request's prompts, or Rejected (on the store thread for a stored turn's: it may
+        not change the engine)."""
+        prompts = render_prompts(rec, self.tokenizer, history, self.context_bytes)
+        check_sequences(rec, self.max_num_seqs, self.max_seqs_per_request)
+        check_limits(rec, prompts, self.max_model_len, self.block_manager,
+                     self.tokenizer.vocab_size)
+        return prompts
+
+    def _admit(self, session: Session, rec: Submit) -> None:
         self.sessions[rec.rid] = session
         guide = rec.sampling.guide
         if guide is not None and self.guidance is not None:
             self.guidance.wait(session, guide)  # scheduled once its grammar is ready
         else:
             self._schedule(session)
-        return [Admitted(rec.rid)]
 
     def _schedule(self, session: Session) -> None:
         """Sample 0 of each prompt to the scheduler; its siblings fork from it once its prompt
@@ -148,21 +171,20 @@ class Engine:
         ready, refused = self.guidance.ready()
         for session in ready:
             self._schedule(session)
-        out: list[ToProxy] = []
-        for session, rejected in refused:
-            del self.sessions[session.rid]
-            # Refused like a request refused at admission: its placeholder goes with it.
-            self._end_response(session, Aborted(AbortCause.CLIENT_DISCONNECT, background=False))
-            out.append(rejected.to_error(session.rid))
-        return out
+        return [self._refuse_admitted(session, rejected) for session, rejected in refused]
+
+    def _refuse_admitted(self, session: Session, rejected: Rejected) -> ToProxy:
+        """Refused like a request refused at admission: its placeholder goes with it."""
+        del self.sessions[session.rid]
+        self._end_response(session, Aborted(AbortCause.CLIENT_DISCONNECT, background=False))
+        return rejected.to_error(session.rid)
 
     def refuse(self, rec: Submit, cause: AbortCause,
                t_disconnect: float | None = None) -> list[ToProxy]:
         """A request ended before it was admitted (aborted while still in the pipe, or sent
         under a stale epoch): counted and logged like any other abort."""
         self.figures.refused(rec, cause, t_disconnect)
-        return [Finish(rec.rid, i, FinishReason.ABORT, Usage(0, 0), cause=cause)
-                for i in range(rec.num_sequences)]
+        return list(unbuilt_finishes(rec, FinishReason.ABORT, cause, None))
 
     def set_paused(self, rid: str, paused: bool) -> None:
         """Flow control: stop (or resume) scheduling a session; it keeps its blocks."""
@@ -171,17 +193,33 @@ class Engine:
             session.paused = paused
             self.scheduler.set_paused(session.sequences, paused)
 
-    def _open_session(self, rec: Submit, prompts: list[list[int]]) -> Session:
-        session = Session(rid=rec.rid, epoch=rec.epoch, kind=rec.kind,
-                          sequences=build_sequences(rec, prompts, self._make_detok,
-                                                    self.tokenizer, self.max_model_len,
-                                                    self.block_manager),
+    def _new_session(self, rec: Submit, sequences: list[Sequence]) -> Session:
+        """A request's session (a loading turn's without sequences yet: until its load says,
+        it may hold a placeholder)."""
+        session = Session(rid=rec.rid, epoch=rec.epoch, kind=rec.kind, sequences=sequences,
                           t_arrival=self.clock(), client_id=rec.client_id)
         fields = rec.response
         if rec.kind is RequestKind.RESPONSE and fields is not None and self.responses is not None:
             session.background = fields.background
-            session.placeholder = self.responses.admitted(rec)
+            session.placeholder = fields.store or fields.background
         return session
+
+    def _sequences(self, rec: Submit, prompts: list[list[int]]) -> list[Sequence]:
+        return build_sequences(rec, prompts, self._make_detok, self.tokenizer,
+                               self.max_model_len, self.block_manager)
+
+    def from_store(self) -> list[ToProxy]:
+        """What the responses room did since the last call: loaded turns join the scheduler
+        (or end with their refusal); stored turns' last Finishes go out."""
+        if self.stored is None:
+            return []
+        ready, refused, out = self.stored.take()
+        for turn in ready:
+            rec, session = turn.loading.submit, turn.loading.session
+            session.placeholder = turn.placeholder
+            session.sequences = self._sequences(rec, turn.prompts)
+            self._admit(session, rec)
+        return out + [self._refuse_admitted(session, rejected) for session, rejected in refused]
 
     # --- aborts ---------------------------------------------------------------------------------
 
@@ -219,20 +257,27 @@ class Engine:
 
     def _evict(self, session: Session, cause: AbortCause | None, *, error: str | None = None,
                t_read: float | None = None) -> list[Finish]:
-        """Release everything the session holds (blocks, queue slots, its placeholder) and
-        report its end. `cause` None means the session failed with `error`."""
+        """Release everything the session holds (blocks, queue slots, its placeholder, its
+        pending compile or load) and report its end. `cause` None means the session failed
+        with `error`."""
         reason = FinishReason.ERROR if cause is None else FinishReason.ABORT
-        ended = session.end(reason)
-        for seq in ended:
-            self._release(seq)
-        if self.guidance is not None:
-            self.guidance.drop(session.rid)
-        self._end_response(session, Failed(error or "internal error") if cause is None
-                           else Aborted(cause, session.background))
+        loading = self.stored.drop(session.rid) if self.stored is not None else None
+        if loading is not None:  # nothing of it was built, nor will be
+            out = unbuilt_finishes(loading.submit, reason, cause, error)
+        else:
+            ended = session.end(reason)
+            for seq in ended:
+                self._release(seq)
+            if self.guidance is not None:
+                self.guidance.drop(session.rid)
+            out = [Finish(session.rid, s.index, reason, s.usage, cause=cause, message=error)
+                   for s in ended]
         del self.sessions[session.rid]
+        self._end_response(session, Failed(error or "internal error") if cause is None
+                           else Aborted(cause, session.background, session.output_text(),
+                                        session.usage))
         self.figures.evicted(session, reason, cause, t_read)
-        return [Finish(session.rid, s.index, reason, s.usage, cause=cause, message=error)
-                for s in ended]
+        return out
 
     # --- one tick -------------------------------------------------------------------------------
 
@@ -262,13 +307,32 @@ class Engine:
             return []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        failed: list[tuple[Sequence, Rejected]] = []
         if guidance is None:
             tokens = self.sampler(logits, seqs)
         else:
             tokens = self.sampler(guidance.mask(logits, masks), seqs)
-            tokens = guidance.accept(seqs, tokens, self.max_model_len, masks)
+            tokens, failed = guidance.accept(seqs, tokens, self.max_model_len, masks)
         self.sampler.count(seqs, tokens)
-        return self._emit(seqs, tokens, sampled_logprobs(logits, seqs, tokens))
+        logprobs = sampled_logprobs(logits, seqs, tokens)
+        if not failed:
+            return self._emit(seqs, tokens, logprobs)
+        out = self._refuse_running(failed)
+        kept = [i for i, seq in enumerate(seqs) if seq.rid in self.sessions]
+        return out + self._emit([seqs[i] for i in kept], [tokens[i] for i in kept],
+                                [logprobs[i] for i in kept])
+
+    def _refuse_running(self, failed: list[tuple[Sequence, Rejected]]) -> list[ToProxy]:
+        """Running sessions that their own request ended (a grammar reached its parser
+        limits): released as a failure is, and their clients told with the request's error in
+        place of the Finishes."""
+        out: list[ToProxy] = []
+        for seq, rejected in failed:
+            session = self.sessions.get(seq.rid)
+            if session is not None:
+                self._evict(session, None, error=rejected.message)
+                out.append(rejected.to_error(seq.rid))
+        return out
 
     def _emit(self, seqs: list[Sequence], tokens: list[int],
               logprobs: list[tuple[float, list[tuple[int, float]]] | None]) -> list[ToProxy]:
@@ -340,23 +404,21 @@ class Engine:
         seq.finish_reason = reason
         self._release(seq)
         session = self.sessions[seq.rid]
-        error: str | None = None
-        if session.is_finished:
-            del self.sessions[seq.rid]
-            error = self._end_response(session, Completed(reason, session.output_text(),
-                                                          session.usage))
-            self.figures.completed(session, reason if error is None else FinishReason.ERROR, error)
-        if error is not None:  # the client learns that its response was not stored
-            return [Finish(seq.rid, seq.index, FinishReason.ERROR, seq.usage, message=error)]
-        return [Finish(seq.rid, seq.index, reason, seq.usage)]
+        finish = Finish(seq.rid, seq.index, reason, seq.usage)
+        if not session.is_finished:
+            return [finish]
+        del self.sessions[seq.rid]
+        if session.placeholder and self.stored is not None:
+            self.stored.store(session, finish)  # its client hears it once it is stored
+            return []
+        self.figures.completed(session, reason, None)
+        return [finish]
 
-    def _end_response(self, session: Session, ending: Ending) -> str | None:
-        """Tells the responses room how a session with a placeholder ended; returns why its
-        result could not be stored, if it could not."""
-        if not session.placeholder or self.responses is None:
-            return None
-        session.placeholder = False
-        return self.responses.ended(session.rid, ending)
+    def _end_response(self, session: Session, ending: Ending) -> None:
+        """Tells the responses room how a session that may hold a placeholder ended."""
+        if session.placeholder and self.responses is not None:
+            session.placeholder = False
+            self.responses.ended(session.rid, ending)
 
     # --- figures --------------------------------------------------------------------------------
 
@@ -371,7 +433,7 @@ class Engine:
             kv_blocks_cached=bm.num_cached_free,
             prefix_cache_queries=self.scheduler.num_cache_queries,
             prefix_cache_hits=self.scheduler.num_cache_hits,
-            placeholders=self.responses.num_placeholders() if self.responses is not None else 0,
+            placeholders=self._num_placeholders(),
             paused=sum(1 for s in self.sessions.values() if s.paused))
         if self.responses is not None:
             stats.conversations, stats.conversation_items = self.responses.conversation_counts()
@@ -382,3 +444,8 @@ class Engine:
             stats.grammar_pending = self.guidance.num_pending
             stats.grammar_compile_obs = grammars.take_compile_obs()
         return stats
+
+    def _num_placeholders(self) -> int:
+        """Counted here: the store thread learns of an end after the tick that applied it."""
+        storing = self.stored.num_storing if self.stored is not None else 0
+        return storing + sum(1 for s in self.sessions.values() if s.placeholder)

@@ -7,9 +7,14 @@ vocabulary as a list of token bytes (tether's byte tokenizer as well as Hugging 
 builds a grammar in about a millisecond rather than precompiling masks for the whole vocabulary,
 and answers one mask in microseconds; its matcher copies cheaply, which the budget below uses.
 
-- `Grammars` compiles on a thread of its own (llguidance drops the GIL while it builds), keeps
-  compiled grammars in a cache bounded by bytes, and gives each sequence a copy of one. A
-  tick's masks are one batched call on a mask thread of its own, which drops the GIL too.
+- `Grammars` compiles on threads of their own (llguidance drops the GIL while it builds), one
+  for small specs and one for large ones, so that a compile a client made slow never holds up
+  a cheap one; keeps compiled grammars (and refused ones) in a cache bounded by bytes, and gives
+  each sequence a copy of one. A tick's masks are one batched call on a mask thread of its
+  own, which drops the GIL too.
+- Every matcher runs under PARSER_LIMITS: an ambiguous grammar's Earley rows grow with its
+  output and each token's work with their square (a row of 2,000 items took 0.5 s a token), so
+  a row is capped, and a request that reaches the cap ends with a 400 naming it.
 - A sequence's `Constraint` owns its matcher: its row of the tick's bitmask, and the budget.
   Its mask is computed as soon as it has consumed a token, in the same breath: computed after
   a forward pass has run through the processor's caches, the same call took 10 to 20 times as
@@ -18,6 +23,9 @@ and answers one mask in microseconds; its matcher copies cheaply, which the budg
   constraint keeps the tokens it has left at least what closing it takes (a short way to an
   accepting state that daemon/engine/closing.py finds), plus one for the end of sequence. When
   a sampled token would break that, the constraint takes the closing instead, token by token.
+  The first closing is searched on the compile thread and cached with the grammar; the ones
+  searched on the tick, after a token that changes the structure, are bounded in steps and
+  time, and one not found within its bound closes the output from where it was (still valid).
 """
 
 from __future__ import annotations
@@ -30,14 +38,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import llguidance
 import msgspec
 from llguidance.gbnf_to_lark import any_to_lark
 
-from daemon.engine.bitmask import Bitmask, bit, fill_row
-from daemon.engine.closing import Closing, closing, utf8_rest
+from daemon.engine.bitmask import Bitmask
+from daemon.engine.closing import MAX_CLOSING, Closing, SearchBound, Stopped, closing
 from ipc.records import Guide, GuideKind
 
 if TYPE_CHECKING:
@@ -52,9 +60,59 @@ _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separat
 DEFAULT_CACHE_BYTES = 64 << 20
 MAX_SPELLED = 4096  # closings kept spelled in tokens (the same one is checked token after token)
 
+# llguidance's limits on one matcher step (its defaults: 2,000 items in a row, 50,000 items a
+# mask). The work of a token grows with the square of the row on an ambiguous grammar: measured
+# here, 0.5 s a token at 2,000 items, 10 ms at 500. 500 items hold an object of about 120
+# optional properties (each takes four); rows of unambiguous grammars stay small.
+MAX_ITEMS_IN_ROW = 500
+STEP_MAX_ITEMS = 10_000
+# Symbols in one grammar (each %json schema is a grammar of its own; llguidance's default:
+# 500,000). A row is built whole before its size is checked, with the GIL held: an object of
+# 8,000 optional properties compiled for 8-36 s here and then held the GIL 0.3-0.6 s in each of
+# its first steps, stalling the tick; under this bound it is refused in 0.15 s, and the largest
+# object that compiles (about 2,400 properties) holds the GIL under 0.1 s a step.
+MAX_GRAMMAR_SYMBOLS = 20_000
+PARSER_LIMITS = llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW,
+                                          step_max_items=STEP_MAX_ITEMS,
+                                          max_grammar_size=MAX_GRAMMAR_SYMBOLS,
+                                          verbose_errors=False)
+# The first closing, searched once per grammar on its compile thread.
+COMPILE_SEARCH_STEPS = 50_000
+COMPILE_SEARCH_S = 0.5
+# Specs up to this size compile on a thread of their own (one this size takes about 30 ms);
+# larger ones, whose compile grows faster than their size, on another.
+SMALL_SPEC_BYTES = 16 << 10
+LIMIT_ADVICE = ("an ambiguous grammar, or an object of more than about 120 optional "
+                "properties, reaches it")
+
 
 class GrammarError(ValueError):
-    """A guide that cannot be compiled; the message names what is wrong."""
+    """A guide that cannot be compiled, or whose output cannot be bounded; the message names
+    what is wrong (and the limit, when one was reached)."""
+
+    def __init__(self, message: str, code: str = "invalid_grammar") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def parser_limit_error(where: str, matcher: llguidance.LLMatcher | None = None) -> GrammarError:
+    """A matcher stopped by PARSER_LIMITS (`where`: when), with llguidance's own words."""
+    said = matcher.get_error().split("\n")[0] if matcher is not None else ""
+    return GrammarError(f"the grammar reached the server's parser limits ({MAX_ITEMS_IN_ROW} "
+                        f"parser items in a row, {STEP_MAX_ITEMS} a step; {LIMIT_ADVICE}) "
+                        f"{where}" + (f": {said}" if said else ""), code="grammar_too_complex")
+
+
+def no_closing_error(stopped: Stopped, bound: SearchBound) -> GrammarError:
+    """No way to close an output was found from the grammar's start."""
+    if stopped is Stopped.PARSER_LIMIT:
+        return parser_limit_error("on the way to its shortest output")
+    why = {Stopped.BOUND: f"within the server's search limit ({bound.steps} parser steps, "
+                          f"{COMPILE_SEARCH_S:g} s)",
+           Stopped.TOO_LONG: f"within the server's limit of {MAX_CLOSING} bytes",
+           Stopped.DEAD_END: "(every way tried ends where no byte is allowed)"}[stopped]
+    return GrammarError(f"no complete output of the grammar was found {why}",
+                        code="grammar_too_complex")
 
 
 class Vocabulary(Protocol):
@@ -124,14 +182,28 @@ def _regex_literal(text: str) -> str:
     return "".join(f"\\{c}" if c in r"\.^$|?*+()[]{}/" else c for c in text)
 
 
+class Compiled(NamedTuple):
+    """A compiled guide: its matcher at the start, and the closing from there (what the
+    shortest output takes, as far as the search finds)."""
+
+    matcher: llguidance.LLMatcher
+    start: Closing
+
+    def copy(self) -> Compiled:
+        """One to advance (the closing is immutable; the matcher is not)."""
+        return self._replace(matcher=self.matcher.deep_copy())
+
+
 @dataclass(slots=True)
 class _Entry:
-    matcher: llguidance.LLMatcher
+    compiled: Compiled | None
+    error: GrammarError | None  # a guide refused is refused again, without a compile
     size: int
 
 
 class Grammars:
-    """Compiled grammars for one vocabulary: compiled off the tick thread, cached by bytes."""
+    """Compiled grammars for one vocabulary: compiled off the tick thread with their first
+    closing, cached by bytes."""
 
     def __init__(self, vocab: Vocabulary, special_token_ids: Sequence[int] = (), *,
                  cache_bytes: int = DEFAULT_CACHE_BYTES,
@@ -154,7 +226,9 @@ class Grammars:
         self._cache: OrderedDict[Guide, _Entry] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tether-grammar")
+        # Two lanes: a slow compile (a large spec) never holds up a small one.
+        self._small = ThreadPoolExecutor(1, thread_name_prefix="tether-grammar")
+        self._large = ThreadPoolExecutor(1, thread_name_prefix="tether-grammar-large")
         # The tick's masks: one call for the batch, which lets go of the GIL while it runs.
         self._mask_executor = llguidance.LLExecutor(1)
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tether-masks")
@@ -167,40 +241,58 @@ class Grammars:
     def num_cached_bytes(self) -> int:
         return self._cached_bytes
 
-    def compile(self, guide: Guide) -> Future[llguidance.LLMatcher]:
-        """A future matcher for `guide`, at once when it is cached; its exception is a
-        GrammarError naming what is wrong."""
+    def compile(self, guide: Guide) -> Future[Compiled]:
+        """A future compiled guide, at once when it is cached; its exception is a GrammarError
+        naming what is wrong."""
         with self._lock:
             entry = self._cache.get(guide)
             if entry is not None:
                 self._cache.move_to_end(guide)
                 self.num_hits += 1
-                done: Future[llguidance.LLMatcher] = Future()
-                done.set_result(entry.matcher.deep_copy())
+                done: Future[Compiled] = Future()
+                if entry.compiled is not None:
+                    done.set_result(entry.compiled.copy())
+                else:
+                    assert entry.error is not None
+                    done.set_exception(entry.error)
                 return done
             self.num_misses += 1
-        return self._pool.submit(self._build, guide)
+        lane = self._small if len(guide.spec) <= SMALL_SPEC_BYTES else self._large
+        return lane.submit(self._build, guide)
 
-    def _build(self, guide: Guide) -> llguidance.LLMatcher:
+    def _build(self, guide: Guide) -> Compiled:
         t0 = self._clock()
-        grammar = grammar_text(guide)
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer)
-        if failed:
-            raise GrammarError(messages[0] if messages else "invalid grammar")
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        try:
+            text = grammar_text(guide)
+            compiled = self._compiled(text)
+        except GrammarError as e:
+            self._keep(guide, _Entry(None, e, len(guide.spec)), t0)
+            raise
+        self._keep(guide, _Entry(compiled.copy(), None,
+                                 len(text) + len(guide.spec)), t0)
+        return compiled
+
+    def _compiled(self, grammar: str) -> Compiled:
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, limits=PARSER_LIMITS,
+                                       log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        size = len(grammar) + len(guide.spec)
+        bound = SearchBound.within(COMPILE_SEARCH_STEPS, COMPILE_SEARCH_S, self._clock)
+        start = self.exact_closing(matcher, bound)
+        if isinstance(start, Stopped):
+            raise no_closing_error(start, bound)
+        return Compiled(matcher, start)
+
+    def _keep(self, guide: Guide, entry: _Entry, t0: float) -> None:
         with self._lock:
             self.compile_obs.append(self._clock() - t0)
-            if size <= self.cache_bytes and guide not in self._cache:
-                self._cache[guide] = _Entry(matcher.deep_copy(), size)
-                self._cached_bytes += size
-                while self._cached_bytes > self.cache_bytes:
-                    _, old = self._cache.popitem(last=False)
-                    self._cached_bytes -= old.size
-        return matcher
+            if entry.size > self.cache_bytes or guide in self._cache:
+                return
+            self._cache[guide] = entry
+            self._cached_bytes += entry.size
+            while self._cached_bytes > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.size
 
     def take_compile_obs(self) -> list[float]:
         with self._lock:
@@ -208,28 +300,31 @@ class Grammars:
         return obs
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._mask_thread.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._small, self._large, self._mask_thread):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # --- closings -------------------------------------------------------------------------------
 
-    def exact_closing(self, matcher: llguidance.LLMatcher) -> Closing | None:
-        """The closing `closing` finds from the matcher's state, its tokens counted; None when
-        none is found."""
-        text = closing(matcher, self.byte_tokens)
-        if text is None:
-            return None
+    def exact_closing(self, matcher: llguidance.LLMatcher,
+                      bound: SearchBound) -> Closing | Stopped:
+        """The closing `closing` finds from the matcher's state within `bound`, its tokens
+        counted; or why none was found."""
+        text = closing(matcher, self.byte_tokens, bound)
+        if isinstance(text, Stopped):
+            return text
         return Closing(text, len(self.tokenizer.tokenize_bytes(text)) if text else 0)
 
-    def closes(self, matcher: llguidance.LLMatcher, text: bytes) -> bool:
-        """Whether `text` still takes the matcher's state to the end (one call, nothing moved)."""
+    def closes(self, matcher: llguidance.LLMatcher, text: bytes, bound: SearchBound) -> bool:
+        """Whether `text` still takes the matcher's state to the end (one call, nothing moved);
+        False too when `bound` cannot pay for the check."""
         tokens = self._spelled.get(text)
         if tokens is None:
             if len(self._spelled) >= MAX_SPELLED:
                 self._spelled.clear()
             tokens = [self.byte_tokens.get(b, -1) for b in text]
             tokens = self._spelled[text] = [] if -1 in tokens else [*tokens, self.eos_token_ids[0]]
-        return bool(tokens) and matcher.validate_tokens(tokens) == len(tokens)
+        return (bool(tokens) and bound.spend(len(tokens))
+                and matcher.validate_tokens(tokens) == len(tokens))
 
     # --- the tick's masks -----------------------------------------------------------------------
 
@@ -242,136 +337,3 @@ class Grammars:
         return self._mask_thread.submit(self._mask_executor.unsafe_compute_mask_ptr, rows,
                                         bitmask.address(0), bitmask.width * 4,
                                         bitmask.tensor.shape[0])
-
-
-class Constraint:
-    """One sequence's matcher and its budget; advanced once per sampled token.
-
-    The constraint always holds a closing that is valid from the matcher's state and fits in
-    the tokens left. Each sampled token is checked against it at the price of one call: when
-    the token spells the closing's first bytes the rest still closes; when the closing still
-    takes the new state to the end (a character inside a string, a digit) it is kept; only a
-    token that changes the structure (a key that opens a required object, an array item) makes
-    the constraint search for a closing again. A token that leaves no room for one is taken
-    back, and the output closes from where it was."""
-
-    __slots__ = ("_closing", "_forced", "_grammars", "_mask", "_mask_ready", "matcher")
-
-    def __init__(self, grammars: Grammars, matcher: llguidance.LLMatcher,
-                 start: Closing | None = None) -> None:
-        self._grammars = grammars
-        self.matcher = matcher
-        self._forced: list[int] = []  # the closing being spelled, token by token
-        self._mask = array("i", bytes(4 * grammars.mask_width))  # from the matcher's state
-        self._mask_ready = False
-        # From the matcher's state (`start`: the template's, shared by a request's sequences).
-        self._closing = start if start is not None else grammars.exact_closing(matcher)
-
-    @property
-    def forced(self) -> bool:
-        return bool(self._forced)
-
-    def fill(self, bitmask: Bitmask, row: int) -> None:
-        """Writes this tick's allowed tokens into row `row` of `bitmask`."""
-        if not self.fill_known(bitmask, row):
-            fill_row(self.matcher, bitmask, row)
-
-    def fill_known(self, bitmask: Bitmask, row: int) -> bool:
-        """`fill` when the allowed tokens are known without the matcher (a forced token, or
-        the mask computed when the last token was consumed); False, and nothing written,
-        when they are not."""
-        width = bitmask.width
-        at = row * width
-        if self._forced:
-            token = self._forced[0]
-            bitmask.words[at:at + width] = self._grammars.zero_mask
-            bitmask.words[at + (token >> 5)] = bit(token & 31)
-            return True
-        if not self._mask_ready:
-            return False
-        bitmask.words[at:at + width] = self._mask
-        return True
-
-    def compute_mask(self) -> None:
-        """The allowed tokens from the matcher's state, computed now for the next tick (see
-        the module's docstring for why now)."""
-        if self._forced or self.matcher.is_stopped():
-            return
-        self.matcher.unsafe_compute_mask_ptr(int(self._mask.buffer_info()[0]),
-                                             4 * len(self._mask))
-        self._mask_ready = True
-
-    def feasible(self, left: int) -> bool:
-        """Whether an output can still be closed in `left` tokens (a request whose budget
-        cannot hold the shortest valid output is refused up front)."""
-        return self._closing is not None and self._closing.cost + 1 <= left
-
-    def accept(self, token: int, left: int, allowed: bool | None = None) -> int:
-        """The token to emit for `token` sampled with `left` tokens still allowed (this one
-        included; `allowed`: whether this tick's mask let it through, when known): the sampled
-        token, or the next of the closing when the sampled one would leave too few to close
-        the output. The matcher has consumed what it returns."""
-        self._mask_ready = False
-        if self._forced:
-            forced = self._forced.pop(0)
-            self.matcher.consume_token(forced)
-            return forced
-        if allowed is None:
-            allowed = self.matcher.validate_tokens([token]) == 1
-        if not allowed:
-            # Only when every allowed token had no chance under the model (its logits all -inf
-            # there): close instead.
-            return self._close()
-        if token in self._grammars.eos_ids:
-            self.matcher.consume_token(token)
-            return token
-        self.matcher.consume_token(token)
-        after = self._follow(token, left - 1)
-        if after is not None:
-            self._closing = after
-            return token
-        # This token leaves no room to close: take it back and close from where we were.
-        self.matcher.rollback(1)
-        return self._close()
-
-    def _follow(self, token: int, room: int) -> Closing | None:
-        """A closing from the state after `token` that fits in `room` tokens (an end of sequence
-        included), or None."""
-        grammars, before = self._grammars, self._closing
-        if before is not None:
-            kept = _kept(grammars, self.matcher, before, grammars.token_bytes[token])
-            if kept is not None and kept.cost + 1 <= room:
-                return kept
-        found = grammars.exact_closing(self.matcher)  # a new structure, or a bound too loose
-        return found if found is not None and found.cost + 1 <= room else None
-
-    def _close(self) -> int:
-        """The first token of the closing from here (an accepting state closes with the end of
-        sequence); the rest are forced on the next ticks."""
-        grammars = self._grammars
-        text = self._closing.text if self._closing is not None else b""
-        tokens = list(grammars.tokenizer.tokenize_bytes(text)) if text else []
-        tokens.append(grammars.eos_token_ids[0])
-        self._forced = tokens[1:]
-        self.matcher.consume_token(tokens[0])
-        return tokens[0]
-
-
-def _kept(grammars: Grammars, matcher: llguidance.LLMatcher, before: Closing,
-          raw: bytes) -> Closing | None:
-    """The closing from before a token of bytes `raw`, as it still closes from after it: what
-    the token did not spell of it (the token was its start, or took the place of its first
-    bytes: a character of a fixed-length string, a digit), or all of it (a character of a free
-    string); None when the token changed what closing takes."""
-    text = before.text
-    rest = text[len(raw):]
-    if text.startswith(raw):
-        return Closing(rest, len(rest))
-    if grammars.closes(matcher, text):
-        return before
-    pad = utf8_rest(raw)  # the token began a character: its last bytes come first
-    tails = (rest, pad + rest, pad + text) if pad else (rest,)
-    for tail in tails:
-        if tail and grammars.closes(matcher, tail):
-            return Closing(tail, len(tail))
-    return None

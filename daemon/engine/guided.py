@@ -2,9 +2,10 @@
 their grammar, the masks of a tick, and the tokens the constraints let through.
 
 A guided session is admitted (its client hears Admitted) but its sequences reach the scheduler
-only once its grammar is compiled, so one whose client leaves meanwhile is never prefilled: its
-eviction drops the pending compile like everything else it holds. A compile that fails, or
-takes longer than the timeout, is that request's 400.
+only once its grammar is compiled (with its first closing: no search for one runs on the tick
+at admission), so one whose client leaves meanwhile is never prefilled: its eviction drops the
+pending compile like everything else it holds. A compile that fails, or takes longer than the
+timeout, is that request's 400; so is a matcher that reaches its parser limits mid-output.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import llguidance
 import torch
 
 from daemon.engine.bitmask import Bitmask, apply_bitmask, fill_row
-from daemon.engine.grammar import Constraint, GrammarError, Grammars
+from daemon.engine.constraint import TICK_SEARCH_S, Constraint, search_bound
+from daemon.engine.grammar import Compiled, GrammarError, Grammars
+from daemon.engine.json_numbers import NumberGuard, guards_numbers
 from daemon.engine.sequence import Sequence, Session
 from daemon.rejected import Rejected
 from ipc.records import Guide, RequestKind, Submit
@@ -42,7 +45,7 @@ class Masks:
 class _Pending:
     session: Session
     guide: Guide
-    future: Future[llguidance.LLMatcher]
+    future: Future[Compiled]
     deadline: float
 
 
@@ -91,7 +94,7 @@ class Guidance:
             ready.append(pending.session)
         return ready, refused
 
-    def _constrain(self, pending: _Pending, future: Future[llguidance.LLMatcher]) -> None:
+    def _constrain(self, pending: _Pending, future: Future[Compiled]) -> None:
         param = pending.guide.source or None
         if not future.done():
             raise Rejected(f"the grammar took longer than {self.compile_timeout_s:g} s to "
@@ -100,19 +103,22 @@ class Guidance:
             template = future.result()
         except GrammarError as e:
             raise Rejected(f"invalid {pending.guide.kind.value}: {e}", param=param,
-                           code="invalid_grammar") from None
+                           code=e.code) from None
         seqs = pending.session.sequences
         first = seqs[0]
         left = _tokens_left(first, first.max_tokens)
-        start = self.grammars.exact_closing(template)  # searched once for every sequence
-        if start is None or start.cost + 1 > left:
+        need = template.start.cost + 1  # the shortest output found, and the end of sequence
+        if need > left:
             name = ("max_output_tokens" if pending.session.kind is RequestKind.RESPONSE
                     else "max_tokens")
             raise Rejected(f"{name} ({left}) is too small for the shortest output the "
-                           f"{pending.guide.kind.value} allows", param=name,
+                           f"{pending.guide.kind.value} allows, which takes {need} tokens: "
+                           f"set {name} to at least {need}", param=name,
                            code="max_tokens_too_small")
+        json = guards_numbers(pending.guide)
         for seq in seqs:
-            seq.constraint = Constraint(self.grammars, template.deep_copy(), start)
+            seq.constraint = Constraint(self.grammars, template.copy(),
+                                        NumberGuard() if json else None)
 
     # --- one tick -------------------------------------------------------------------------------
 
@@ -154,14 +160,19 @@ class Guidance:
         return rows * self.grammars.vocab_size >= MASK_THREAD_MIN_TOKENS
 
     def accept(self, seqs: list[Sequence], tokens: list[int], max_model_len: int,
-               masks: Masks | None = None) -> list[int]:
+               masks: Masks | None = None) -> tuple[list[int], list[tuple[Sequence, Rejected]]]:
         """The tokens to emit: each constraint consumes its sequence's sampled token, or puts
-        the next token of its closing in its place (daemon/engine/grammar.py), and computes
+        the next token of its closing in its place (daemon/engine/constraint.py), and computes
         its next mask unless the mask thread will (`masks`: the tick's, which say whether each
-        token was allowed)."""
+        token was allowed). Also the sequences whose grammar reached its parser limits, each
+        with its request's 400 (their tokens are not to be emitted). The tick's closing
+        searches share one deadline."""
         out = tokens
+        failed: list[tuple[Sequence, Rejected]] = []
         rows = {row: j for j, row in enumerate(masks.rows)} if masks is not None else {}
         now = not self._worth_a_thread(len(rows))
+        clock = self.clock
+        searches_end = clock() + TICK_SEARCH_S
         for i, seq in enumerate(seqs):
             constraint = seq.constraint
             if constraint is None:
@@ -171,14 +182,21 @@ class Guidance:
             j = rows.get(i)
             allowed = masks.bitmask.allows(j, tokens[i]) if masks is not None and j is not None \
                 else None
-            token = constraint.accept(tokens[i], left, allowed)
+            try:
+                token = constraint.accept(tokens[i], left, allowed,
+                                          search_bound(clock(), searches_end))
+            except GrammarError as e:
+                guide = seq.params.guide
+                failed.append((seq, Rejected(str(e), param=guide.source or None if guide else None,
+                                             code=e.code)))
+                continue
             if now and left > 1:
                 constraint.compute_mask()
             if token != tokens[i]:
                 if out is tokens:
                     out = list(tokens)
                 out[i] = token
-        return out
+        return out, failed
 
     def close(self) -> None:
         for rid in list(self._pending):

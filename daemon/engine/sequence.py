@@ -13,8 +13,8 @@ from daemon.engine.stops import StopMatcher
 from ipc.records import FinishReason, RequestKind, SamplingParams, TokenLogprob, Usage
 
 if TYPE_CHECKING:
+    from daemon.engine.constraint import Constraint
     from daemon.engine.echo import Echo
-    from daemon.engine.grammar import Constraint
 
 # Ticks remembered per session to attribute sampled tokens to "after the client left".
 _TICK_MEMORY = 4096

@@ -18,7 +18,9 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3",
                "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite"}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# freq_factors: each frequency divided by its own factor, as llama.cpp applies a GGUF file's
+# rope_freqs tensor (Llama 3.1's llama3 scaling, computed ahead by its converter).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -306,16 +308,16 @@ def _check_rope_scaling(scaling: dict[str, Any] | None, head_dim: int) -> None:
         raise ConfigError(f"rope_scaling type {rope_type!r} is not supported "
                           f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     needed = {"linear": ("factor",), "llama3": _LLAMA3_ROPE_KEYS, "yarn": ("factor",),
-              "longrope": ()}[rope_type]
+              "longrope": (), "freq_factors": ()}[rope_type]
     for key in needed:
         if not isinstance(scaling.get(key), int | float):
             raise ConfigError(f"rope_scaling.{key} is missing for rope type {rope_type!r}")
-    if rope_type == "longrope":
-        for key in ("short_factor", "long_factor"):
-            factors = scaling.get(key)
-            if not isinstance(factors, list) or len(factors) != head_dim // 2:
-                raise ConfigError(f"rope_scaling.{key} must list head_dim / 2 = "
-                                  f"{head_dim // 2} numbers for rope type 'longrope'")
+    lists = {"longrope": ("short_factor", "long_factor"), "freq_factors": ("factors",)}
+    for key in lists.get(rope_type, ()):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise ConfigError(f"rope_scaling.{key} must list head_dim / 2 = "
+                              f"{head_dim // 2} numbers for rope type {rope_type!r}")
 
 
 def _number(value: float | None) -> float | None:

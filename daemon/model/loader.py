@@ -9,6 +9,7 @@ download, identical on every machine, varied (if meaningless) output.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,8 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype,
     _check_shardable(path / "config.json", config, group)
     model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
     load_weights_(model, path)
-    return LoadedModel(config, model.eval(), tokenizer, path.name, config.max_model_len,
+    return LoadedModel(config, model.eval(), tokenizer, model_id(path),
+                       config.max_model_len,
                        generation_defaults=generation_defaults(generation))
 
 
@@ -185,6 +187,17 @@ GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 def generation_defaults(values: dict[str, Any]) -> dict[str, Any]:
     """The sampling defaults a model states, by SamplingParams field (others ignored)."""
     return {k: v for k, v in values.items() if k in GENERATION_FIELDS and v is not None}
+
+
+def model_id(path: Path) -> str:
+    """The id a checkpoint directory is served under: a Hugging Face cache snapshot
+    (.../models--org--name/snapshots/<commit>) by its repo id, org/name (the hub forbids "--" in
+    names, so the folder's name reads back unambiguously); any other directory by its name."""
+    path = Path(os.path.abspath(path))  # "." and ".." named, a symlink's own name kept
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return path.name
 
 
 def _read_json(file: Path, required: bool = True) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from daemon.model.attention import AttentionMetadata
 
 def inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
     """float32 [head_dim / 2]: the frequencies a RoPE type rotates by (LongRoPE: the short
-    factors'). Each formula is written as transformers writes it, so the floats agree."""
+    factors'; freq_factors: llama.cpp's, each frequency divided by its factor). Each formula is
+    written as transformers (or llama.cpp) writes it, so the floats agree."""
     powers = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
     if scaling is None:
         return 1.0 / powers
@@ -34,7 +35,8 @@ def inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Ten
         return _llama3(1.0 / powers, scaling)
     if rope_type == "yarn":
         return _yarn(powers, head_dim, theta, scaling)
-    return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * powers)
+    factors = scaling["factors" if rope_type == "freq_factors" else "short_factor"]
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * powers)
 
 
 def long_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> Tensor:

@@ -15,7 +15,10 @@ go (`release`). A claim whose response is no longer a placeholder (a crash, a re
 ran out) is stale, and the next turn takes it over.
 
 Retention: the watcher prunes the conversations touched least recently beyond a count, an age and
-a total of bytes; one conversation holds at most ``max_items`` items.
+a total of bytes, fairly between tenants (daemon/responses/retention.py); one conversation holds
+at most ``max_items`` items. A conversation counts the bytes of text its items render
+(``text_bytes``), so that a turn on one whose history cannot fit the context is refused before a
+byte of it is read.
 """
 
 from __future__ import annotations
@@ -26,16 +29,25 @@ from typing import Any
 
 import msgspec
 
-from daemon.rejected import Rejected
+from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.db import Database, Executor
-from daemon.responses.items import listed_ids
-from daemon.responses.rows import PLACEHOLDERS_SQL, json_text, messages_decoder
+from daemon.responses.items import PAGE_BYTES, listed_ids, within_bytes
+from daemon.responses.retention import fair_prune
+from daemon.responses.rows import PLACEHOLDERS_SQL, json_text, messages_decoder, text_bytes
 from ipc.records import Message, ResponseFields
 from ipc.response_records import (
+    ConversationCreate,
+    ConversationDelete,
+    ConversationGet,
+    ConversationItemDelete,
+    ConversationItemGet,
     ConversationItems,
+    ConversationItemsAdd,
+    ConversationItemsList,
+    ConversationRequest,
+    ConversationUpdate,
     ItemsPage,
     ResponseOp,
-    ResponseOpKind,
     ResponseReply,
     StoredConversation,
 )
@@ -65,6 +77,7 @@ class ItemRow:
     item_id: str
     item: str  # JSON text, as validated
     messages: str  # JSON text of the list of messages it renders as
+    text_bytes: int = 0  # the bytes of text those messages render (rows.text_bytes)
 
     @property
     def size(self) -> int:
@@ -98,7 +111,7 @@ def _rows(items: str, ids: list[str], messages: list[list[Message]]) -> list[Ite
     if not len(raws) == len(ids) == len(messages):
         raise Rejected(f"{len(raws)} items arrived with {len(messages)} renderings",
                        param="items")
-    return [ItemRow(i, bytes(raw).decode(), json_text(m))
+    return [ItemRow(i, bytes(raw).decode(), json_text(m), text_bytes(m))
             for i, raw, m in zip(ids, raws, messages, strict=True)]
 
 
@@ -130,7 +143,7 @@ def output_row(rid: str, text: str, status: str) -> ItemRow:
     item = {"type": "message", "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text}]}
     return ItemRow("msg_" + rid.removeprefix("resp_"), json_text(item),
-                   json_text([Message("assistant", text)]))
+                   json_text([Message("assistant", text)]), len(text.encode()))
 
 
 class Conversations:
@@ -149,10 +162,17 @@ class Conversations:
 
     # --- a Responses turn ---------------------------------------------------------------------
 
-    def history(self, conversation_id: str) -> list[Message] | None:
-        """Its items' messages in order; None when there is no such conversation."""
-        if self._row(self.db, conversation_id) is None:
+    def history(self, conversation_id: str, bound: ContextBytes | None = None,
+                adding: int = 0) -> list[Message] | None:
+        """Its items' messages in order; None when there is no such conversation. Refused
+        unread when their text and the turn's own (``adding`` bytes) cannot fit ``bound``."""
+        row = self._row(self.db, conversation_id)
+        if row is None:
             return None
+        holds = row["text_bytes"] + adding
+        if bound is not None and holds > bound.max_bytes:
+            raise bound.refusal(f"conversation '{conversation_id}' with this turn's input",
+                                holds, "conversation", "start a new conversation")
         out: list[Message] = []
         for row in self.db.execute("SELECT messages FROM conversation_items WHERE "
                                    "conversation_id = ? ORDER BY seq", (conversation_id,)).rows:
@@ -186,76 +206,90 @@ class Conversations:
 
     # --- the Conversations API --------------------------------------------------------------
 
-    def handle_op(self, op: ResponseOp) -> ResponseReply:
-        """Answers one CONVERSATION_* op; what the client asked wrongly is its status."""
+    def handle_op(self, op: ResponseOp, request: ConversationRequest) -> ResponseReply:
+        """Answers one of ``op``'s conversation requests; what the client asked wrongly is its
+        status."""
         try:
-            return self._handle(op)
+            return self._handle(op, request)
         except Rejected as e:
             return ResponseReply(op.op_id, e.status, message=e.message, param=e.param)
 
-    def _handle(self, op: ResponseOp) -> ResponseReply:
-        cid = op.response_id
-        if op.op is ResponseOpKind.CONVERSATION_CREATE:
-            return self._create(op)
+    def _handle(self, op: ResponseOp, request: ConversationRequest) -> ResponseReply:
+        if isinstance(request, ConversationCreate):
+            return self._create(op, request)
+        cid = request.conversation_id
         row = self._row(self.db, cid)
         if row is None:
             return ResponseReply(op.op_id, 404, message=not_found(cid))
-        if op.op is ResponseOpKind.CONVERSATION_GET:
-            return self._reply(op, row)
-        if op.op is ResponseOpKind.CONVERSATION_ITEMS:
-            return self._page(op, op.page or ItemsPage())
-        if op.op is ResponseOpKind.CONVERSATION_ITEM_GET:
-            return self._item(op)
+        match request:
+            case ConversationGet():
+                return self._reply(op, row)
+            case ConversationItemsList(page=page):
+                return self._page(op, cid, page)
+            case ConversationItemGet(item_id=item_id):
+                return self._item(op, cid, item_id)
         with self.db.transaction() as tx:
-            reply = self._change(tx, op)
+            reply = self._change(tx, op, request)
         self.recount(self.db)
         return reply
 
-    def _create(self, op: ResponseOp) -> ResponseReply:
-        now = self.clock()
-        rows = new_rows(op.items, self.make_id) if op.items is not None else []
+    def _create(self, op: ResponseOp, request: ConversationCreate) -> ResponseReply:
+        now, cid = self.clock(), request.conversation_id
+        rows = new_rows(request.items, self.make_id) if request.items is not None else []
         with self.db.transaction() as tx:
-            tx.execute("INSERT INTO conversations (id, created_at, updated_at, metadata) VALUES "
-                       "(?, ?, ?, ?)", (op.response_id, int(now), now, json_text(op.metadata or {})))
-            row = self._row(tx, op.response_id)
-            self._check_room(row, op.response_id, len(rows))
-            self._append(tx, op.response_id, rows)
+            tx.execute("INSERT INTO conversations (id, created_at, updated_at, metadata, tenant) "
+                       "VALUES (?, ?, ?, ?, ?)", (cid, int(now), now,
+                                                 json_text(request.metadata), op.tenant))
+            row = self._row(tx, cid)
+            self._check_room(row, cid, len(rows))
+            self._append(tx, cid, rows)
         self.recount(self.db)
         return ResponseReply(op.op_id, 200, conversation=StoredConversation(
-            op.response_id, int(now), op.metadata or {}))
+            cid, int(now), request.metadata))
 
-    def _change(self, tx: Executor, op: ResponseOp) -> ResponseReply:
-        cid = op.response_id
+    def _change(self, tx: Executor, op: ResponseOp, request: ConversationUpdate
+                | ConversationDelete | ConversationItemsAdd | ConversationItemDelete
+                ) -> ResponseReply:
+        cid = request.conversation_id
         row = self._row(tx, cid, lock=True)
         if row is None:
             return ResponseReply(op.op_id, 404, message=not_found(cid))
-        if op.op is ResponseOpKind.CONVERSATION_DELETE:
-            tx.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (cid,))
-            tx.execute("DELETE FROM conversations WHERE id = ?", (cid,))
-            return ResponseReply(op.op_id, 200, deleted=True)
-        if op.op is ResponseOpKind.CONVERSATION_UPDATE:
-            tx.execute("UPDATE conversations SET metadata = ?, updated_at = ? WHERE id = ?",
-                       (json_text(op.metadata or {}), self.clock(), cid))
-        elif op.op is ResponseOpKind.CONVERSATION_ADD_ITEMS:
-            rows = new_rows(op.items, self.make_id) if op.items is not None else []
-            self._check_room(row, cid, len(rows))
-            self._append(tx, cid, rows)
-            return self._listing(op, rows, has_more=False)
-        elif op.op is ResponseOpKind.CONVERSATION_ITEM_DELETE:
-            gone = tx.execute("SELECT count(*) AS n, coalesce(sum(size), 0) AS size FROM "
-                              "conversation_items WHERE conversation_id = ? AND item_id = ?",
-                              (cid, op.item_id)).one()
-            if not gone["n"]:
-                return ResponseReply(op.op_id, 404, message=f"Item with id '{op.item_id}' not "
-                                     "found.")
-            tx.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
-                       (cid, op.item_id))
-            tx.execute("UPDATE conversations SET num_items = num_items - ?, size = size - ?, "
-                       "updated_at = ? WHERE id = ?", (gone["n"], gone["size"], self.clock(), cid))
+        match request:
+            case ConversationDelete():
+                tx.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (cid,))
+                tx.execute("DELETE FROM conversations WHERE id = ?", (cid,))
+                return ResponseReply(op.op_id, 200, deleted=True)
+            case ConversationUpdate(metadata=metadata):
+                tx.execute("UPDATE conversations SET metadata = ?, updated_at = ? WHERE id = ?",
+                           (json_text(metadata), self.clock(), cid))
+            case ConversationItemsAdd(items=items):
+                rows = new_rows(items, self.make_id)
+                self._check_room(row, cid, len(rows))
+                self._append(tx, cid, rows)
+                # The ids alone: the proxy lists the items it sent (an echo would cost the
+                # tokens pipe their size again, and a stream behind it its pace).
+                return ResponseReply(op.op_id, 200, item_ids=[r.item_id for r in rows])
+            case ConversationItemDelete(item_id=item_id):
+                if not self._delete_item(tx, cid, item_id):
+                    return ResponseReply(op.op_id, 404,
+                                         message=f"Item with id '{item_id}' not found.")
         return self._reply(op, self._row(tx, cid))
 
-    def _page(self, op: ResponseOp, page: ItemsPage) -> ResponseReply:
-        cid, asc = op.response_id, page.order == "asc"
+    def _delete_item(self, tx: Executor, cid: str, item_id: str) -> bool:
+        gone = tx.execute("SELECT count(*) AS n, coalesce(sum(size), 0) AS size, "
+                          "coalesce(sum(text_bytes), 0) AS text_bytes FROM conversation_items "
+                          "WHERE conversation_id = ? AND item_id = ?", (cid, item_id)).one()
+        if not gone["n"]:
+            return False
+        tx.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
+                   (cid, item_id))
+        tx.execute("UPDATE conversations SET num_items = num_items - ?, size = size - ?, "
+                   "text_bytes = text_bytes - ?, updated_at = ? WHERE id = ?",
+                   (gone["n"], gone["size"], gone["text_bytes"], self.clock(), cid))
+        return True
+
+    def _page(self, op: ResponseOp, cid: str, page: ItemsPage) -> ResponseReply:
+        asc = page.order == "asc"
         bound = -1 if asc else 2**62
         if page.after is not None:
             row = self.db.execute("SELECT min(seq) AS seq FROM conversation_items WHERE "
@@ -264,39 +298,42 @@ class Conversations:
                 return ResponseReply(op.op_id, 400, param="after", message=f"'after' names no "
                                      f"item of conversation {cid!r}: {page.after!r}")
             bound = row["seq"]
-        rows = self.db.execute(
-            f"SELECT item_id, item, messages FROM conversation_items WHERE conversation_id = ? "
-            f"AND seq {'>' if asc else '<'} ? ORDER BY seq {'ASC' if asc else 'DESC'} LIMIT ?",
+        # The page's sizes first (an item's `size` bounds its bytes): a page ends where its
+        # items would pass PAGE_BYTES, so only what goes out is read, and the reply fits a frame.
+        sizes = self.db.execute(
+            f"SELECT seq, size FROM conversation_items WHERE conversation_id = ? AND seq "
+            f"{'>' if asc else '<'} ? ORDER BY seq {'ASC' if asc else 'DESC'} LIMIT ?",
             (cid, bound, page.limit + 1)).rows
-        items = [ItemRow(r["item_id"], r["item"], r["messages"]) for r in rows]
-        return self._listing(op, items[:page.limit], has_more=len(items) > page.limit)
+        chosen = within_bytes([r["size"] for r in sizes[:page.limit]], PAGE_BYTES)
+        if not chosen:
+            return self._listing(op, [], has_more=False)
+        seqs = [r["seq"] for r in sizes[:chosen]]
+        rows = self.db.execute(
+            "SELECT item_id, item FROM conversation_items WHERE conversation_id = ? AND seq "
+            f"BETWEEN ? AND ? ORDER BY seq {'ASC' if asc else 'DESC'}",
+            (cid, min(seqs), max(seqs))).rows
+        items = [ItemRow(r["item_id"], r["item"], "") for r in rows]
+        return self._listing(op, items, has_more=len(sizes) > chosen)
 
-    def _item(self, op: ResponseOp) -> ResponseReply:
-        row = self.db.execute("SELECT item_id, item, messages FROM conversation_items WHERE "
+    def _item(self, op: ResponseOp, cid: str, item_id: str) -> ResponseReply:
+        row = self.db.execute("SELECT item_id, item FROM conversation_items WHERE "
                               "conversation_id = ? AND item_id = ? ORDER BY seq LIMIT 1",
-                              (op.response_id, op.item_id)).one()
+                              (cid, item_id)).one()
         if row is None:
-            return ResponseReply(op.op_id, 404, message=f"Item with id '{op.item_id}' not found.")
-        return self._listing(op, [ItemRow(row["item_id"], row["item"], row["messages"])], False)
+            return ResponseReply(op.op_id, 404, message=f"Item with id '{item_id}' not found.")
+        return self._listing(op, [ItemRow(row["item_id"], row["item"], "")], False)
 
     # --- housekeeping ---------------------------------------------------------------------------
 
     def prune(self) -> int:
         """Drop the conversations beyond the age, count and bytes bounds, least recently
-        changed first; then their items."""
-        no_limit = "-1" if self.db.dialect == "sqlite" else "ALL"
+        changed first and fairly between tenants (retention.py); then their items."""
         limits = self.limits
         with self.db.transaction() as tx:
             n = tx.execute("DELETE FROM conversations WHERE updated_at < ?",
                            (self.clock() - limits.max_age_s,)).rowcount
-            n += tx.execute(
-                "DELETE FROM conversations WHERE id IN (SELECT id FROM conversations ORDER BY "
-                f"updated_at DESC, id DESC LIMIT {no_limit} OFFSET ?)", (limits.max_count,)
-            ).rowcount
-            n += tx.execute(
-                "DELETE FROM conversations WHERE id IN (SELECT id FROM (SELECT id, sum(size) OVER "
-                "(ORDER BY updated_at DESC, id DESC ROWS UNBOUNDED PRECEDING) AS newer FROM "
-                "conversations) AS kept WHERE newer > ?)", (limits.max_bytes,)).rowcount
+            n += fair_prune(tx, "conversations", "updated_at", "TRUE", limits.max_count,
+                            limits.max_bytes)
             if n:
                 tx.execute("DELETE FROM conversation_items WHERE NOT EXISTS (SELECT 1 FROM "
                            "conversations c WHERE c.id = conversation_items.conversation_id)")
@@ -326,11 +363,12 @@ class Conversations:
         first = self._row(tx, cid)["next_seq"]
         for seq, row in enumerate(rows, start=first):
             tx.execute("INSERT INTO conversation_items (conversation_id, seq, item_id, item, "
-                       "messages, size) VALUES (?, ?, ?, ?, ?, ?)",
-                       (cid, seq, row.item_id, row.item, row.messages, row.size))
+                       "messages, size, text_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (cid, seq, row.item_id, row.item, row.messages, row.size, row.text_bytes))
         tx.execute("UPDATE conversations SET next_seq = next_seq + ?, num_items = num_items + ?,"
-                   " size = size + ?, updated_at = ? WHERE id = ?",
-                   (len(rows), len(rows), sum(r.size for r in rows), self.clock(), cid))
+                   " size = size + ?, text_bytes = text_bytes + ?, updated_at = ? WHERE id = ?",
+                   (len(rows), len(rows), sum(r.size for r in rows),
+                    sum(r.text_bytes for r in rows), self.clock(), cid))
 
     def _reply(self, op: ResponseOp, row: Any) -> ResponseReply:
         return ResponseReply(op.op_id, 200, conversation=StoredConversation(

@@ -2,9 +2,11 @@
 
 The proxy stores the items as JSON text (ResponseFields.input_items): a list of objects, each
 maybe with its own ``id``. The daemon answers with the page the client asked for, never with
-every item, so a reply's size follows the page. Of an item it reads only the ``id``; the rest
-travels as stored. An item stored without an id (the proxy never makes one up) is listed under
-``msg_<the response id without resp_>_<its position>``, and ``after`` names it so.
+every item, so a reply's size follows the page; and a page ends early (``has_more``) where its
+items would pass PAGE_BYTES, so that however large the items, a reply fits a frame. Of an item
+it reads only the ``id``; the rest travels as stored. An item stored without an id (the proxy
+never makes one up) is listed under ``msg_<the response id without resp_>_<its position>``, and
+``after`` names it so.
 """
 
 from __future__ import annotations
@@ -14,7 +16,21 @@ from typing import Any
 
 import msgspec
 
-from ipc.response_records import ItemsPage, ResponseOp, ResponseReply
+from ipc.response_records import ItemsPage, ResponseReply
+
+# A page holds items of at most this many bytes together (or its first item, whatever its size):
+# in a reply they travel as a JSON string, at most twice as long, well inside MAX_FRAME_BYTES.
+PAGE_BYTES = 4 << 20
+
+
+def within_bytes(sizes: list[int], budget: int) -> int:
+    """How many of the first ``sizes`` fit ``budget`` together; at least one, if any."""
+    total = 0
+    for n, size in enumerate(sizes):
+        total += size
+        if total > budget and n > 0:
+            return n
+    return len(sizes)
 
 
 class _Id(msgspec.Struct):
@@ -55,17 +71,18 @@ def page_of(response_id: str, input_items: str, page: ItemsPage) -> Page | None:
         except ValueError:
             return None
         order = order[start:]
-    chosen = order[:page.limit]
+    wanted = order[:page.limit]
+    chosen = wanted[:within_bytes([len(raws[i]) for i in wanted], PAGE_BYTES)]
     text = b"[" + b",".join([bytes(raws[i]) for i in chosen]) + b"]"
-    return Page(text.decode(), [ids[i] for i in chosen], len(order) > page.limit)
+    return Page(text.decode(), [ids[i] for i in chosen], len(order) > len(chosen))
 
 
-def items_reply(op: ResponseOp, input_items: str) -> ResponseReply:
+def items_reply(op_id: str, response_id: str, page: ItemsPage,
+                input_items: str) -> ResponseReply:
     """One page of the stored items: a reply's size follows the page, not the whole input."""
-    page = page_of(op.response_id, input_items, op.page or ItemsPage())
-    if page is None:
-        after = op.page.after if op.page is not None else None
-        return ResponseReply(op.op_id, 400, param="after", message=f"'after' names no input "
-                             f"item of response {op.response_id!r}: {after!r}")
-    return ResponseReply(op.op_id, 200, input_items=page.items, item_ids=page.ids,
-                         has_more=page.has_more)
+    found = page_of(response_id, input_items, page)
+    if found is None:
+        return ResponseReply(op_id, 400, param="after", message=f"'after' names no input "
+                             f"item of response {response_id!r}: {page.after!r}")
+    return ResponseReply(op_id, 200, input_items=found.items, item_ids=found.ids,
+                         has_more=found.has_more)

@@ -1,205 +1,128 @@
 """A stored response's life, the one room the engine and the server go through for the store.
 
-The engine calls it at a few named points of a Responses session: `history` to render the
-prompt, `admitted` when the session opens (the placeholder row), `started` at its first tick and
-`ended` however it ends (`Completed`, `Failed`, `Aborted`). The server has it answer ResponseOps
-and hand over the cancels that reached another replica.
+The engine calls it at a few named points of a Responses session, and none of them waits on the
+store: its work runs on the room's own thread (store_thread.py, with keeper.py: the store's side
+of each call, where a failing store costs one session, never the daemon), and the tick reads
+what it did (`take_results`) between two forward passes.
 
-A failing store costs one session, never the daemon. A store can fail at any call (a full disk,
-a read-only database, a lost connection to a database server). The engine's records never wait on
-that: an admission the store cannot serve is that request's error; a session that ends while the
-store cannot record the end still gets its Finish records (its response then says failed, with
-the reason), and the store is asked to mark the row ``failed`` so that a later GET agrees. Every
-failure is logged as an error naming the response; no other session, and not the tick loop, ever
-sees the exception.
+- `load`: a turn that needs the store (a stored history to read, or a placeholder row to write)
+  is a pending admission stage, as a grammar's compile is: its client hears Admitted at once,
+  and the thread renders its prompt with its history and writes its placeholder, then hands the
+  engine its prompts (`Loaded`) or its refusal (`Refused`). A turn that needs neither is
+  rendered on the tick as any chat is (`history`).
+- `started` at a session's first tick (a queued background row says in progress), `ended`
+  however it ends (`Completed`, `Failed`, `Aborted`): events, in order after the load, so a
+  session that ended while it loaded leaves nothing stored. A completed one is answered
+  (`Stored`), and the engine holds its last Finish until then: a client hears `completed` only
+  once its response is in the store.
+
+The server has it answer ResponseOps (`put_op`, `take_reply`) and hand over the cancels that
+reached another replica. A background response that the daemon's shutdown stops is stored as
+what it is, incomplete, with the text and usage it had.
 """
 
 from __future__ import annotations
 
-import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
 
-from daemon.rejected import Rejected
-from daemon.responses.conversations import not_found
-from daemon.responses.store import previous_not_found
-from ipc.records import AbortCause, FinishReason, Message, Submit, Usage
+from daemon.rejected import ContextBytes
+from daemon.responses.events import (
+    Aborted,
+    Completed,
+    Ending,
+    Failed,
+    History,
+    Loaded,
+    Prepare,
+    Refused,
+    Result,
+    Stored,
+)
+from daemon.responses.keeper import Keeper, Store, check_input
+from daemon.responses.store_thread import StoreThread
+from ipc.records import Message, Submit
 from ipc.response_records import ResponseOp, ResponseReply
 
-log = logging.getLogger("tether.store")
-
-
-class Store(Protocol):
-    """A store backend: ResponseStore (daemon/responses/store.py), over SQLite or PostgreSQL."""
-
-    def conversation(self, submit: Submit) -> list[Message] | None: ...
-    def begin(self, submit: Submit) -> None: ...
-    def start(self, rid: str) -> None: ...
-    def complete(self, rid: str, output_text: str, usage: Usage, *,
-                 incomplete_reason: str | None = None) -> None: ...
-    def remove(self, rid: str) -> None: ...
-    def cancel(self, rid: str) -> None: ...
-    def fail(self, rid: str, message: str) -> None: ...
-    def num_placeholders(self) -> int: ...
-    def conversation_counts(self) -> tuple[int, int]: ...
-    def handle_op(self, op: ResponseOp, running: bool) -> ResponseReply: ...
-    def take_cancels(self) -> list[str]: ...
-
-
-# --- how a session ends ---------------------------------------------------------------------
-
-
-@dataclass(slots=True, frozen=True)
-class Completed:
-    """The model ended it: ``reason`` STOP (completed) or LENGTH (incomplete)."""
-
-    reason: FinishReason
-    output_text: str
-    usage: Usage
-
-
-@dataclass(slots=True, frozen=True)
-class Failed:
-    message: str
-
-
-@dataclass(slots=True, frozen=True)
-class Aborted:
-    cause: AbortCause
-    background: bool  # a background response outlives its client; a foreground one goes with it
-
-
-Ending = Completed | Failed | Aborted
+__all__ = ["Aborted", "Completed", "Ending", "Failed", "History", "Loaded", "Prepare", "Refused",
+           "Responses", "Result", "Store", "Stored"]
 
 
 class Responses:
     """The engine's and the server's side of the store; used from the tick thread only."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
-        self._queued: set[str] = set()  # background rows that say queued until a first tick
+        self._thread = StoreThread(Keeper(store), clock)
 
-    # --- admission: a failure is that request's error ------------------------------------------
+    # --- admission ------------------------------------------------------------------------------
 
-    def history(self, submit: Submit) -> list[Message]:
-        """The messages to render: instructions, the previous response's conversation, the
-        request's input."""
-        try:
-            messages = self.store.conversation(submit)
-        except Exception as exc:
-            raise self._refusal("read the history of", submit.rid, exc) from None
-        conversation = submit.response.conversation if submit.response else None
-        if messages is None and conversation is not None:
-            raise Rejected(not_found(conversation), status=404, param="conversation",
-                           code="not_found")
-        if messages is None:
-            prev = submit.response.previous_response_id if submit.response else None
-            raise Rejected(previous_not_found(str(prev)), status=404,
-                           param="previous_response_id", code="previous_response_not_found")
-        if not any(m.role != "system" for m in messages):
-            raise Rejected("input must not be empty", param="input")
-        return messages
-
-    def admitted(self, submit: Submit) -> bool:
-        """Writes the placeholder row (none for ``store: false`` unless background); whether
-        it did."""
+    @staticmethod
+    def needs_store(submit: Submit) -> bool:
+        """Whether a Responses turn reads a stored history or writes a placeholder row."""
         fields = submit.response
-        if fields is None or not (fields.store or fields.background):
-            return False
-        try:
-            self.store.begin(submit)
-        except Rejected:  # a conversation that is not there, busy or full
-            raise
-        except ValueError as e:  # an id already stored, an unknown previous response
-            raise Rejected(str(e)) from None
-        except Exception as exc:
-            raise self._refusal("store", submit.rid, exc) from None
-        if fields.background:
-            self._queued.add(submit.rid)
-        return True
+        return fields is not None and (fields.store or fields.background
+                                       or fields.previous_response_id is not None
+                                       or fields.conversation is not None)
 
-    # --- a session's later life: contained ------------------------------------------------------
+    @staticmethod
+    def history(submit: Submit, bound: ContextBytes | None = None) -> list[Message]:
+        """The messages of a turn that needs no store: its instructions and its input."""
+        fields = submit.response
+        assert fields is not None and not Responses.needs_store(submit)
+        head = [Message("system", fields.instructions)] if fields.instructions else []
+        return check_input(head + fields.input)
+
+    def load(self, submit: Submit, prepare: Prepare) -> None:
+        """Starts a pending turn's load: `Loaded` or `Refused` comes back."""
+        self._thread.do(lambda keeper: keeper.load(submit, prepare))
+
+    # --- a session's later life -----------------------------------------------------------------
 
     def started(self, rid: str) -> None:
-        """The session's first tick: a queued row says in progress."""
-        if rid in self._queued:
-            self._queued.discard(rid)
-            # On failure the row keeps saying queued; the session runs on and ends as usual.
-            self._attempt("mark as in progress", rid, self.store.start, rid)
+        """The session's first tick."""
+        self._thread.do(lambda keeper: keeper.started(rid))
 
-    def ended(self, rid: str, ending: Ending) -> str | None:
-        """Records the end of a session that has a placeholder. None, or why its result could
-        not be stored, for the session's Finish (the row is then failed if it still can be)."""
-        self._queued.discard(rid)
-        if isinstance(ending, Completed):
-            incomplete = "max_output_tokens" if ending.reason is FinishReason.LENGTH else None
-            error = self._attempt("store the result of", rid, self.store.complete, rid,
-                                  ending.output_text, ending.usage, incomplete_reason=incomplete)
-            if error is None:
-                return None
-            message = f"the response was generated but could not be stored: {error}"
-            self._fail(rid, message)
-            return message
-        if isinstance(ending, Failed):
-            self._fail(rid, ending.message)
-        elif not ending.background:  # its client is gone, and nobody will ask for it
-            self._attempt_or_fail("remove the placeholder of", rid, self.store.remove,
-                                  "the client left; the placeholder could not be removed")
-        elif ending.cause is AbortCause.CANCEL:  # the row stays, cancelled
-            self._attempt_or_fail("mark as cancelled", rid, self.store.cancel,
-                                  "cancelled; the cancellation could not be stored")
-        else:
-            self._fail(rid, f"aborted: {ending.cause.value}")
-        return None
+    def ended(self, rid: str, ending: Ending) -> None:
+        """A session that may hold a placeholder ended; a `Completed` one is answered
+        (`Stored`)."""
+        self._thread.do(lambda keeper: keeper.ended(rid, ending))
 
-    def num_placeholders(self) -> int:
-        return self.store.num_placeholders()
+    def take_results(self) -> list[Result]:
+        """What the thread has done for the engine since the last call, in order."""
+        return self._thread.take_results()
+
+    @property
+    def busy(self) -> bool:
+        """The thread has work in hand, or answers the tick has not taken."""
+        return self._thread.busy
 
     def conversation_counts(self) -> tuple[int, int]:
         return self.store.conversation_counts()
 
     # --- the server's side ----------------------------------------------------------------------
 
-    def handle_op(self, op: ResponseOp, running: bool) -> ResponseReply:
-        """Answers one ResponseOp (ResponseStore.handle_op); a broken store answers 500 rather
-        than leave the client waiting."""
-        try:
-            return self.store.handle_op(op, running)
-        except Exception as e:
-            log.exception("response store failed on %s %s", op.op, op.response_id)
-            return ResponseReply(op.op_id, 500, message=f"response store error: {e}")
+    def put_op(self, op: ResponseOp) -> ResponseReply | None:
+        """Queues a ResponseOp; or, past the queue's bounds, the 503 that answers it now."""
+        return self._thread.put_op(op)
+
+    def clear_ops(self) -> None:
+        self._thread.clear_ops()
+
+    def take_reply(self) -> tuple[ResponseOp, ResponseReply] | None:
+        """The next answered op, in the order they were answered."""
+        return self._thread.take_reply()
+
+    @property
+    def has_reply(self) -> bool:
+        return self._thread.has_reply
 
     def take_cancels(self) -> list[str]:
         """Responses of ours cancelled through another replica (no I/O: the watcher fetched
         them)."""
         return self.store.take_cancels()
 
-    # --- plumbing -------------------------------------------------------------------------------
-
-    def _fail(self, rid: str, message: str) -> None:
-        self._attempt("mark as failed", rid, self.store.fail, rid, message)
-
-    def _attempt_or_fail(self, what: str, rid: str, call: Callable[[str], None],
-                         failed: str) -> None:
-        if self._attempt(what, rid, call, rid) is not None:
-            self._fail(rid, failed)
-
-    def _attempt(self, what: str, rid: str, call: Callable[..., None], *args: Any,
-                 **kwargs: Any) -> str | None:
-        """Runs one store call; None on success, else the error's text (logged)."""
-        try:
-            call(*args, **kwargs)
-        except Exception as exc:
-            self._log(what, rid, exc)
-            return f"{type(exc).__name__}: {exc}"
-        return None
-
-    def _refusal(self, what: str, rid: str, exc: Exception) -> Rejected:
-        self._log(what, rid, exc)
-        return Rejected(f"the response store failed: {type(exc).__name__}: {exc}", status=500,
-                        code="store_error")
-
-    def _log(self, what: str, rid: str, exc: Exception) -> None:
-        log.error("response store: could not %s response %s: %s: %s", what, rid,
-                  type(exc).__name__, exc)
+    def close(self, timeout: float) -> bool:
+        """The daemon stops: the thread finishes what it was told (the ends of the sessions)
+        within ``timeout``, and stops; whether it did."""
+        return self._thread.close(timeout)

@@ -1,6 +1,7 @@
 """The proxy's side of the store: GET / DELETE / cancel of a stored response, a page of its
-input items and an item by id (daemon/responses/item_index.py), each a ResponseOp answered by
-one ResponseReply (a conversation's ops go to daemon/responses/conversations.py).
+input items and the items a request references (daemon/responses/item_index.py), each a
+ResponseOp answered by one ResponseReply (a conversation's ops go to
+daemon/responses/conversations.py).
 
 A cancel or delete of a response another replica runs is marked in its row (the store's
 ``cancel``) and left in ``cancel_requests`` for its owner, whose watcher hands it to its tick.
@@ -13,14 +14,17 @@ from typing import Any
 
 from daemon.responses.conversations import Conversations
 from daemon.responses.db import Database
-from daemon.responses.item_index import item_reply
+from daemon.responses.item_index import references_reply
 from daemon.responses.items import items_reply
 from daemon.responses.rows import stored_response
 from ipc.response_records import (
-    CONVERSATION_OPS,
     PLACEHOLDER_STATUSES,
+    ItemsLookup,
+    ResponseCancel,
+    ResponseDelete,
+    ResponseGet,
+    ResponseInputItems,
     ResponseOp,
-    ResponseOpKind,
     ResponseReply,
     ResponseStatus,
 )
@@ -43,24 +47,27 @@ class StoreOps:
     def handle_op(self, op: ResponseOp, running: bool) -> ResponseReply:
         """Answer one ResponseOp. ``running``: the engine holds a live session for this id.
 
-        A CANCEL or DELETE answered with status 200 obliges the caller to abort the session with
+        A cancel or delete answered with status 200 obliges the caller to abort the session with
         cause CANCEL (idempotent: harmless when the session has already ended).
         """
-        if op.op in CONVERSATION_OPS:
-            return self.conversations.handle_op(op)
-        if op.op is ResponseOpKind.ITEM:
-            return item_reply(self.db, op)
-        row = self._row(op.response_id)
+        request = op.request
+        if isinstance(request, ItemsLookup):
+            return references_reply(self.db, op, request)
+        if not isinstance(request, ResponseGet | ResponseDelete | ResponseCancel
+                          | ResponseInputItems):
+            return self.conversations.handle_op(op, request)
+        rid = request.response_id
+        row = self._row(rid)
         if row is None:
-            return ResponseReply(op.op_id, 404,
-                                 message=f"No response found with id '{op.response_id}'.")
-        if op.op is ResponseOpKind.GET:
-            return ResponseReply(op.op_id, 200, response=stored_response(row))
-        if op.op is ResponseOpKind.INPUT_ITEMS:
-            return items_reply(op, row["input_items"])
-        if op.op is ResponseOpKind.DELETE:
-            return self._delete(op, row, running)
-        return self._cancel_op(op, row)
+            return ResponseReply(op.op_id, 404, message=f"No response found with id '{rid}'.")
+        match request:
+            case ResponseGet():
+                return ResponseReply(op.op_id, 200, response=stored_response(row))
+            case ResponseInputItems(page=page):
+                return items_reply(op.op_id, rid, page, row["input_items"])
+            case ResponseDelete():
+                return self._delete(op.op_id, row, running)
+        return self._cancel_op(op.op_id, row)
 
     def _row(self, rid: str) -> Any:
         return self.db.execute("SELECT * FROM responses WHERE id = ?", (rid,)).one()
@@ -77,39 +84,40 @@ class StoreOps:
                                  (owner,)).one()
         return lease is not None and lease["lease_until"] >= self.clock()
 
-    def _delete(self, op: ResponseOp, row: Any, running: bool) -> ResponseReply:
+    def _delete(self, op_id: str, row: Any, running: bool) -> ResponseReply:
         """A live background response is cancelled, then deleted (as OpenAI does): the caller
         aborts its session here, as for a cancel; another replica's owner is asked to. A live
         foreground one is refused: its own client is still reading it."""
+        rid = row["id"]
         if self._is_live(row, running):
             if not row["background"]:
                 return ResponseReply(
-                    op.op_id, 400,
-                    message=f"Cannot delete response '{op.response_id}' while it is "
-                    f"{row['status']}; wait for it to finish.",
+                    op_id, 400,
+                    message=f"Cannot delete response '{rid}' while it is {row['status']}; wait "
+                    "for it to finish.",
                 )
-            self._cancel_row(op.response_id, row["owner"])
-        self.placeholders.discard(op.response_id)
-        self.db.execute("DELETE FROM responses WHERE id = ?", (op.response_id,))
-        return ResponseReply(op.op_id, 200, deleted=True)
+            self._cancel_row(rid, row["owner"])
+        self.placeholders.discard(rid)
+        self.db.execute("DELETE FROM responses WHERE id = ?", (rid,))
+        return ResponseReply(op_id, 200, deleted=True)
 
-    def _cancel_op(self, op: ResponseOp, row: Any) -> ResponseReply:
+    def _cancel_op(self, op_id: str, row: Any) -> ResponseReply:
+        rid = row["id"]
         if not row["background"]:
             return ResponseReply(
-                op.op_id, 400,
-                message=f"Cannot cancel response '{op.response_id}': only background responses "
-                "can be cancelled.",
+                op_id, 400,
+                message=f"Cannot cancel response '{rid}': only background responses can be "
+                "cancelled.",
             )
         status = row["status"]
         if status in PLACEHOLDER_STATUSES:
-            self._cancel_row(op.response_id, row["owner"])
-            cancelled = self._row(op.response_id)
+            self._cancel_row(rid, row["owner"])
+            cancelled = self._row(rid)
             assert cancelled is not None
             row = cancelled
         elif status != ResponseStatus.CANCELLED:
-            return ResponseReply(op.op_id, 400,
-                                 message=f"Cannot cancel a response that is {status}.")
-        return ResponseReply(op.op_id, 200, response=stored_response(row))
+            return ResponseReply(op_id, 400, message=f"Cannot cancel a response that is {status}.")
+        return ResponseReply(op_id, 200, response=stored_response(row))
 
     def _cancel_row(self, rid: str, owner: str | None) -> None:
         """Mark it cancelled; a response another replica runs is left as a request for it."""

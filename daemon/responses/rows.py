@@ -21,6 +21,12 @@ def json_text(value: Any) -> str:
     return msgspec.json.encode(value).decode()
 
 
+def text_bytes(messages: list[Message]) -> int:
+    """The bytes of text messages render in a prompt (their contents: what the template writes
+    as it was sent), the measure a stored history is checked by before it is read."""
+    return sum([len(m.content.encode()) for m in messages if m.content])
+
+
 def row_size(*texts: object) -> int:
     """The bytes a row's text columns hold (the `size` column: retention by bytes)."""
     return sum(len(t.encode()) for t in texts if isinstance(t, str))

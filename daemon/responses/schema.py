@@ -131,6 +131,21 @@ _ITEM_INDEX = (
     "CREATE INDEX IF NOT EXISTS response_items_response ON response_items (response_id)",
 )
 
+# Version 7: tenants and the bytes of text a history holds. A response and a conversation name
+# the tenant that stored them (the API key's tag, "" without keys): retention is fair between
+# tenants and an item reference reaches only its own tenant's items. `text_bytes`: the bytes of
+# message text a stored history renders (a response's conversation and output, a conversation's
+# items), so that a turn whose history cannot fit the context is refused before it is read.
+# Rows stored before it count 0, and are measured once they are read.
+_TENANTS = (
+    "ALTER TABLE responses ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE responses ADD COLUMN text_bytes BIGINT NOT NULL DEFAULT 0",
+    "CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, stored_at)",
+    "ALTER TABLE conversations ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE conversations ADD COLUMN text_bytes BIGINT NOT NULL DEFAULT 0",
+    "ALTER TABLE conversation_items ADD COLUMN text_bytes BIGINT NOT NULL DEFAULT 0",
+)
+
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "stored responses",
@@ -148,6 +163,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "the request fields a response echoes, its tool-call format",
               sqlite=_ECHO, postgresql=_ECHO),
     Migration(6, "input items by id", sqlite=_ITEM_INDEX, postgresql=_ITEM_INDEX),
+    Migration(7, "tenants, and the text a history holds", sqlite=_TENANTS, postgresql=_TENANTS),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1].version

@@ -2,7 +2,8 @@
 URL (daemon/responses/db.py: SQLite by default, PostgreSQL shared by replicas).
 
 The daemon owns it because only the daemon knows when a response ends; the engine and the server
-reach it through daemon/responses/lifecycle.py (`Responses`), never directly. The life of a row:
+reach it through daemon/responses/lifecycle.py (`Responses`), never directly, and only the
+responses room's thread (store_thread.py) calls it. The life of a row:
 
 - ``begin`` writes a placeholder when the Submit is admitted: ``in_progress``, or ``queued`` for
   a background response. A response with ``store: false`` gets no row (background implies store).
@@ -15,7 +16,9 @@ reach it through daemon/responses/lifecycle.py (`Responses`), never directly. Th
   reading it): a live background response is cancelled first, as a cancel would.
 
 Each row records its ``size`` (the bytes of its text), so that the watcher's prune bounds the
-store by bytes as well as by count and age.
+store by bytes as well as by count and age, fairly between tenants (daemon/responses/
+retention.py), and ``text_bytes``, the bytes of message text its conversation and output render:
+a turn whose history cannot fit the context (`ContextBytes`) is refused before it is read.
 
 Rows keep the whole conversation (history included, instructions excluded, as OpenAI does not
 carry instructions over ``previous_response_id``), so a chain is one lookup however long it is,
@@ -39,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from daemon.rejected import ContextBytes
 from daemon.responses.conversations import (
     ConversationCounts,
     ConversationLimits,
@@ -57,6 +61,7 @@ from daemon.responses.rows import (
     json_text,
     messages_decoder,
     row_size,
+    text_bytes,
     text_column,
 )
 from daemon.responses.schema import SCHEMA_VERSION
@@ -96,7 +101,8 @@ def _fields(submit: Submit) -> ResponseFields:
 
 
 class ResponseStore:
-    """The store backend behind `Responses` (lifecycle.py); used from the tick thread only.
+    """The store backend behind `Responses` (lifecycle.py); used from the store thread only
+    (store_thread.py), and before it starts.
 
     ``target``: None (SQLite in memory), a Path (a SQLite file) or a URL (``sqlite:///path``,
     ``postgresql://…``). ``replica_id`` names this replica in the rows it owns.
@@ -139,13 +145,15 @@ class ResponseStore:
 
     # --- the engine's side: one session's life ------------------------------------------------
 
-    def conversation(self, submit: Submit) -> list[Message] | None:
+    def conversation(self, submit: Submit, bound: ContextBytes | None = None
+                     ) -> list[Message] | None:
         """Messages to render for this response: instructions, history, then the new input.
 
-        None when ``previous_response_id`` is unknown (answer with ``previous_not_found``).
+        None when ``previous_response_id`` is unknown (answer with ``previous_not_found``);
+        Rejected, unread, when the history's text and the request's cannot fit ``bound``.
         """
         fields = _fields(submit)
-        turn = self._turn(fields)
+        turn = self._turn(fields, bound)
         if turn is None:
             return None
         self._last_turn = (submit, turn)
@@ -179,15 +187,17 @@ class ResponseStore:
         inserted = executor.execute(
             "INSERT INTO responses (id, status, created_at, stored_at, model, instructions,"
             " previous_response_id, background, input_items, messages, temperature, top_p,"
-            " max_output_tokens, owner, size, conversation_id, echo, tool_call_format) VALUES"
-            " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            " max_output_tokens, owner, size, conversation_id, echo, tool_call_format, tenant,"
+            " text_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO NOTHING",
             (submit.rid, status.value, fields.created_at or int(now), now, fields.model,
              instructions, fields.previous_response_id, int(fields.background),
              fields.input_items, messages, submit.sampling.temperature,
              submit.sampling.top_p, submit.sampling.max_tokens, self.replica_id,
              row_size(fields.input_items, messages, instructions, fields.echo),
              fields.conversation, fields.echo,
-             None if fields.tool_call_format is None else fields.tool_call_format.value),
+             None if fields.tool_call_format is None else fields.tool_call_format.value,
+             fields.tenant, text_bytes(turn)),
         ).rowcount
         if inserted != 1:
             raise ValueError(f"response id {submit.rid!r} is already stored")
@@ -197,16 +207,26 @@ class ResponseStore:
         self._db.execute("UPDATE responses SET status = ? WHERE id = ? AND status = ?",
                          (ResponseStatus.IN_PROGRESS.value, rid, ResponseStatus.QUEUED.value))
 
-    def history(self, previous_response_id: str) -> list[Message] | None:
+    def history(self, previous_response_id: str, bound: ContextBytes | None = None,
+                adding: int = 0) -> list[Message] | None:
         """The whole conversation up to and including that response's output.
 
         None when the id is unknown, or still queued / in progress (its output does not exist).
+        Rejected, unread, when its text and the turn's own (``adding`` bytes) cannot fit
+        ``bound``.
         """
-        row = self._db.execute(
-            "SELECT status, messages, output_text FROM responses WHERE id = ?",
-            (previous_response_id,),
-        ).one()
-        if row is None or row["status"] in PLACEHOLDER_STATUSES:
+        head = self._db.execute("SELECT status, text_bytes FROM responses WHERE id = ?",
+                                (previous_response_id,)).one()
+        if head is None or head["status"] in PLACEHOLDER_STATUSES:
+            return None
+        holds = head["text_bytes"] + adding
+        if bound is not None and holds > bound.max_bytes:
+            raise bound.refusal("the conversation (previous_response_id's history and input)",
+                                holds, "previous_response_id",
+                                "start a new conversation without previous_response_id")
+        row = self._db.execute("SELECT messages, output_text FROM responses WHERE id = ?",
+                               (previous_response_id,)).one()
+        if row is None:  # deleted in between (another replica)
             return None
         messages = messages_decoder.decode(row["messages"])
         if row["output_text"] is not None:
@@ -215,12 +235,14 @@ class ResponseStore:
 
     def complete(
         self, rid: str, output_text: str, usage: Usage, *, incomplete_reason: str | None = None
-    ) -> None:
-        """Completed; or incomplete when ``incomplete_reason`` is given (``max_output_tokens``)."""
+    ) -> bool:
+        """Completed; or incomplete when ``incomplete_reason`` is given (``max_output_tokens``).
+        False when the row had ended already (cancelled or deleted meanwhile): nothing stored."""
         status = ResponseStatus.COMPLETED if incomplete_reason is None else ResponseStatus.INCOMPLETE
-        self._end(rid, status, output_row(rid, output_text, status.value),
-                  output_text=text_column(output_text), usage=json_text(usage),
-                  incomplete_reason=incomplete_reason, completed_at=self._clock())
+        return self._end(rid, status, output_row(rid, output_text, status.value),
+                  len(output_text.encode()), output_text=text_column(output_text),
+                  usage=json_text(usage), incomplete_reason=incomplete_reason,
+                  completed_at=self._clock())
 
     def fail(self, rid: str, message: str) -> None:
         self._end(rid, ResponseStatus.FAILED, error=text_column(message))
@@ -237,38 +259,41 @@ class ResponseStore:
     def num_placeholders(self) -> int:
         return len(self._placeholders)
 
-    def _turn(self, fields: ResponseFields) -> list[Message] | None:
+    def _turn(self, fields: ResponseFields, bound: ContextBytes | None = None
+              ) -> list[Message] | None:
         """History, then this request's input: what the row stores (no instructions)."""
         history: list[Message] | None = []
+        own = text_bytes(fields.input) + len((fields.instructions or "").encode())
         if fields.previous_response_id is not None:
-            history = self.history(fields.previous_response_id)
+            history = self.history(fields.previous_response_id, bound, own)
         elif fields.conversation is not None:
-            history = self.conversations.history(fields.conversation)
+            history = self.conversations.history(fields.conversation, bound, own)
         if history is None:
             return None
         return history + fields.input
 
     def _end(self, rid: str, status: ResponseStatus, output: ItemRow | None = None,
-             **columns: Any) -> None:
+             output_bytes: int = 0, **columns: Any) -> bool:
         sets = "".join(f", {name} = ?" for name in columns)
-        self._settle(rid, f"UPDATE responses SET status = ?, size = size + ?{sets} WHERE id = ? "
-                     f"AND status IN {_PLACEHOLDERS_SQL}",
-                     (status.value, row_size(*columns.values()), *columns.values(), rid), output)
+        return self._settle(rid, f"UPDATE responses SET status = ?, size = size + ?, text_bytes = "
+                     f"text_bytes + ?{sets} WHERE id = ? AND status IN {_PLACEHOLDERS_SQL}",
+                     (status.value, row_size(*columns.values()), output_bytes,
+                      *columns.values(), rid), output)
 
     def _settle(self, rid: str, sql: str, params: tuple[Any, ...],
-                output: ItemRow | None = None) -> None:
-        """Ends a placeholder with ``sql`` (only a placeholder moves). A turn on a conversation
-        lets its claim go in the same transaction, and its items join the conversation there if
-        it completed right here (``output``: its output item)."""
+                output: ItemRow | None = None) -> bool:
+        """Ends a placeholder with ``sql`` (only a placeholder moves); whether it moved. A turn
+        on a conversation lets its claim go in the same transaction, and its items join the
+        conversation there if it completed right here (``output``: its output item)."""
         self._placeholders.discard(rid)
         turn = self._turns.pop(rid, None)
         if turn is None:
-            self._db.execute(sql, params)
-            return
+            return self._db.execute(sql, params).rowcount == 1
         with self._db.transaction() as tx:
-            moved = tx.execute(sql, params).rowcount
-            self.conversations.release(tx, turn, rid, output if moved == 1 else None)
+            moved = tx.execute(sql, params).rowcount == 1
+            self.conversations.release(tx, turn, rid, output if moved else None)
         self.conversations.recount(self._db)
+        return moved
 
     # --- the proxy's side: GET / DELETE / cancel, in daemon/responses/ops.py --------------------
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from daemon.responses.conversations import Conversations
 from daemon.responses.db import Database, Listener
 from daemon.responses.item_index import SWEEP_SQL
+from daemon.responses.retention import fair_prune
 from daemon.responses.rows import PLACEHOLDERS_SQL, text_column
 from ipc.response_records import ResponseStatus
 
@@ -95,24 +96,17 @@ class Watcher:
 
     def prune(self) -> int:
         """Drop finished responses beyond ``max_age_s``, ``max_count`` or ``max_bytes``, oldest
-        first. The bytes of unfinished ones count towards ``max_bytes``, but they stay."""
+        first and fairly between tenants (retention.py). The bytes of unfinished ones count
+        towards ``max_bytes``, but they stay."""
         finished = f"status NOT IN {PLACEHOLDERS_SQL}"
-        no_limit = "-1" if self.db.dialect == "sqlite" else "ALL"
         with self.db.transaction() as tx:
             by_age = tx.execute(f"DELETE FROM responses WHERE stored_at < ? AND {finished}",
                                 (self.clock() - self.max_age_s,)).rowcount
-            by_count = tx.execute(
-                f"DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE {finished} "
-                f"ORDER BY stored_at DESC, id DESC LIMIT {no_limit} OFFSET ?)",
-                (self.max_count,)).rowcount
-            by_bytes = tx.execute(
-                "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, sum(size) OVER "
-                "(ORDER BY stored_at DESC, id DESC ROWS UNBOUNDED PRECEDING) AS newer FROM "
-                f"responses WHERE {finished}) AS kept WHERE newer > ? - (SELECT "
-                f"coalesce(sum(size), 0) FROM responses WHERE status IN {PLACEHOLDERS_SQL}))",
-                (self.max_bytes,)).rowcount
+            by_bounds = fair_prune(tx, "responses", "stored_at", finished, self.max_count,
+                                   self.max_bytes, "SELECT coalesce(sum(size), 0) FROM "
+                                   f"responses WHERE status IN {PLACEHOLDERS_SQL}")
             tx.execute(SWEEP_SQL)  # the index entries of every response deleted since
-        return by_age + by_count + by_bytes
+        return by_age + by_bounds
 
     def housekeep(self) -> None:
         self.renew()

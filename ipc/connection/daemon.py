@@ -146,6 +146,13 @@ class DaemonConnection:
                            model.single_tool_call, model.generation_defaults))
         return out
 
+    def goodbye(self) -> Goodbye | None:
+        """The daemon stops cleanly: its Goodbye to the current proxy (None if none is
+        connected), to go out as its last record."""
+        self.pipes.stop_keepalive()
+        epoch, self.epoch = self.epoch, None
+        return None if epoch is None else Goodbye(epoch)
+
     def _goodbye(self, rec: Goodbye) -> list[Goodbye]:
         if rec.epoch != self.epoch:
             log.info("ignoring a goodbye of epoch %d (current: %s)", rec.epoch, self.epoch)

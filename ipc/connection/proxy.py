@@ -203,7 +203,12 @@ class ProxyConnection:
     def _on_read(self, records: list[ToProxy]) -> None:
         self._last_record = time.monotonic()
         if self.up:
-            self._deliver(records)
+            # A stopping daemon's Goodbye is the last record it writes, so the last of its read:
+            # one check a read, not one a record.
+            goodbye = records[-1] if records and type(records[-1]) is Goodbye else None
+            self._deliver(records[:-1] if goodbye else records)
+            if goodbye is not None and self.up and goodbye.epoch == self.epoch:
+                self._lose(Loss(LossReason.STOPPED, "the daemon stopped (it said goodbye)"))
         else:
             for record in records:
                 self._dispatch(record)
@@ -314,7 +319,10 @@ class ProxyConnection:
         if not self.connected:
             return
         was_up, self.up = self.up, False
-        log.warning("ipc: daemon lost: %s", loss.detail)
+        if loss.reason is LossReason.STOPPED:
+            log.info("ipc: %s", loss.detail)
+        else:
+            log.warning("ipc: daemon lost: %s", loss.detail)
         self.pipes.disconnect(DaemonUnavailable(f"the engine daemon went away: {loss.detail}"))
         self._retry_at = time.monotonic() + retry_in
         if self._nudge is not None:

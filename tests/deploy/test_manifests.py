@@ -6,7 +6,6 @@ import dataclasses
 import re
 import socket
 import subprocess
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+import tether
 from tether.cluster import smg_path
 from tether.settings import Settings, env_name
 
@@ -128,8 +128,7 @@ def test_ingress_sends_stored_response_reads_to_the_pairs() -> None:
 
 
 def test_images_are_the_one_the_containerfile_builds() -> None:
-    version = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["version"]
-    tag = f"tether:{version}"
+    tag = f"tether:{tether.__version__}"  # the one place the version is written
     assert f"-t {tag} " in (DEPLOY / "Containerfile").read_text()
     images = {c["image"] for d in docs() if d["kind"] == "Deployment"
               for c in d["spec"]["template"]["spec"].get("initContainers", [])

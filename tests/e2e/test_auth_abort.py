@@ -1,8 +1,10 @@
-"""With an API key the pure-ASGI auth middleware keeps receive() intact: drops still abort."""
+"""With an API key: what it guards (the API; every route with --api-key-scope all), and the
+pure-ASGI auth middleware keeps receive() intact: drops still abort."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +40,30 @@ def test_wrong_key_is_401(auth_server: Server) -> None:
     assert r.status_code == 401
     assert r.json()["error"]["message"]
     assert httpx.get(auth_server.url + "/health").status_code == 200
+
+
+OPEN_BY_DEFAULT = ("/health", "/metrics", "/openapi.json")
+
+
+def test_by_default_probes_scrapers_and_the_document_need_no_key(auth_server: Server) -> None:
+    for path in OPEN_BY_DEFAULT:
+        assert httpx.get(auth_server.url + path, timeout=10.0).status_code == 200, path
+    assert httpx.get(auth_server.url + "/v1/models", timeout=10.0).status_code == 401
+
+
+def test_scope_all_puts_every_route_behind_the_key(tmp_path: Path) -> None:
+    # Through its TETHER_* variable, as a unit's environment file would set it.
+    server = start_server(tmp_path, ["--model", "sim:5"], api_key="sk-all",
+                          environ={"TETHER_API_KEY_SCOPE": "all"})
+    try:
+        for path in (*OPEN_BY_DEFAULT, "/v1/models", "/nowhere"):
+            refused = httpx.get(server.url + path, timeout=10.0)
+            assert refused.status_code == 401, path
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+            allowed = httpx.get(server.url + path, headers=server.headers, timeout=10.0)
+            assert allowed.status_code == (404 if path == "/nowhere" else 200), path
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(("path", "body"), [

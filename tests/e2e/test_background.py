@@ -6,12 +6,15 @@ their events, like what the store keeps of responses, is bounded in bytes."""
 from __future__ import annotations
 
 import re
+import signal
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import openai
 import orjson
 import pytest
 
@@ -202,3 +205,33 @@ def test_the_response_store_is_bounded_by_bytes(bounded: Server) -> None:
     finally:
         db.close()
     assert stored <= STORE_BYTES, stored
+
+
+def test_a_background_response_the_daemon_stops_for_is_stored_with_what_it_had(
+        tmp_path: Path) -> None:
+    """The daemon stops (SIGTERM, its drain over) with a background response under way: the
+    store keeps what it had generated, as incomplete with its usage, and the stream that
+    followed it ended saying the same; the next daemon serves it so."""
+    server = start_server(tmp_path, ["--model", "sim:10", "--drain-timeout-s", "0.3"])
+    try:
+        with server.client() as c:
+            rid = c.post("/v1/responses", json={"input": "go", "background": True,
+                                                **LONG}).json()["id"]
+            wait_for(lambda: len(_text(c.get(f"/v1/responses/{rid}").json())) > 20, 60,
+                     "some text")
+        server.daemon.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        assert server.daemon.wait(30) == 0  # type: ignore[union-attr]
+        events: list[dict[str, Any]] = []  # the run this proxy followed, replayed
+        collect_events(server.url, "GET", f"/v1/responses/{rid}?stream=true", events)
+        assert events[-1]["type"] == "response.incomplete", events[-1]
+        server.start_daemon()
+        server.wait_health(200)
+        stored = _wait_ended(server, rid)
+        assert stored["status"] == "incomplete" and stored["error"] is None, stored
+        assert stored["incomplete_details"] == {"reason": None}
+        assert len(_text(stored)) > 20 and stored["usage"]["output_tokens"] > 0
+        assert stored["usage"]["output_tokens"] < LONG["max_output_tokens"]
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="none") as client:
+            assert client.responses.retrieve(rid).status == "incomplete"
+    finally:
+        server.stop()

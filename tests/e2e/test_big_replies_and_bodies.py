@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from tests.support.metrics import m
 from tests.support.pair import Server, start_server, wait_running
 from tests.support.raw_http import read_plain
 from tests.support.streams import Bystanders
+from tests.support.wait import at_once
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,23 +65,6 @@ def _stored(server: Server, item_id: str | None = None) -> str:
     return str(r.json()["id"])
 
 
-def _at_once(count: int, call: Any) -> list[Any]:
-    """`call()` in `count` threads released together; their results."""
-    results: list[Any] = [None] * count
-    start = threading.Barrier(count)
-
-    def run(i: int) -> None:
-        start.wait()
-        results[i] = call()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
-
-
 def _beside_a_stream(server: Server, fault: Any) -> list[Any]:
     """Runs `fault` while a bystander stream is under way; the stream must complete and the
     daemon must not have taken the proxy for lost."""
@@ -112,7 +95,7 @@ def test_an_item_id_over_the_bound_is_refused_and_the_largest_allowed_listed(
         with server.client() as c:
             return c.get(f"/v1/responses/{rid}/input_items")
 
-    for r in _beside_a_stream(server, lambda: _at_once(CONCURRENT, listed)):
+    for r in _beside_a_stream(server, lambda: at_once(CONCURRENT, lambda _: listed())):
         assert r.status_code == 200, r.text[:300]
         assert [item["id"] for item in r.json()["data"]] == ["i" * MAX_ITEM_ID]
 
@@ -144,7 +127,7 @@ def test_replies_far_over_the_pipe_bound_cost_nobody_else(
         with server.client() as c:
             return c.get(path)
 
-    for r in _beside_a_stream(server, lambda: _at_once(CONCURRENT, get)):
+    for r in _beside_a_stream(server, lambda: at_once(CONCURRENT, lambda _: get())):
         assert r.status_code == 200, r.text[:300]
         body = r.json()
         got = body["data"][0]["id"] if what == "input_items" else body["instructions"]

@@ -144,3 +144,31 @@ def test_a_one_token_prefill_chunk_counts_as_prefill(tmp_path: Path) -> None:
             before, "tether_generation_tokens_total") == 1
     finally:
         server.stop()
+
+
+def test_http_answers_are_counted_by_route_template_and_status(tmp_path: Path) -> None:
+    """Every answer, the refused ones included, under its route's template: never the path a
+    client chose (an unknown path counts as `unmatched`), so the series stay few."""
+    server = start_server(tmp_path, ["--model", "sim:5"], api_key="k")
+    try:
+        before = server.metrics()
+        with server.client() as c:
+            answers = [c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}),
+                       c.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}),
+                       c.get("/v1/responses/resp_nope"), c.get("/v1/models/nope"),
+                       c.get("/nowhere/at-all")]
+            answers.append(c.post("/v1/completions", headers={"Authorization": "Bearer no"},
+                                  json={"prompt": "x", "max_tokens": 2}))
+        assert [a.status_code for a in answers] == [200, 400, 404, 404, 404, 401]
+        after = server.metrics()
+    finally:
+        server.stop()
+    counted = {(route, status): m(after, "tether_http_requests_total", route=route,
+                                  status=status)
+               - m(before, "tether_http_requests_total", route=route, status=status)
+               for route, status in (("/v1/completions", "200"), ("/v1/completions", "400"),
+                                     ("/v1/completions", "401"),
+                                     ("/v1/responses/{response_id}", "404"),
+                                     ("/v1/models/{model:path}", "404"), ("unmatched", "404"))}
+    assert set(counted.values()) == {1.0}
+    assert not [k for k in after if "nowhere" in k or "resp_nope" in k]

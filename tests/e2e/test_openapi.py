@@ -149,6 +149,7 @@ def test_real_requests_and_answers_match_the_document(server: Server,
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                         http_client=http_client)
     model = oai.models.list().data[0].id
+    oai.models.retrieve(model)
     oai.completions.create(model=model, prompt="hello", max_tokens=4, logprobs=2,
                            extra_body={"return_token_ids": True})
     list(oai.completions.create(model=model, prompt=["a", "b"], max_tokens=3, n=2, stream=True,
@@ -177,6 +178,7 @@ def test_real_requests_and_answers_match_the_document(server: Server,
     oai.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
     oai.conversations.delete(conv.id)
     for call in (lambda: oai.responses.retrieve(created.id),
+                 lambda: oai.models.retrieve("nope"),
                  lambda: oai.completions.create(model="nope", prompt="x"),
                  lambda: oai.chat.completions.create(model=model, messages=messages,
                                                      max_tokens=-1)):

@@ -11,6 +11,7 @@ from typing import Any
 
 import jsonschema
 import openai
+import orjson
 import pydantic
 import pytest
 
@@ -95,6 +96,36 @@ def test_json_mode_and_vllms_regex_and_choice(client: openai.OpenAI, model: str)
     c = client.completions.create(model=model, prompt="Pick:", max_tokens=8,
                                   extra_body={"guided_choice": ["red", "green", "blue"]})
     assert c.choices[0].text in ("red", "green", "blue")
+
+
+def test_json_mode_answers_parse_under_a_strict_parser(client: openai.OpenAI, model: str) -> None:
+    """RFC 8259 JSON, as orjson and JavaScript read it: no NaN or Infinity, nor a number that
+    overflows to one (a random model writes 1e999), no lone surrogate."""
+    for seed in range(12):
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "JSON please."}], max_tokens=160,
+            temperature=1.0, seed=seed, response_format={"type": "json_object"})
+        text = r.choices[0].message.content or ""
+        assert isinstance(orjson.loads(text), dict), text
+
+
+def test_a_budget_too_small_names_the_one_that_fits(client: openai.OpenAI, model: str) -> None:
+    messages: Any = [{"role": "user", "content": "x"}]
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "n", "schema": PERSON}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=3,
+                                       response_format=fmt)
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "max_tokens", body
+    found = re.search(r"set max_tokens to at least (\d+)", body["message"])
+    assert found, body
+    need = int(found.group(1))
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=need,
+                                       response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), PERSON)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=need - 1,
+                                       response_format=fmt)
 
 
 def test_refusals_name_the_field(server: Server, client: openai.OpenAI, model: str) -> None:

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from ipc.records import AbortCause, Finish, RequestKind, SamplingParams, Submit
-from ipc.response_records import ResponseOpKind
+from ipc.response_records import ResponseGet
+from proxy import engine_client
 from proxy.engine_client import EngineClient
 from proxy.errors import ApiError
 from proxy.options import ProxyOptions
@@ -31,7 +32,7 @@ async def engine(options: ProxyOptions, peer: Peer) -> AsyncIterator[EngineClien
 
 async def barrier(engine: EngineClient) -> None:
     """The peer answers a ResponseOp only after reading every control record written before it."""
-    assert (await engine.response_op(ResponseOpKind.GET, "resp_barrier")).status == 404
+    assert (await engine.response_op(ResponseGet("resp_barrier"))).status == 404
 
 
 def submit(rid: str, max_tokens: int = 3, prompts: int = 1, n: int = 1) -> Submit:
@@ -132,11 +133,29 @@ async def test_duplicate_rid_is_refused(engine: EngineClient, peer: Peer) -> Non
     await first.aclose()
 
 
-async def test_unanswered_response_op_is_503(engine: EngineClient, peer: Peer) -> None:
+async def test_an_op_is_answered_as_the_daemon_answers_it_even_past_its_deadline(
+        engine: EngineClient, peer: Peer) -> None:
+    """The daemon applies an op only before its deadline and answers it either way: the proxy
+    waits for that answer rather than say 503 while the op may yet be applied."""
+    peer.answer_ops = False
+    asked = time.monotonic()
+    op = asyncio.ensure_future(engine.response_op(ResponseGet("resp_x"), timeout=0.1))
+    await wait_until(lambda: peer.held_ops)
+    deadline = peer.held_ops[0].deadline
+    assert deadline is not None and asked + 0.1 <= deadline <= time.monotonic() + 0.1
+    await asyncio.sleep(0.3)  # past the deadline
+    assert not op.done()
+    peer.answer_ops = True
+    assert (await op).status == 404
+
+
+async def test_an_op_never_answered_is_503_saying_it_may_have_been_applied(
+        engine: EngineClient, peer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_client, "REPLY_GRACE_S", 0.2)
     peer.answer_ops = False
     with pytest.raises(ApiError) as info:
-        await engine.response_op(ResponseOpKind.GET, "resp_x", timeout=0.1)
-    assert info.value.status == 503
+        await engine.response_op(ResponseGet("resp_x"), timeout=0.1)
+    assert info.value.status == 503 and "may or may not" in info.value.message
 
 
 async def test_held_streams_are_cheap(engine: EngineClient, peer: Peer) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import httpx
 import pytest
@@ -25,8 +26,9 @@ def test_the_document_is_valid_openapi_3_1() -> None:
 
 def test_every_route_is_documented_and_nothing_else(options: ProxyOptions) -> None:
     app = create_app(options)
-    routes = {(method.lower(), route.path) for route in app.routes if isinstance(route, Route)
-              for method in route.methods or () if method != "HEAD"}
+    # A path parameter's converter ({model:path}) is Starlette's, not part of the path.
+    routes = {(method.lower(), re.sub(r":\w+}", "}", route.path)) for route in app.routes
+              if isinstance(route, Route) for method in route.methods or () if method != "HEAD"}
     documented = {(method, path) for path, ops in document()["paths"].items() for method in ops}
     assert routes == documented
 

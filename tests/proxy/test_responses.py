@@ -53,9 +53,9 @@ class StorePeer(Peer):
 
     def _handle(self, record: ToDaemon) -> list[ToProxy]:
         if isinstance(record, ResponseOp):
-            if record.response_id in self.unadmitted:
-                self.store.remove(record.response_id)
-            reply = self.store.handle_op(record, running=record.response_id in self._sessions)
+            if record.subject in self.unadmitted:
+                self.store.remove(record.subject)
+            reply = self.store.handle_op(record, running=record.subject in self._sessions)
             return [reply]
         if isinstance(record, Submit) and record.kind is RequestKind.RESPONSE:
             try:

@@ -14,7 +14,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from ipc.records import AbortCause, FinishReason, ToolCallFormat, Usage
-from ipc.response_records import ResponseStatus, StoredResponse
+from ipc.response_records import SHUTDOWN_REASON, ResponseStatus, StoredResponse
 from proxy.errors import ApiError
 from proxy.response_object import stored_response_object
 from proxy.responses_background import BackgroundRegistry, BackgroundRun
@@ -77,6 +77,22 @@ def test_only_one_terminal_event_is_ever_emitted() -> None:
 def test_an_abort_nobody_asked_for_is_a_failure() -> None:
     outcome = finish_outcome(FinishReason.ABORT, Usage(1, 1), AbortCause.SHUTDOWN, None)
     assert outcome.status is ResponseStatus.FAILED and "shutdown" in (outcome.error or "")
+
+
+def test_a_background_response_stopped_by_shutdown_is_incomplete_as_the_store_says() -> None:
+    """The stream tells what the daemon stores: incomplete, with the text and usage it had,
+    and a reason OpenAI's object can hold (null: it names none for a server that stopped)."""
+    events = ResponseEvents(params(background=True))
+    sent = events.created() + events.delta("part")
+    sent += events.finish(finish_outcome(FinishReason.ABORT, Usage(3, 1), AbortCause.SHUTDOWN,
+                                         None, background=True))
+    final = Response.model_validate(sent[-1]["response"])
+    assert sent[-1]["type"] == "response.incomplete" and final.status == "incomplete"
+    assert final.output_text == "part" and final.usage is not None
+    assert final.incomplete_details is not None and final.incomplete_details.reason is None
+    stored = StoredResponse("resp_x", ResponseStatus.INCOMPLETE, 1, "m", True, output_text="part",
+                            usage=Usage(3, 1), incomplete_reason=SHUTDOWN_REASON)
+    assert stored_response_object(stored)["incomplete_details"] == {"reason": None}
 
 
 def test_the_background_registry_is_bounded_and_evicts_finished_runs_first() -> None:

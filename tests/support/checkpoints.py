@@ -139,9 +139,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def save_family(path: Path, family: str, tie: bool | None = None) -> torch.nn.Module:
     """A random checkpoint of `family` (FAMILIES) with the test tokenizer; the model back."""
+    prefix, extra = FAMILIES[family]
+    model = random_model(prefix, {**extra, **({} if tie is None else
+                                              {"tie_word_embeddings": tie})})
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return model
+
+
+def random_model(prefix: str, extra: dict[str, Any]) -> torch.nn.Module:
+    """A tiny random transformers model of the family named `prefix` ("Qwen3", "Gemma3"...):
+    2 layers, hidden 64, 4 heads of 16, 2 KV heads, unless `extra` says otherwise."""
     import transformers
 
-    prefix, extra = FAMILIES[family]
     config_class = getattr(transformers, "Gemma3TextConfig" if prefix == "Gemma3"
                            else f"{prefix}Config")
     model_class = getattr(transformers, f"{prefix}ForCausalLM")
@@ -150,14 +160,10 @@ def save_family(path: Path, family: str, tie: bool | None = None) -> torch.nn.Mo
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1,
         "pad_token_id": 1, "initializer_range": 0.2, **extra}
-    if tie is not None:
-        kwargs["tie_word_embeddings"] = tie
     torch.manual_seed(0)
     model = model_class(config_class(**kwargs)).eval()
     with torch.no_grad():  # non-trivial norms and biases: a misplaced one moves the logits
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "bias")):
                 param.normal_(0.0, 0.3).add_(0 if name.endswith("bias") else 0.5)
-    model.save_pretrained(path)
-    write_tokenizer(path)
     return model

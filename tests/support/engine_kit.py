@@ -47,17 +47,39 @@ def completion(rid: str, prompt: str = "hello", n: int = 1, **params) -> Submit:
                   prompts=[prompt], epoch=1)
 
 
-def run(engine: Engine, max_ticks: int = 500) -> list[ToProxy]:
+def run(engine: Engine, max_ticks: int = 500, timeout: float = 30.0) -> list[ToProxy]:
+    """Ticks until the engine has nothing left and the store thread is quiet, as the server
+    does: what the store thread and the grammar compiles hand back joins between ticks
+    (waiting for them is not a tick)."""
     out: list[ToProxy] = []
-    for _ in range(max_ticks):
+    deadline = time.monotonic() + timeout
+    ticks = 0
+    while ticks < max_ticks:
+        out += engine.from_store()
         out += engine.admit_guided()
         if not engine.has_work:
-            if not engine.waiting_for_grammar:
+            store_busy = engine.responses is not None and engine.responses.busy
+            if not (engine.waiting_for_grammar or engine.waiting_for_store or store_busy):
                 return out
-            time.sleep(0.001)  # a grammar compiles on its own thread
+            assert time.monotonic() < deadline, "the engine waited too long for its threads"
+            time.sleep(0.001)  # a grammar compiles, or the store works, on a thread
             continue
         out += engine.step()
+        ticks += 1
     raise AssertionError("engine did not finish")
+
+
+def settle(engine: Engine, timeout: float = 30.0) -> list[ToProxy]:
+    """Waits until the store thread has done all it was told (no tick runs meanwhile); the
+    records its answers make (an Error for a refused load, a stored turn's Finish)."""
+    out: list[ToProxy] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        out += engine.from_store()
+        if engine.responses is None or not engine.responses.busy:
+            return out
+        assert time.monotonic() < deadline, "the store thread did not finish"
+        time.sleep(0.001)
 
 
 def texts(records: list[ToProxy], rid: str) -> dict[int, str]:

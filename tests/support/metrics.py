@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+# Label values are quoted and may hold braces (a route template's "{response_id}").
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^}"]|"(?:[^"\\]|\\.)*")*\})?\s+(\S+)$')
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -173,7 +173,7 @@ class Server:
 
     def health(self) -> int:
         try:
-            return httpx.get(self.url + "/health", timeout=2.0).status_code
+            return httpx.get(self.url + "/health", headers=self.headers, timeout=2.0).status_code
         except httpx.HTTPError:
             return 0
 

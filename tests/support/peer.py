@@ -67,7 +67,8 @@ class Peer:
         self.runtime_dir = runtime_dir
         self.step_s = step_s
         self.hold = False  # when set, Submits stay queued (no records) until cleared
-        self.answer_ops = True  # when cleared, ResponseOps go unanswered
+        self.answer_ops = True  # when cleared, ResponseOps go unanswered (kept in held_ops)
+        self.held_ops: list[ResponseOp] = []
         self.submits: list[Submit] = []
         self.aborts: list[Abort] = []
         self.flow: list[Pause | Resume] = []
@@ -116,7 +117,8 @@ class Peer:
             self._pipes.wait_readable(self.step_s)
             out: list[ToProxy] = []
             with self._lock:
-                for record in self._pipes.read_control() + self._pipes.read_requests():
+                held, self.held_ops = (self.held_ops, []) if self.answer_ops else ([], self.held_ops)
+                for record in held + self._pipes.read_control() + self._pipes.read_requests():
                     out += self._handle(record)
                 if not self.hold:
                     out += self._step()
@@ -147,8 +149,9 @@ class Peer:
             self.goodbyes.append(record.epoch)
         if isinstance(record, ResponseOp):
             if not self.answer_ops:
+                self.held_ops.append(record)
                 return []
-            return [ResponseReply(record.op_id, 404, message=f"{record.response_id} not found")]
+            return [ResponseReply(record.op_id, 404, message=f"{record.subject} not found")]
         if isinstance(record, Submit):
             self.submits.append(record)
             text = " ".join(record.prompts) + " ".join(m.content for m in record.messages)

@@ -178,24 +178,50 @@ def tokenizer_dir(name: str) -> Path:
     return out
 
 
-def chat_templates() -> dict[str, str]:
-    """Every chat template in llama.cpp's models/templates (name -> source), cached."""
-    out = cache_root() / "templates" / f"{SDIST}-{SDIST_VERSION}"
+def _unpacked(kind: str, under: str, suffixes: tuple[str, ...]) -> Path:
+    """The sdist's files under vendor/llama.cpp/models/`under` ending in one of `suffixes`,
+    unpacked once into the cache (folder `kind`)."""
+    out = cache_root() / kind / f"{SDIST}-{SDIST_VERSION}"
     with _locked(cache_root() / "lock"):
         if not out.is_dir():
             sdist = _sdist()
             staging = Path(tempfile.mkdtemp(dir=cache_root()))
             with tarfile.open(sdist) as tar:
-                root = tar.getnames()[0].split("/")[0]
-                prefix = f"{root}/{_MODELS}templates/"
+                prefix = f"{tar.getnames()[0].split('/')[0]}/{_MODELS}{under}"
                 for member in tar.getmembers():
-                    if member.name.startswith(prefix) and member.name.endswith(".jinja"):
+                    rest = member.name.removeprefix(prefix)
+                    if (member.name.startswith(prefix) and "/" not in rest
+                            and rest.endswith(suffixes)):
                         source = tar.extractfile(member)
                         assert source is not None
                         (staging / Path(member.name).name).write_bytes(source.read())
             out.parent.mkdir(parents=True, exist_ok=True)
             staging.rename(out)
+    return out
+
+
+def chat_templates() -> dict[str, str]:
+    """Every chat template in llama.cpp's models/templates (name -> source), cached."""
+    out = _unpacked("templates", "templates/", (".jinja",))
     return {p.stem: p.read_text() for p in sorted(out.glob("*.jinja"))}
+
+
+def vocab_file(name: str) -> Path:
+    """llama.cpp's ggml-vocab-`name`.gguf: a family's tokenizer metadata without weights. Beside
+    it, where llama.cpp has them, its tokenizer test: `.inp`, texts, and `.out`, the ids the
+    family's own Hugging Face tokenizer gives them (convert_hf_to_gguf_update.py wrote both)."""
+    out = _unpacked("vocab", "ggml-vocab-", (".gguf", ".inp", ".out"))
+    return out / f"ggml-vocab-{name}.gguf"
+
+
+def vocab_test(path: Path) -> list[tuple[str, list[int]]]:
+    """llama.cpp's tokenizer test for a vocab file: (text, ids without BOS) pairs."""
+    texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split(
+        "\n__ggml_vocab_test__\n")
+    ids = path.with_suffix(".gguf.out").read_text().split("\n")
+    # Each file ends in the separator and an empty text, whose ids line is the last, empty one.
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, ids,
+                                                                         strict=True)]
 
 
 def save_random_checkpoint(name: str, path: Path, seed: int | None = None,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 # Below Linux's ephemeral range (32768-60999): a port handed out for some client's outgoing
 # connection can never collide with a block chosen here.
@@ -37,6 +39,24 @@ def free_port_block(count: int) -> int:
             for sock in socks:
                 sock.close()
     raise RuntimeError(f"no block of {count} free ports in {_BLOCK_RANGE}")
+
+
+def at_once(count: int, call: Callable[[int], Any], timeout: float = 300.0) -> list[Any]:
+    """`call(i)` for each i below `count`, each in its own thread, released together; their
+    results."""
+    results: list[Any] = [None] * count
+    start = threading.Barrier(count)
+
+    def run(i: int) -> None:
+        start.wait()
+        results[i] = call(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return results
 
 
 def wait_for(cond: Callable[[], object], timeout: float, what: str | Callable[[], str]) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import tether
 from tests.support.systemd import child_env
 from tether import cli, settings
 from tether.launcher import child_environ
@@ -38,6 +39,12 @@ def test_top_level_help_lists_commands_and_variables(capsys: pytest.CaptureFixtu
         assert command in out
     for name in ENV_NAMES:
         assert name in out
+
+
+def test_version_prints_and_exits_zero() -> None:
+    done = subprocess.run([sys.executable, "-m", "tether.cli", "--version"], capture_output=True,
+                          text=True, env=child_env(), timeout=60)
+    assert (done.returncode, done.stdout) == (0, f"tether {tether.__version__}\n"), done.stderr
 
 
 def _resolve(argv: list[str], environ: dict[str, str]) -> Settings:

@@ -15,7 +15,7 @@ from tether.settings import Settings
 
 ROOT = Path(__file__).parents[2]
 # Values the conversion itself reads (a valid log level); any other field gets a changed default.
-OTHER = {"log_level": "debug", "log_format": "text"}
+OTHER = {"log_level": "debug", "log_format": "text", "api_key_scope": "all"}
 # Two ranks, so that the log settings reach the spawned rank's logging config too.
 BASE = Settings(tensor_parallel_size=2)
 

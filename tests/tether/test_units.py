@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from proxy.http_protocol import FD_RESERVE
+from proxy.server import START_EXTEND_S
 from tests.support.systemd import (
     INSTALLED_TETHER,
     TEST_MODEL,
@@ -121,46 +122,83 @@ def listener() -> Iterator[NotifyListener]:
     sock.close()
 
 
+def _unit_env(unit: Path, tmp_path: Path, **more: str) -> dict[str, str]:
+    """The unit's Environment=, its directories moved under `tmp_path`."""
+    env = unit_environment(unit)
+    env.update(TETHER_RUNTIME_DIR=str(tmp_path / "run"), TETHER_STATE_DIR=str(tmp_path / "state"),
+               TETHER_PIPE_GROUP=grp.getgrgid(os.getgid()).gr_name, TETHER_LOG_FORMAT="json",
+               **more)
+    return env
+
+
 def _start_unit(unit: Path, tmp_path: Path, listener: NotifyListener,
                 port: int) -> subprocess.Popen[bytes]:
-    env = unit_environment(unit)
-    env.update(
-        TETHER_RUNTIME_DIR=str(tmp_path / "run"),
-        TETHER_STATE_DIR=str(tmp_path / "state"),
-        TETHER_PIPE_GROUP=grp.getgrgid(os.getgid()).gr_name,
-        TETHER_PORT=str(port),
-        TETHER_LOG_FORMAT="json",
-        NOTIFY_SOCKET=listener.name,
-        WATCHDOG_USEC="1000000",
-    )
+    env = _unit_env(unit, tmp_path, TETHER_PORT=str(port), NOTIFY_SOCKET=listener.name,
+                    WATCHDOG_USEC="1000000")
     with open(tmp_path / f"{unit.stem}.log", "wb") as log:
         return subprocess.Popen(unit_command(unit), env=child_env(**env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("unit", [DAEMON, PROXY], ids=lambda u: u.stem)
-def test_exec_start_reports_ready_and_feeds_the_watchdog(
-        unit: Path, tmp_path: Path, listener: NotifyListener) -> None:
-    port = free_port()
-    proc = _start_unit(unit, tmp_path, listener, port)
+def test_daemon_exec_start_reports_ready_and_feeds_the_watchdog(
+        tmp_path: Path, listener: NotifyListener) -> None:
+    proc = _start_unit(DAEMON, tmp_path, listener, free_port())
     try:
         def alive() -> bool:
             return proc.poll() is None
 
-        wait_notification(listener, proc.pid, "READY", "1", READY_TIMEOUT_S[unit.name], alive)
+        wait_notification(listener, proc.pid, "READY", "1", READY_TIMEOUT_S[DAEMON.name], alive)
         # WATCHDOG_USEC is 1 s: pings every 0.5 s, so two arrive well within 3 s.
         for _ in range(2):
             wait_notification(listener, proc.pid, "WATCHDOG", "1", 3.0, alive)
-        if unit == PROXY:
-            # No daemon behind it: the proxy is up and says so with a 503, not a refused port.
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10.0,
-                           json={"model": TEST_MODEL, "prompt": "hi", "max_tokens": 1})
-            assert r.status_code == 503, r.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log = (tmp_path / f"{unit.stem}.log").read_text(errors="replace")
-        print(log[-4000:])
+        _end(proc, tmp_path / f"{DAEMON.stem}.log")
+
+
+def _end(proc: subprocess.Popen[bytes], log: Path) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    print(log.read_text(errors="replace")[-4000:])
+
+
+def _completion(port: int) -> int:
+    return httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30.0, json={
+        "model": TEST_MODEL, "prompt": "hi", "max_tokens": 1}).status_code
+
+
+def test_the_unit_pair_shares_its_directory_and_the_proxy_is_ready_once_the_daemon_is(
+        tmp_path: Path, listener: NotifyListener) -> None:
+    """The proxy started alone binds its port, answers 503 and pings the watchdog, each ping
+    extending its start, but says READY=1 only once the daemon has connected (ready means
+    served). Each ExecStart holds its role's lock on the one RuntimeDirectory: the pair runs, a
+    second daemon there is refused."""
+    port = free_port()
+    proxy = _start_unit(PROXY, tmp_path, listener, port)
+    procs = [proxy]
+    try:
+        def alive() -> bool:
+            return proxy.poll() is None
+
+        seen = [note for _ in range(2)
+                for note in wait_notification(listener, proxy.pid, "WATCHDOG", "1", 10.0, alive)]
+        assert not [n for n in seen if "READY" in n.fields], seen
+        assert {n.fields.get("EXTEND_TIMEOUT_USEC") for n in seen if "WATCHDOG" in n.fields} == {
+            str(int(START_EXTEND_S * 1_000_000))}
+        assert _completion(port) == 503  # up, and saying why it cannot serve yet
+        procs.append(_start_unit(DAEMON, tmp_path, listener, port))
+        wait_notification(listener, proxy.pid, "READY", "1", READY_TIMEOUT_S[DAEMON.name], alive)
+        assert _completion(port) == 200
+        second = subprocess.run(unit_command(DAEMON), env=child_env(**_unit_env(DAEMON, tmp_path)),
+                                capture_output=True, timeout=60)
+        said = (second.stdout + second.stderr).decode(errors="replace")
+        assert second.returncode != 0, said
+        assert f"is in use by another tether daemon (pid {procs[1].pid})" in said, said
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        assert [proc.wait(30) for proc in procs] == [0, 0]
+    finally:
+        for proc, unit in zip(procs, (PROXY, DAEMON), strict=False):
+            _end(proc, tmp_path / f"{unit.stem}.log")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from daemon.engine.admission import render_prompts, template_message, template_tool
 from daemon.model.tokenizer import ByteTokenizer
+from daemon.rejected import ContextBytes
 from ipc.records import Message, RequestKind, SamplingParams, Submit, ToolCall, ToolFunction
 
 TOK = ByteTokenizer()
@@ -15,7 +16,7 @@ def test_tools_and_tool_turns_reach_the_template() -> None:
         Message("user", "hi"), Message("assistant", None, [call]),
         Message("tool", "42", tool_call_id="c1")],
         tools=[ToolFunction("get", "Gets.", '{"type": "object"}')])
-    text = TOK.decode(render_prompts(submit, TOK, None)[0])
+    text = TOK.decode(render_prompts(submit, TOK, None, ContextBytes(512, 12))[0])
     assert '{"type": "function", "function": {"name": "get", "description": "Gets.", ' \
            '"parameters": {"type": "object"}}}' in text
     assert '<tool_call>\n{"name": "get", "arguments": {"q": "x"}}\n</tool_call>' in text

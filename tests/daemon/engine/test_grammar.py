@@ -6,6 +6,7 @@ every output must parse and validate against its schema whatever the budget left
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import jsonschema
@@ -15,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon.engine.bitmask import Bitmask, apply_bitmask, fill_row
-from daemon.engine.closing import closing
-from daemon.engine.grammar import Constraint, GrammarError, Grammars
+from daemon.engine.closing import SearchBound, closing
+from daemon.engine.constraint import Constraint
+from daemon.engine.grammar import SMALL_SPEC_BYTES, Compiled, GrammarError, Grammars
 from daemon.model.tokenizer import ByteTokenizer
 from ipc.records import Guide, GuideKind
 
@@ -60,7 +62,7 @@ def test_each_kind_compiles_and_masks(grammars: Grammars) -> None:
         Guide(GuideKind.GRAMMAR, 'root ::= "ab" | "cd"'): ("a", "d"),  # GBNF
     }
     for guide, (allowed, forbidden) in cases.items():
-        matcher = grammars.compile(guide).result()
+        matcher = grammars.compile(guide).result().matcher
         assert matcher.validate_tokens([ord(allowed)]) == 1, guide
         assert matcher.validate_tokens([ord(forbidden)]) == 0, guide
 
@@ -92,11 +94,11 @@ def test_the_closing_is_valid_from_anywhere(grammars: Grammars) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {
         "type": "array", "items": {"type": "integer"}}}, "required": ["a", "b"],
         "additionalProperties": False}
-    matcher = grammars.compile(schema_guide(schema)).result()
+    matcher = grammars.compile(schema_guide(schema)).result().matcher
     for byte in b'{"a":"x\\"y","b":[1':
         assert matcher.consume_token(byte)
-    tail = closing(matcher, grammars.byte_tokens)
-    assert tail is not None
+    tail = closing(matcher, grammars.byte_tokens, SearchBound.within(10_000, 60.0))
+    assert isinstance(tail, bytes)
     jsonschema.validate(json.loads(b'{"a":"x\\"y","b":[1' + tail), schema)
 
 
@@ -239,8 +241,8 @@ def _longest_closing_token(grammars: Grammars, constraint: Constraint) -> int:
             continue
         m = constraint.matcher.deep_copy()
         m.consume_token(token)
-        tail = closing(m, grammars.byte_tokens)
-        if tail is not None and len(tail) > best_len:
+        tail = closing(m, grammars.byte_tokens, SearchBound.within(10_000, 60.0))
+        if isinstance(tail, bytes) and len(tail) > best_len:
             best, best_len = token, len(tail)
     return best
 
@@ -267,3 +269,62 @@ def test_a_sampler_that_always_grows_the_closing_still_ends_valid(grammars: Gram
     else:
         raise AssertionError(f"ran out of its {max_tokens} tokens: {TOK.decode(out)!r}")
     jsonschema.validate(json.loads(TOK.decode(out)), schema)
+
+
+def test_the_first_closing_is_compiled_and_cached_with_the_grammar() -> None:
+    fresh = Grammars(TOK, TOK.special_token_ids)
+    guide = schema_guide({"type": "object", "properties": {"a": {"type": "integer"}},
+                          "required": ["a"], "additionalProperties": False})
+    first = fresh.compile(guide).result()
+    again = fresh.compile(guide).result()
+    assert first.start == again.start and first.start.text == b'{"a":0}'
+    assert (fresh.num_misses, fresh.num_hits) == (1, 1)
+    assert again.matcher is not first.matcher  # each request advances its own
+
+
+def test_a_grammar_whose_output_cannot_be_bounded_is_refused_once() -> None:
+    """No closing within the search's bound: refused naming the limit, and the refusal is
+    cached (a client repeating it costs no second search)."""
+    fresh = Grammars(TOK, TOK.special_token_ids)
+    guide = Guide(GuideKind.GRAMMAR, 'start: "<" e "!"\ne: e e | "<" e "!" | /[a-z]/ | ""')
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="limit") as info:
+            fresh.compile(guide).result(timeout=30)
+        assert info.value.code == "grammar_too_complex"
+    assert (fresh.num_misses, fresh.num_hits) == (1, 1)
+
+
+def test_a_slow_compile_does_not_hold_up_a_small_one() -> None:
+    """A large spec compiles in a lane of its own: held there, a small one still compiles."""
+    release = threading.Event()
+
+    class Held(Grammars):
+        def _build(self, guide: Guide) -> Compiled:
+            if len(guide.spec) > SMALL_SPEC_BYTES:
+                release.wait(30)
+            return super()._build(guide)
+
+    held = Held(TOK, TOK.special_token_ids)
+    props = {f"p{i}": {"type": "integer"} for i in range(SMALL_SPEC_BYTES // 20)}
+    large = held.compile(schema_guide({"type": "object", "properties": props}))
+    small = held.compile(schema_guide({"type": "integer"}))
+    assert small.result(timeout=30).start.text == b"0"
+    assert not large.done()
+    release.set()
+    with pytest.raises(GrammarError, match="parser items"):  # 900 optional properties
+        large.result(timeout=60)
+
+
+def test_a_grammar_of_too_many_symbols_is_refused_at_compile_naming_the_limit(
+        grammars: Grammars) -> None:
+    """An object of 8,000 optional properties is 25,000-odd symbols: refused by the symbol
+    bound before its rows are ever built (they would hold the GIL for a third of a second each),
+    where one of 2,000 still compiles."""
+    def schema(n: int) -> Guide:
+        props = {f"p{k}": {"type": "string"} for k in range(n)}
+        return Guide(GuideKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": props}))
+
+    with pytest.raises(GrammarError, match="too big"):
+        grammars.compile(schema(8000)).result()
+    with pytest.raises(GrammarError, match="parser limits"):  # compiled, then its first row
+        grammars.compile(schema(2000)).result()

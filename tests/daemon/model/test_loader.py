@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from daemon.model.config import ConfigError, ModelConfig
-from daemon.model.loader import ModelLoadError, load_model, pick_device, pick_dtype
+from daemon.model.loader import ModelLoadError, load_model, model_id, pick_device, pick_dtype
 from daemon.model.parallel.group import TPGroup
 from daemon.model.runner import ModelRunner, ScheduledChunk
 from daemon.model.tokenizer import HFTokenizer
@@ -25,6 +25,17 @@ def copy_checkpoint(llama_checkpoint: Checkpoint, tmp_path: Path) -> Path:
     dst = tmp_path / "ckpt"
     shutil.copytree(src, dst)
     return dst
+
+
+def test_a_hugging_face_cache_snapshot_is_named_by_its_repo(
+        llama_checkpoint: Checkpoint, tmp_path: Path) -> None:
+    src, _ = llama_checkpoint("none", False)
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / ("ab" * 20)
+    shutil.copytree(src, snapshot)
+    assert load_model(str(snapshot), "cpu", "auto").name == "meta-llama/Llama-3.2-1B"
+    assert model_id(snapshot / ".") == "meta-llama/Llama-3.2-1B"
+    assert model_id(tmp_path / "snapshots" / "x") == "x"  # not in a cache: its own name
+    assert model_id(tmp_path / "my-model") == "my-model"
 
 
 def edit_config(path: Path, **changes: object) -> None:

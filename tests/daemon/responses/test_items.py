@@ -4,7 +4,7 @@ each item as stored, with the id it is listed under."""
 import msgspec
 import pytest
 
-from daemon.responses.items import page_of
+from daemon.responses.items import PAGE_BYTES, page_of
 from ipc.response_records import ItemsPage
 
 # As earlier releases stored them too: the client's own fields, ids only where it gave one.
@@ -45,3 +45,16 @@ def test_after_may_name_an_item_by_its_own_id(order: str) -> None:
 def test_after_that_names_no_item_is_none() -> None:
     assert page_of("resp_abc", STORED, ItemsPage(after="msg_abc_9")) is None
     assert page_of("resp_abc", STORED, ItemsPage(after="msg_other_0")) is None
+
+
+def test_a_page_stops_short_of_its_bytes_bound_and_says_there_is_more() -> None:
+    big = [{"role": "user", "content": c * (PAGE_BYTES // 3)} for c in "abc"]
+    stored = msgspec.json.encode(big).decode()
+    first = page_of("resp_abc", stored, ItemsPage(limit=20, order="asc"))
+    assert first is not None and first.ids == ["msg_abc_0", "msg_abc_1"] and first.has_more
+    assert len(first.items) <= PAGE_BYTES
+    rest = page_of("resp_abc", stored, ItemsPage(limit=20, order="asc", after="msg_abc_1"))
+    assert rest is not None and rest.ids == ["msg_abc_2"] and not rest.has_more
+    one = page_of("resp_abc", msgspec.json.encode([{"content": "x" * PAGE_BYTES}] * 2).decode(),
+                  ItemsPage(limit=20))
+    assert one is not None and len(one.ids) == 1 and one.has_more  # never an empty page

@@ -28,9 +28,11 @@ from ipc.records import (
     SamplingParams,
     Submit,
 )
-from ipc.response_records import ResponseOp, ResponseOpKind
+from ipc.response_records import ResponseGet, ResponseOp
 from ipc.wire import ToProxy
+from tests.support.engine_kit import settle
 from tests.support.fake_runner import FakeRunner
+from tests.support.wait import wait_for
 
 TOK = ByteTokenizer()
 
@@ -54,6 +56,7 @@ def completion(rid: str, max_tokens: int) -> Submit:
 def run(engine: Engine) -> list[ToProxy]:
     out: list[ToProxy] = []
     for _ in range(20_000):
+        out += settle(engine)
         if not engine.has_work:
             return out
         out += engine.step()
@@ -66,7 +69,7 @@ def finish(records: list[ToProxy], rid: str) -> Finish:
 
 
 def status(store: ResponseStore, rid: str) -> str | None:
-    reply = store.handle_op(ResponseOp("op", ResponseOpKind.GET, rid, 1), running=False)
+    reply = store.handle_op(ResponseOp("op", ResponseGet(rid), 1), running=False)
     return None if reply.response is None else str(reply.response.status)
 
 
@@ -83,10 +86,11 @@ def test_a_read_only_store_costs_each_session_alone(
         assert engine.submit(response(rid, max_tokens=4 if rid == "resp_done" else 400,
                                       background=rid == "resp_bg")) == [Admitted(rid)]
     assert engine.submit(completion("other", 40)) == [Admitted("other")]
-    out = engine.step()
+    out = settle(engine) + engine.step()
     store.db.execute("PRAGMA query_only = ON")  # SQLite now refuses every write
     with caplog.at_level(logging.ERROR):
         out += engine.step() + engine.step() + engine.step() + engine.step()
+        out += settle(engine)
         end = finish(out, "resp_done")
         assert end.reason is FinishReason.ERROR and "could not be stored" in (end.message or "")
         assert "readonly" in (end.message or "")
@@ -95,11 +99,12 @@ def test_a_read_only_store_costs_each_session_alone(
         cancelled = engine.abort("resp_bg", AbortCause.CANCEL)
         assert [f.reason for f in gone + cancelled] == [FinishReason.ABORT] * 2
         # A new stored response is refused with a clear error; a completion is untouched.
-        [refused] = engine.submit(response("resp_new"))
-        assert isinstance(refused, Error) and refused.status == 500
+        [refused] = [r for r in engine.submit(response("resp_new")) + settle(engine)
+                     if isinstance(r, Error)]
+        assert refused.status == 500
         assert refused.code == "store_error" and "readonly" in refused.message
         rest = run(engine)
-    other = [r for r in out + rest if r.rid == "other"]
+    other = [r for r in out + rest if getattr(r, "rid", None) == "other"]
     assert "".join(r.text for r in other if isinstance(r, Delta)) == "a" * 40
     assert finish(other, "other").reason is FinishReason.LENGTH
     assert engine.sessions == {} and engine.block_manager.num_used == 0
@@ -137,11 +142,16 @@ def test_a_result_too_large_for_the_store_leaves_the_response_failed(
 def test_a_broken_store_answers_a_response_op_with_500(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = ResponseStore(tmp_path / "responses.sqlite3", 100, 3600.0)
-    responses = make_engine(store).responses
+    engine = make_engine(store)
+    responses = engine.responses
     assert responses is not None
     store.db.close()
     with caplog.at_level(logging.ERROR):
-        reply = responses.handle_op(ResponseOp("op", ResponseOpKind.GET, "resp_x", 1), False)
+        assert responses.put_op(ResponseOp("op", ResponseGet("resp_x"), 1)) is None
+        wait_for(lambda: responses.has_reply, 10, "the store thread's reply")
+        answered = responses.take_reply()
+    assert answered is not None
+    reply = answered[1]
     assert (reply.op_id, reply.status) == ("op", 500)
     assert (reply.message or "").startswith("response store error: ")
     assert any("resp_x" in line for line in store_errors(caplog))

@@ -10,9 +10,17 @@ import msgspec
 import pytest
 from openai.types.responses import Response
 
+from daemon.rejected import ContextBytes, Rejected
 from daemon.responses.store import CRASHED_MESSAGE, SCHEMA_VERSION, ResponseStore, StoreError
 from ipc.records import Message, RequestKind, ResponseFields, SamplingParams, Submit, Usage
-from ipc.response_records import ResponseOp, ResponseOpKind, ResponseReply
+from ipc.response_records import (
+    ResponseCancel,
+    ResponseDelete,
+    ResponseGet,
+    ResponseOp,
+    ResponseReply,
+    StoreRequest,
+)
 from proxy.response_object import stored_response_object
 
 
@@ -32,6 +40,7 @@ def submit(
     background: bool = False,
     store: bool = True,
     instructions: str | None = None,
+    tenant: str = "",
 ) -> Submit:
     fields = ResponseFields(
         store=store,
@@ -42,12 +51,13 @@ def submit(
         input_items=msgspec.json.encode([{"role": "user", "content": text}]).decode(),
         created_at=1_700_000_000,
         model="tiny",
+        tenant=tenant,
     )
     return Submit(rid, RequestKind.RESPONSE, SamplingParams(max_tokens=8), response=fields, epoch=1)
 
 
-def op(kind: ResponseOpKind, rid: str) -> ResponseOp:
-    return ResponseOp(f"op-{kind}-{rid}", kind, rid, 1)
+def op(request: StoreRequest) -> ResponseOp:
+    return ResponseOp("op", request, 1)
 
 
 def response_object(reply: ResponseReply) -> dict[str, Any] | None:
@@ -56,7 +66,7 @@ def response_object(reply: ResponseReply) -> dict[str, Any] | None:
 
 
 def get(store: ResponseStore, rid: str) -> tuple[int, dict[str, Any] | None]:
-    reply = store.handle_op(op(ResponseOpKind.GET, rid), running=False)
+    reply = store.handle_op(op(ResponseGet(rid)), running=False)
     return reply.status, response_object(reply)
 
 
@@ -135,7 +145,7 @@ def test_remove_on_abort_deletes_the_placeholder(store: ResponseStore) -> None:
     store.begin(submit("resp_1"))
     store.remove("resp_1")
     assert store.num_placeholders() == 0
-    status = store.handle_op(op(ResponseOpKind.GET, "resp_1"), running=False)
+    status = store.handle_op(op(ResponseGet("resp_1")), running=False)
     assert status.status == 404
     assert status.message == "No response found with id 'resp_1'."
 
@@ -151,7 +161,7 @@ def test_failed_response_keeps_its_error(store: ResponseStore) -> None:
 def test_background_cancel_stays_cancelled_after_a_late_finish(store: ResponseStore) -> None:
     store.begin(submit("resp_bg", background=True))
     assert get(store, "resp_bg")[1]["status"] == "queued"  # type: ignore[index]
-    reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=True)
+    reply = store.handle_op(op(ResponseCancel("resp_bg")), running=True)
     assert reply.status == 200
     assert Response.model_validate(response_object(reply)).status == "cancelled"
     assert store.num_placeholders() == 0
@@ -164,48 +174,48 @@ def test_background_cancel_stays_cancelled_after_a_late_finish(store: ResponseSt
     assert status == 200 and body is not None
     assert body["status"] == "cancelled" and body["output"] == [] and body["error"] is None
 
-    again = store.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False)
+    again = store.handle_op(op(ResponseCancel("resp_bg")), running=False)
     assert again.status == 200
 
 
 def test_cancel_refusals(store: ResponseStore) -> None:
     store.begin(submit("resp_done", background=True))
     store.complete("resp_done", "x", Usage(1, 1))
-    reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_done"), running=False)
+    reply = store.handle_op(op(ResponseCancel("resp_done")), running=False)
     assert reply.status == 400
     assert reply.message == "Cannot cancel a response that is completed."
 
     store.begin(submit("resp_fg"))
-    reply = store.handle_op(op(ResponseOpKind.CANCEL, "resp_fg"), running=True)
+    reply = store.handle_op(op(ResponseCancel("resp_fg")), running=True)
     assert reply.status == 400 and "only background" in (reply.message or "")
     assert get(store, "resp_fg")[1]["status"] == "in_progress"  # type: ignore[index]
 
-    assert store.handle_op(op(ResponseOpKind.CANCEL, "resp_nope"), running=False).status == 404
+    assert store.handle_op(op(ResponseCancel("resp_nope")), running=False).status == 404
 
 
 def test_delete(store: ResponseStore) -> None:
     store.begin(submit("resp_1"))
-    busy = store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=True)
+    busy = store.handle_op(op(ResponseDelete("resp_1")), running=True)
     assert busy.status == 400 and "in_progress" in (busy.message or "")
 
     store.complete("resp_1", "x", Usage(1, 1))
-    reply = store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False)
+    reply = store.handle_op(op(ResponseDelete("resp_1")), running=False)
     assert reply.status == 200
     assert reply.deleted and reply.response is None
     assert get(store, "resp_1")[0] == 404
-    assert store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False).status == 404
+    assert store.handle_op(op(ResponseDelete("resp_1")), running=False).status == 404
 
 
 def test_delete_cancels_a_live_background_response_first(open_store: Open) -> None:
     owner, other = open_store("owner"), open_store("other")
     owner.watcher().renew()
     owner.begin(submit("resp_mine", background=True))
-    reply = owner.handle_op(op(ResponseOpKind.DELETE, "resp_mine"), running=True)
+    reply = owner.handle_op(op(ResponseDelete("resp_mine")), running=True)
     assert reply.status == 200 and reply.deleted
     assert get(owner, "resp_mine")[0] == 404 and owner.num_placeholders() == 0
     # Deleted through another replica: its owner is asked to stop it, as for a cancel.
     owner.begin(submit("resp_there", background=True))
-    assert other.handle_op(op(ResponseOpKind.DELETE, "resp_there"), running=False).status == 200
+    assert other.handle_op(op(ResponseDelete("resp_there")), running=False).status == 200
     assert get(owner, "resp_there")[0] == 404
     assert owner.watcher().poll_cancels() == 1 and owner.take_cancels() == ["resp_there"]
 
@@ -229,7 +239,7 @@ def test_chained_history_of_three_turns(store: ResponseStore) -> None:
     store.begin(third)
     store.complete("resp_3", "THREE", Usage(1, 1))
     # Each row holds the whole conversation: dropping a link does not break the chain.
-    store.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False)
+    store.handle_op(op(ResponseDelete("resp_1")), running=False)
     history = store.history("resp_3")
     assert history is not None
     assert [m.content for m in history] == ["one", "ONE", "two", "TWO", "three", "THREE"]
@@ -244,10 +254,27 @@ def test_admission_then_begin_reads_the_history_once(store: ResponseStore) -> No
     second = submit("resp_2", "two", previous="resp_1")
     store.conversation(second)
     store.begin(second)
-    assert len(reads) == 1
+    assert len([sql for sql in reads if "messages" in sql]) == 1
     store.complete("resp_2", "TWO", Usage(1, 1))
     history = store.history("resp_2")
     assert history is not None and [m.content for m in history] == ["one", "ONE", "two", "TWO"]
+
+
+def test_a_continuation_whose_history_cannot_fit_is_refused_before_it_is_read(
+        store: ResponseStore) -> None:
+    """The previous response's conversation and output, with the new input, hold more text than
+    the context's tokens can spell: its row's conversation is never read."""
+    store.begin(submit("resp_1", "x" * 600))
+    store.complete("resp_1", "y" * 600, Usage(1, 1))
+    reads: list[str] = []
+    store.db.trace = reads.append
+    with pytest.raises(Rejected) as exc:
+        store.conversation(submit("resp_2", "hi", previous="resp_1"), ContextBytes(100, 12))
+    assert (exc.value.param, exc.value.code) == ("previous_response_id", "context_length_exceeded")
+    assert "1202" in exc.value.message and "1200" in exc.value.message
+    assert not [sql for sql in reads if "messages" in sql]
+    fits = store.conversation(submit("resp_2", "hi", previous="resp_1"), ContextBytes(101, 12))
+    assert fits is not None and [m.content for m in fits] == ["x" * 600, "y" * 600, "hi"]
 
 
 def test_unknown_or_running_previous_gives_none(store: ResponseStore) -> None:

@@ -85,3 +85,23 @@ def test_housekeeping_prunes(open_store: Open) -> None:
         store.complete(f"resp_{i}", "x", Usage(1, 1))
     store.watcher().housekeep()
     assert store.num_stored() == 10
+
+
+def test_retention_is_fair_between_tenants(open_store: Open, clock: Clock) -> None:
+    """One tenant's (API key's) flood past a bound evicts none of another's, which holds less
+    than its share: the flood's own oldest go, by count and by bytes."""
+    store = open_store(max_count=5)
+    store.begin(submit("resp_mine", tenant="a"))
+    store.complete("resp_mine", "x", Usage(1, 1))
+    for i in range(10):
+        clock.now += 1
+        store.begin(submit(f"resp_{i}", "x" * 1000, tenant="b"))
+        store.complete(f"resp_{i}", "x", Usage(1, 1))
+    assert store.prune() == 6
+    assert get(store, "resp_mine")[0] == 200  # the oldest of all
+    assert [get(store, f"resp_{i}")[0] for i in range(10)] == [404] * 6 + [200] * 4
+    sizes = _sizes(store)
+    store.max_bytes = sizes["resp_mine"] + 2 * sizes["resp_9"]  # its own, and two of theirs
+    assert store.prune() == 2
+    assert get(store, "resp_mine")[0] == 200
+    assert [get(store, f"resp_{i}")[0] for i in range(6, 10)] == [404, 404, 200, 200]

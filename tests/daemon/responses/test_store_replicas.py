@@ -7,7 +7,13 @@ from openai.types.responses import Response
 from daemon.responses.store import ResponseStore
 from daemon.responses.watcher import OWNER_LOST_MESSAGE
 from ipc.records import Message, Usage
-from ipc.response_records import ItemsPage, ResponseOp, ResponseOpKind
+from ipc.response_records import (
+    ItemsPage,
+    ResponseCancel,
+    ResponseDelete,
+    ResponseInputItems,
+    ResponseOp,
+)
 from proxy.input_items import input_item_objects
 from tests.daemon.responses.test_store import (
     Clock,
@@ -29,17 +35,17 @@ def test_any_replica_reads_continues_and_deletes_any_response(open_store: Open) 
     a, b = open_store("a"), open_store("b")
     a.watcher().renew()
     a.begin(submit("resp_1", "one"))
-    assert b.handle_op(op(ResponseOpKind.DELETE, "resp_1"), running=False).status == 400
+    assert b.handle_op(op(ResponseDelete("resp_1")), running=False).status == 400
     a.complete("resp_1", "ONE", Usage(1, 1))
     assert Response.model_validate(get(b, "resp_1")[1]).output_text == "ONE"
     second = submit("resp_2", "two", previous="resp_1")
     assert b.conversation(second) is not None
     b.begin(second)
     b.complete("resp_2", "TWO", Usage(1, 1))
-    items = a.handle_op(op(ResponseOpKind.INPUT_ITEMS, "resp_2"), running=False)
+    items = a.handle_op(op(ResponseInputItems("resp_2")), running=False)
     assert items.status == 200 and items.input_items is not None
     assert len(input_item_objects(items.input_items, items.item_ids)) == 1
-    assert a.handle_op(op(ResponseOpKind.DELETE, "resp_2"), running=False).status == 200
+    assert a.handle_op(op(ResponseDelete("resp_2")), running=False).status == 200
     assert get(b, "resp_2")[0] == 404
 
 
@@ -47,7 +53,7 @@ def test_cancel_through_another_replica_reaches_the_owner(open_store: Open) -> N
     owner, other = open_store("owner"), open_store("other")
     owner.watcher().renew()
     owner.begin(submit("resp_bg", background=True))
-    reply = other.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False)
+    reply = other.handle_op(op(ResponseCancel("resp_bg")), running=False)
     assert reply.status == 200 and reply.response is not None
     assert reply.response.status == "cancelled"
     assert get(owner, "resp_bg")[1]["status"] == "cancelled"  # type: ignore[index]
@@ -57,7 +63,7 @@ def test_cancel_through_another_replica_reaches_the_owner(open_store: Open) -> N
     assert owner.take_cancels() == ["resp_bg"]
     assert owner.watcher().poll_cancels() == 0  # taken once
     # Cancelling again, anywhere, answers the same and asks nothing more of the owner.
-    assert other.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False).status == 200
+    assert other.handle_op(op(ResponseCancel("resp_bg")), running=False).status == 200
     assert owner.watcher().poll_cancels() == 0
 
 
@@ -65,7 +71,7 @@ def test_the_watcher_thread_hands_over_a_cancel(open_store: Open) -> None:
     owner, other = open_store("owner", lease_s=3.0), open_store("other")
     owner.start_watching()
     owner.begin(submit("resp_bg", background=True))
-    assert other.handle_op(op(ResponseOpKind.CANCEL, "resp_bg"), running=False).status == 200
+    assert other.handle_op(op(ResponseCancel("resp_bg")), running=False).status == 200
     taken: list[str] = []
     wait_for(lambda: taken.extend(owner.take_cancels()) or taken, 10, "the cancel at the owner")
     assert taken == ["resp_bg"]
@@ -80,7 +86,7 @@ def test_a_dead_owners_responses_are_ended_by_the_next_replica(open_store: Open,
     dead.begin(submit("resp_fg"))
     alive.begin(submit("resp_mine", background=True))
     assert alive.watcher().sweep() == 0  # a lease still running: nothing to do
-    assert alive.handle_op(op(ResponseOpKind.DELETE, "resp_fg"), running=False).status == 400
+    assert alive.handle_op(op(ResponseDelete("resp_fg")), running=False).status == 400
 
     clock.now += 6.0  # `dead` renews no more; `alive` does
     alive.watcher().renew()
@@ -113,11 +119,11 @@ def test_input_items_are_answered_a_page_at_a_time(open_store: Open) -> None:
     record.response = msgspec.structs.replace(
         record.response, input_items=msgspec.json.encode(items).decode())
     store.begin(record)
-    first = store.handle_op(ResponseOp("op", ResponseOpKind.INPUT_ITEMS, "resp_abc", 1,
-                                       ItemsPage(limit=5)), running=False)
+    first = store.handle_op(ResponseOp("op", ResponseInputItems("resp_abc", ItemsPage(limit=5)),
+                                       1), running=False)
     assert first.status == 200 and first.has_more and first.input_items is not None
     assert first.item_ids == [f"msg_abc_{i}" for i in range(29, 24, -1)]
     assert len(msgspec.json.decode(first.input_items)) == 5
-    unknown = store.handle_op(ResponseOp("op", ResponseOpKind.INPUT_ITEMS, "resp_abc", 1,
-                                         ItemsPage(after="msg_nope")), running=False)
+    unknown = store.handle_op(ResponseOp(
+        "op", ResponseInputItems("resp_abc", ItemsPage(after="msg_nope")), 1), running=False)
     assert unknown.status == 400 and unknown.param == "after" and unknown.input_items is None

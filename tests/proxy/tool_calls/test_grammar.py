@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.engine.grammar import Constraint, Grammars
+from daemon.engine.constraint import Constraint
+from daemon.engine.grammar import Grammars
 from ipc.records import Guide, GuideKind, ToolCallFormat, ToolFunction
 from proxy.tool_calls import ToolGrammarError, ToolUse
 from tests.daemon.engine.test_grammar import TOK, _object, _schemas, generate
