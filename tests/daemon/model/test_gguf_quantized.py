@@ -3,6 +3,7 @@ dequantized where they cannot be (another dtype, the torch modules)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,3 +40,40 @@ def test_the_torch_modules_get_the_file_dequantized(mixed: Path) -> None:
     reference = load_model(str(mixed), "cpu", "float32", kernels="torch")
     torch.testing.assert_close(logits(torch_path, PROMPT), logits(reference, PROMPT),
                                rtol=1e-3, atol=1e-3)
+
+
+QUANT_TIERS = ["generic", "avx2", "avx-vnni", "avx512-vnni"]  # quant.c's order
+BF16_TIERS = ["none", "avx512-bf16", "amx-bf16"]  # bf16.c's order
+
+
+def _forced(select: Callable[[int], int], names: list[str]) -> Iterator[str]:
+    """Each tier this CPU has, forced in turn (the lower ones too); the best one afterwards."""
+    try:
+        for t, name in enumerate(names):
+            if select(t) == t:
+                yield name
+    finally:
+        select(-1)
+
+
+def test_every_kernel_tier_gives_the_same_tokens(mixed: Path) -> None:
+    """A whole model on each quantized tier (the file's blocks) and each bf16 tier
+    (--dtype bfloat16) this CPU has, forced: within the tolerance above of float32, the same
+    greedy tokens as the best tier at >= 90% of positions (int8 or bf16 rounding moves
+    near-ties only)."""
+    from daemon.model.kernels import cpu
+
+    lib = cpu.load()
+    assert lib is not None
+    want = logits(load_model(str(mixed), "cpu", "float32"), PROMPT)
+    for dtype, select, names in (("auto", lib.quant_select, QUANT_TIERS),
+                                 ("bfloat16", lib.bf16_select, BF16_TIERS)):
+        model = load_model(str(mixed), "cpu", dtype)
+        best = logits(model, PROMPT).argmax(-1)
+        ran = []
+        for name in _forced(select, names):
+            ours = logits(model, PROMPT)
+            assert (ours - want).abs().mean() < 0.02 * want.abs().mean(), (dtype, name)
+            assert (ours.argmax(-1) == best).float().mean() >= 0.9, (dtype, name)
+            ran.append(name)
+        assert ran and ran[0] == names[0], ran  # the lowest tier forced too
