@@ -9,8 +9,8 @@ the commit) is cut into windows of --ctx tokens; each window is prefilled and th
 its second half are scored, as llama.cpp's `llama-perplexity --kl-divergence` scores them:
 whether the quantized model's top-1 is the float32 model's, and KL(float32 || quantized).
 tether: the file as it serves it (its quantized blocks) against `--dtype float32`. llama.cpp
-(when llama-perplexity is built; `make bench-llamacpp` builds llama-server beside it, `cmake
---build .llamacpp/build --target llama-perplexity` this one): the file against a float32 copy
+(when llama-perplexity is built: `make bench-llamacpp` builds it beside llama-server; in an
+older build, `cmake --build .llamacpp/build --target llama-perplexity`): the file against a float32 copy
 of it written here (every tensor dequantized). Writes llamacpp_quality.json under
 results/llamacpp-quality-<timestamp>/ (or --out).
 """
