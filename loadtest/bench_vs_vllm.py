@@ -170,10 +170,11 @@ def start(server: str, args: argparse.Namespace) -> ServerPair:
                       extra_args=extra).start()
 
 
-def schedule(first: int, reps: int) -> list[tuple[str, list[int]]]:
+def schedule(first: int, reps: int, servers: tuple[str, str] = SERVERS
+             ) -> list[tuple[str, list[int]]]:
     """(server, its reps) per start: A B | B A | A B ..., back-to-back reps in one start."""
     turns = [(s, rep) for rep in range(first, first + reps)
-             for s in (SERVERS if rep % 2 == 0 else SERVERS[::-1])]
+             for s in (servers if rep % 2 == 0 else servers[::-1])]
     starts: list[tuple[str, list[int]]] = []
     for server, rep in turns:
         if starts and starts[-1][0] == server:

@@ -42,7 +42,8 @@ def weight_bytes(config: ModelConfig, vocab_read: int, bytes_per_weight: float) 
 
 
 def model_weight_bytes(loaded: LoadedModel, quantization: str | None) -> int:
-    itemsize = 1.0 if quantization == "int8" else loaded.model.dtype.itemsize
+    # Blocks of 32 codes with a float16 scale and offset (daemon/model/kernels/quant.h).
+    itemsize = {"int8": 36 / 32, "int4": 20 / 32}.get(quantization or "", loaded.model.dtype.itemsize)
     # Head rows past the tokenizer's vocabulary are never read: a token needs no logit there.
     limit = loaded.model.vocab_limit
     return weight_bytes(loaded.config, limit or loaded.config.vocab_size, itemsize)

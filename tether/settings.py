@@ -111,15 +111,16 @@ _HELP: dict[str, str] = {
     "served_model_name": "the model id clients see in /v1/models and send as `model`; empty = "
     "--model's (a checkpoint directory's name; a Hugging Face cache snapshot, "
     ".../models--org--name/snapshots/<commit>, is org/name)",
-    "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA; on "
+    "the CPU kernels a GGUF file's quantized tensors stay quantized unless a dtype is given)",
     "device": "auto | cpu | cuda (auto: CUDA when present)",
     "threads": "CPU threads for the forward pass (0: one per core, less one left to the proxy), "
     "shared out between the tensor-parallel ranks",
     "tensor_parallel_size": "ranks (processes) the daemon runs the model on, each holding 1/N of "
     "every layer: one GPU each on CUDA (CUDA_VISIBLE_DEVICES picks them), gloo on the CPU",
     "kernels": "auto (compiled kernels: C on CPU, Triton attention on CUDA) | torch (torch ops only)",
-    "quantization": "none | int8 (weight-only, per output row; CPU kernels only; opt-in, see "
-    "docs/benchmarks.md for its logit KL)",
+    "quantization": "none | int8 | int4 (weight-only, blocks of 32 inputs as GGUF's Q8_0 and "
+    "Q4_1; CPU kernels only; a GGUF file's own quantized types need none of it)",
     "host": "HTTP listen address",
     "port": "HTTP listen port",
     "api_key": "accepted API key (repeatable; env: comma-separated); none = no auth",
@@ -306,8 +307,8 @@ def _check(s: Settings) -> None:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {s.dtype!r}")
     if s.kernels not in ("auto", "torch"):
         raise ValueError(f"--kernels must be auto or torch, got {s.kernels!r}")
-    if s.quantization not in ("none", "int8"):
-        raise ValueError(f"--quantization must be none or int8, got {s.quantization!r}")
+    if s.quantization not in ("none", "int8", "int4"):
+        raise ValueError(f"--quantization must be none, int8 or int4, got {s.quantization!r}")
     if s.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                          f"got {s.tool_call_parser!r}")

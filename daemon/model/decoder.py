@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ from daemon.model.parallel.layers import (
     local_kv_heads,
 )
 from daemon.model.rope import Rotary
+
+if TYPE_CHECKING:
+    from daemon.model.kernels.quant_pack import Blocks
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -193,6 +196,9 @@ class DecoderLM(nn.Module):
                                       for theta, scaling in distinct)
         self.rotary_of = [distinct.index(r) for r in ropes]
         self.embed_scale = cfg.embedding_multiplier
+        # Parameters a GGUF file holds quantized, kept so for the CPU kernels (which pack them
+        # at install); their tensors here are left unfilled.
+        self.quantized: dict[str, Blocks] = {}
         if cfg.scale_embeddings:  # rounded to the weights' dtype, as transformers does
             self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype).item()
 

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from daemon.model.gguf_file import GGUFError, GGUFFile
+from daemon.model.kernels import quant_pack
+from daemon.model.kernels.quant_pack import Blocks
 
 # general.architecture -> the transformers class config.py knows it by.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -155,6 +157,22 @@ def unconverted(file: GGUFFile, name: str, num_heads: int = 0) -> np.ndarray:
     if file.arch == "gemma3" and name.endswith("norm.weight"):
         values = values - 1.0  # the converter added Gemma's unit offset
     return values
+
+
+def unconverted_blocks(file: GGUFFile, name: str, num_heads: int = 0) -> Blocks | None:
+    """Tensor `name` as quantized blocks (quant_pack) in Hugging Face's row order, as the CPU
+    kernels compute on them; None for a float type or a tensor that is not a matrix."""
+    tensor = file.tensors[name]
+    if tensor.tensor_type not in quant_pack.QUANTIZED_TYPES or len(tensor.data.shape) != 2:
+        return None
+    rows = tensor.data.shape[0]
+    try:
+        out = quant_pack.from_gguf(tensor.data, tensor.tensor_type, rows)
+    except ValueError as e:
+        raise GGUFError(f"{file.path}: tensor {name!r}: {e}") from e
+    if num_heads and file.arch in _PERMUTED_QK:
+        out = out.rows(_unpermute(np.arange(rows), num_heads))
+    return out
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:

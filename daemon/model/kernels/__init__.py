@@ -1,8 +1,9 @@
 """Compiled kernels behind the model's module boundaries, chosen per device at load time.
 
-CPU: cpu_kernels.c (weight-streaming linears over packed weights, norms, RoPE) and
-cpu_attention.c (decode attention over the paged cache), built with the system compiler on
-first use. CUDA: a Triton kernel for
+CPU: cpu_kernels.c (weight-streaming linears over packed weights, norms, RoPE),
+cpu_attention.c (decode attention over the paged cache), quant.c with its CPU tiers (quantized
+weights times int8 activations) and bf16.c with its (bf16 products), built with the system
+compiler on first use. CUDA: a Triton kernel for
 decode attention over the paged cache (triton_attention.py); the linears stay cuBLAS's. With
 ``kernels="torch"`` the model keeps the torch reference modules of daemon/model/decoder.py everywhere.
 """
@@ -24,8 +25,8 @@ def install(model: DecoderLM, device: torch.device, kernels: str = "auto",
             quantization: str | None = None) -> str:
     """Swap kernels into `model`; returns which ones it now runs: 'cpu', 'triton' or 'torch'.
 
-    Raises ValueError for a combination that cannot run (int8 weights without the CPU
-    kernels)."""
+    Raises ValueError for a combination that cannot run (weights quantized by --quantization
+    without the CPU kernels)."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
     ranks = model.embed_tokens.group.size
@@ -45,13 +46,24 @@ def install(model: DecoderLM, device: torch.device, kernels: str = "auto",
 
         if available():
             install_(model)
-            reason = "int8 weights are a CPU kernel option"
+            reason = "quantized weights are a CPU kernel option"
             if quantization is None:
                 return "triton"
             raise ValueError(f"--quantization {quantization}: {reason}")
         reason = "Triton is not installed"
     else:
         reason = f"kernels={kernels!r}, device {device.type}, dtype {model.dtype}"
+    _dequantize_kept_(model)
     if quantization is not None:
         raise ValueError(f"--quantization {quantization} needs the CPU kernels ({reason})")
     return "torch"
+
+
+@torch.no_grad()
+def _dequantize_kept_(model: DecoderLM) -> None:
+    """The weights a GGUF file held quantized, into the torch modules' parameters (the kernels
+    that would have computed on them do not run)."""
+    params = dict(model.named_parameters())
+    for name, blocks in model.quantized.items():
+        params[name].copy_(torch.from_numpy(blocks.dequantized()))
+    model.quantized.clear()

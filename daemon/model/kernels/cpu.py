@@ -31,14 +31,25 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_attention.c")
-HEADER = HERE / "cpu_kernels.h"
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
+SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_attention.c", HERE / "quant.c", HERE / "bf16.c")
+HEADERS = (HERE / "cpu_kernels.h", HERE / "quant.h", HERE / "quant_ymm.h", HERE / "bf16.h")
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-Wno-psabi"]
+# The quantized and bf16 kernels' CPU tiers, each built with its own instructions whatever
+# this CPU has (quant.c and bf16.c call one only where CPUID says the CPU has them); x86-64
+# only. A tier the compiler cannot build is left out (its table is then missing).
+_AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"]
+TIERS = {
+    "quant_avx512.c": [*_AVX512, "-mavx512vnni"],
+    "quant_avxvnni.c": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
+    "quant_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "bf16_avx512.c": [*_AVX512, "-mavx512bf16"],
+    "bf16_amx.c": ["-mamx-tile", "-mamx-bf16"],
+}
 BLOCK = 32  # output rows per packed block (NB in the C source)
-F32, BF16, I8 = 0, 1, 2  # weight and cache element types (TL_* in the C source)
+F32, BF16 = 0, 1  # float weight and cache element types (TL_* in the C source)
 STORE = 0  # a packed weight's output: plain, or act(gate) * up (GATED[act])
 GATED = {"silu": 2, "gelu_pytorch_tanh": 3}
-WEIGHT_TYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.int8: I8}
+WEIGHT_TYPES = {torch.float32: F32, torch.bfloat16: BF16}
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -60,12 +71,24 @@ class Layer(ctypes.Structure):
 
 
 _W, _L = ctypes.POINTER(Weights), ctypes.POINTER(Layer)
-_SIGNATURES = {
-    "tl_linear": [_P, _I, _I, _W, _P, _I],
-    "tl_rmsnorm": [_P, _I, _I, _P, _F, _P],
-    "tl_decode_attention": [_P, _I, _P, _P, _C, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P],
-    "tl_layer_attn_in": [_L, _P, _I, _P, _P, _P, _P, _P, _C, _P],
-    "tl_layer_attn_out_mlp": [_L, _P, _I, _P],
+_SIGNATURES = {  # name: (argument types, result type)
+    "tl_linear": ([_P, _I, _I, _W, _P, _I], None),
+    "tl_rmsnorm": ([_P, _I, _I, _P, _F, _P], None),
+    "tl_decode_attention": ([_P, _I, _P, _P, _C, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P],
+                            None),
+    "tl_layer_attn_in": ([_L, _P, _I, _P, _P, _P, _P, _P, _C, _P], None),
+    "tl_layer_attn_out_mlp": ([_L, _P, _I, _P], None),
+    "tl_layer_decode": ([_L, _P, _I, _P, _P, _P, _P, _P, _C, _P, _I, _P, _I, _F, _I, _P, _P],
+                        None),
+    "tl_quant_select": ([_C], _C),
+    "tl_quant_tier_name": ([_C], ctypes.c_char_p),
+    "tl_quant_set_dequant_rows": ([_I], None),
+    "tl_quant_set_two_term_rows": ([_I], None),
+    "tl_quant_set_prefetch": ([_I], None),
+    "tl_quant_rows": ([_W, _P, _I, _P], None),
+    "tl_bf16_select": ([_C], _C),
+    "tl_bf16_tier_name": ([_C], ctypes.c_char_p),
+    "tl_bf16_set_rows": ([_I], None),
 }
 
 
@@ -75,9 +98,9 @@ class Kernels:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
+        for name, (argtypes, restype) in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, restype
             setattr(self, name.removeprefix("tl_"), fn)
 
     # Attribute types for mypy; each is set in __init__ from the library.
@@ -86,6 +109,16 @@ class Kernels:
     decode_attention: Callable[..., None]
     layer_attn_in: Callable[..., None]
     layer_attn_out_mlp: Callable[..., None]
+    layer_decode: Callable[..., None]
+    quant_select: Callable[[int], int]
+    quant_tier_name: Callable[[int], bytes]
+    quant_set_dequant_rows: Callable[[int], None]
+    quant_set_two_term_rows: Callable[[int], None]
+    quant_set_prefetch: Callable[[int], None]
+    quant_rows: Callable[..., None]
+    bf16_select: Callable[[int], int]
+    bf16_tier_name: Callable[[int], bytes]
+    bf16_set_rows: Callable[[int], None]
 
 
 _loaded: Kernels | None = None
@@ -119,34 +152,51 @@ def cache_dir() -> Path:
 
 def _build(arch: str = "native") -> Path:
     """The library for `-march=arch` (tests build other vector widths), compiled if needed."""
-    flags = [*FLAGS, f"-march={arch}"]
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    texts = [f.read_text() for f in (*SOURCES, HEADER)]
-    key = hashlib.sha256("\0".join([*texts, *flags, version, platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    units = [(src, [*FLAGS, f"-march={arch}"]) for src in SOURCES]
+    if platform.machine() in ("x86_64", "AMD64"):
+        units += [(HERE / name, [*FLAGS, "-march=x86-64", *flags]) for name, flags in TIERS.items()]
+    texts = [f.read_text() for f in (*SOURCES, *HEADERS, *(src for src, _ in units))]
+    key = hashlib.sha256("\0".join([*texts, *(" ".join(f) for _, f in units), version,
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compile beside the target and rename: daemons starting together never load half a file.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp],
-                              capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = _compile(compiler, units, Path(tmp))
+        done = subprocess.run([compiler, "-shared", "-fopenmp", *map(str, objects), "-o",
+                               f"{tmp}/lib.so"], capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed on the CPU kernels: "
                                f"{done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.replace(f"{tmp}/lib.so", target)
     log.info("compiled CPU kernels into %s", target)
     return target
+
+
+def _compile(compiler: str, units: list[tuple[Path, list[str]]], out: Path) -> list[Path]:
+    """One object per source, compiled side by side; a tier's failure leaves the tier out."""
+    jobs = [(src, out / f"{src.stem}.o") for src, _ in units]
+    procs = [subprocess.Popen([compiler, *flags, "-c", str(src), "-o", str(obj)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for (src, flags), (_, obj) in zip(units, jobs, strict=True)]
+    objects = []
+    for (src, obj), proc in zip(jobs, procs, strict=True):
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode == 0:
+            objects.append(obj)
+        elif src.name in TIERS:
+            log.warning("%s cannot build %s; that tier is left out: %s", compiler, src.name,
+                        err.strip()[-500:])
+        else:
+            raise RuntimeError(f"{compiler} failed on the CPU kernels: {err.strip()[-2000:]}")
+    return objects
 
 
 def _cpu_flags() -> str:
@@ -193,12 +243,3 @@ def _pad_rows(weight: Tensor, multiple: int) -> Tensor:
     if not extra:
         return weight
     return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])])
-
-
-def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8: weight ~= q * scale[:, None]. Rows of zeros get scale 1."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale

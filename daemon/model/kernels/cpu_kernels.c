@@ -14,8 +14,8 @@
  * hash of this file and the CPU) and loaded after torch, so its OpenMP regions run on torch's
  * own libgomp thread pool and follow torch.set_num_threads.
  *
- * Activations are float32 throughout; weights are float32, bfloat16 or int8 with a float32
- * scale per output row; the KV cache is float32 or bfloat16.
+ * Activations are float32 throughout; weights are float32 or bfloat16 here, quantized ones
+ * in quant.c; the KV cache is float32 or bfloat16.
  */
 #include "cpu_kernels.h"
 
@@ -83,10 +83,9 @@ INLINE void part_tile(const float* x, int64_t ldx, int mt, int64_t k0, int64_t k
 }
 
 /* Constant row count and type per call, so each case compiles to a fully unrolled tile. */
-#define TILE_TYPES(FN, ROWS)                                               \
-  if (type == TL_F32) FN(x, ldx, ROWS, K, w, TL_F32, pf, lines, acc);      \
-  else if (type == TL_BF16) FN(x, ldx, ROWS, K, w, TL_BF16, pf, lines, acc); \
-  else FN(x, ldx, ROWS, K, w, TL_I8, pf, lines, acc);                      \
+#define TILE_TYPES(FN, ROWS)                                          \
+  if (type == TL_F32) FN(x, ldx, ROWS, K, w, TL_F32, pf, lines, acc); \
+  else FN(x, ldx, ROWS, K, w, TL_BF16, pf, lines, acc);               \
   return;
 
 INLINE void tile_any(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
@@ -121,10 +120,9 @@ INLINE void half_tile_any(const float* x, int64_t ldx, int mt, int64_t K, const 
 
 #define PART(ROWS, TVV, TYPE) \
   part_tile(x, ldx, ROWS, k0, k1, w, TYPE, h, TVV, pf, lines, per_k, acc)
-#define PART_TYPES(ROWS, TVV)                                 \
-  if (type == TL_F32) PART(ROWS, TVV, TL_F32);                \
-  else if (type == TL_BF16) PART(ROWS, TVV, TL_BF16);         \
-  else PART(ROWS, TVV, TL_I8);                                \
+#define PART_TYPES(ROWS, TVV)                  \
+  if (type == TL_F32) PART(ROWS, TVV, TL_F32); \
+  else PART(ROWS, TVV, TL_BF16);               \
   return;
 
 INLINE void part_tile_any(const float* x, int64_t ldx, int mt, int64_t k0, int64_t k1,
@@ -175,19 +173,6 @@ INLINE void store_row(float* y, int64_t n0, int64_t n_valid, const fvec v[NV], i
   for (int64_t i = 0; i < n; i++) y[n0 + i] = (mode == TL_ADD ? res[n0 + i] : 0.0f) + tmp[i];
 }
 
-/* A packed weight (daemon/model/kernels/cpu.py: pack): `blocks` blocks of 32 rows of n_in, n_out
- * rows in use. scale (int8's, and any output multiplier) and bias are in packed row order, or
- * NULL. mode TL_STORE, or TL_SILU_MUL / TL_GELU_TANH_MUL (each block holds 16 gate rows then
- * their 16 up rows; the output is act(gate) * up, n_out columns). Mirrored by ctypes in
- * cpu.py: keep the two in step. */
-typedef struct {
-  const void* w;
-  const float* scale;
-  const float* bias;
-  int64_t blocks, n_in, n_out;
-  int32_t type, mode;
-} tl_weights;
-
 /* Rows [0, mr) of one block, in groups of at most HT rows (WR while mr <= WM), balanced (8 rows
  * are 3 + 3 + 2, 16 are 6 + 5 + 5), each walking the block KC k at a time: a chunk's weights
  * come from memory once and stay in L1 for every group and vector pair, and each pass over a
@@ -196,7 +181,7 @@ typedef struct {
  * during the later walks: 8 rows cost 2x one row's tick, for ~13 ms of FMAs in a ~28 ms tick. */
 INLINE void block_rows(const float* x, int64_t ldx, int mr, int64_t K, const char* wb, int type,
                        fvec acc[][NV]) {
-  int64_t row = NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1);
+  int64_t row = NB * (type == TL_F32 ? 4 : 2);
   int wide = mr <= WM, ht = wide ? WR : HT, tv = wide ? NV : TV;
   int groups = (mr + ht - 1) / ht, passes = groups * (NV / tv);
   int64_t lines = (KC * row / 64 + passes - 1) / passes; /* of the next chunk, per pass */
@@ -215,56 +200,91 @@ INLINE void block_rows(const float* x, int64_t ldx, int mr, int64_t K, const cha
   }
 }
 
+/* Rows [0, mt) of block b's sums, acc[m][0..32): scaled, biased and stored (or gated) into
+ * the rows of y from y (with TL_ADD, res + the sums). */
+INLINE void emit(const tl_weights* W, int64_t b, const fvec acc[][NV], int64_t mt, float* y,
+                 int64_t ldy, int mode, const float* res, int64_t ldr) {
+  const float *scale = W->scale, *bias = W->bias;
+  int64_t n_out = W->n_out;
+  fvec sc[NV], bi[NV];
+  for (int j = 0; j < NV; j++) {
+    sc[j] = scale ? loadv(scale, b * NB + j * VL, TL_F32) : splat(1.0f);
+    bi[j] = bias ? loadv(bias, b * NB + j * VL, TL_F32) : splat(0.0f);
+  }
+  for (int64_t m = 0; m < mt; m++) {
+    fvec v[NV];
+    for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];
+    float* yrow = y + m * ldy;
+    if (mode >= TL_SILU_MUL) { /* vectors [0, NV/2): gates; [NV/2, NV): their ups */
+      float tmp[NB / 2];
+      for (int j = 0; j < NV / 2; j++) {
+        fvec out = gate_act(v[j], mode) * v[j + NV / 2];
+        memcpy(tmp + j * VL, &out, sizeof out);
+      }
+      int64_t n0 = b * (NB / 2), n = n_out - n0 < NB / 2 ? n_out - n0 : NB / 2;
+      for (int64_t i = 0; i < n; i++) yrow[n0 + i] = tmp[i];
+    } else {
+      store_row(yrow, b * NB, n_out, v, mode, res + m * ldr);
+    }
+  }
+}
+
+/* Every row of block b (its weights at wb, of `type`) into y: up to MT rows stream the block
+ * once in a whole-block tile (batch 1's weight-streaming path); up to CM, where memory and
+ * FMAs take about as long, block_rows; more rows are compute-bound and walk the block HT rows
+ * at a time, TV vectors at a time, each walk prefetching its share (`lines`) of the next. */
+INLINE void walk_block(const float* x, int64_t ldx, int64_t M, const tl_weights* W, int64_t b,
+                       const char* wb, int type, int64_t lines, float* y, int64_t ldy, int mode,
+                       const float* res, int64_t ldr) {
+  int64_t K = W->n_in;
+  int rows = M <= MT ? MT : M <= CM ? CM : HT; /* rows per walk over a block */
+  int64_t block = K * NB * (type == TL_F32 ? 4 : 2); /* bytes */
+  for (int64_t m0 = 0; m0 < M; m0 += rows) {
+    int mt = M - m0 < rows ? (int)(M - m0) : rows;
+    fvec acc[CM][NV];
+    const char* pf = wb + block + m0 / rows * lines * 64;
+    if (rows == CM) block_rows(x + m0 * ldx, ldx, mt, K, wb, type, acc);
+    else if (rows > MT) big_tile(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc);
+    else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc); /* and HT == MT's */
+    emit(W, b, acc, mt, y + m0 * ldy, ldy, mode, res + m0 * ldr, ldr);
+  }
+}
+
 /* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with TL_ADD, y = res + x W^T (res may be y).
- * Up to MT rows stream each block once in a whole-block tile (batch 1's weight-streaming
- * path); up to CM, where memory and FMAs take about as long, block_rows; more rows are
- * compute-bound and walk each block HT rows at a time, TV vectors at a time (the block from
- * L2: the walks of the block before prefetched it). Walking those chunk by chunk too was as
- * fast at its best but slower at the median on this shared machine. */
+ * Quantized weights go to quant.c; bfloat16 ones of enough rows to bf16.c where the CPU has
+ * bf16 products. Walking more than CM rows chunk by chunk too was as fast
+ * at its best but slower at the median on this shared machine. */
 static void linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                    int64_t ldy, int add, const float* res, int64_t ldr) {
-  const void* w = W->w;
-  const float *scale = W->scale, *bias = W->bias;
-  int64_t K = W->n_in, n_out = W->n_out, num_blocks = W->blocks;
   int type = W->type, mode = add ? TL_ADD : W->mode;
-  int rows = M <= MT ? MT : M <= CM ? CM : HT; /* rows per walk over a block */
-  int64_t block = K * NB * (type == TL_F32 ? 4 : type == TL_BF16 ? 2 : 1); /* bytes */
+  if (type >= TL_Q4) {
+    tl_quant_linear(x, ldx, M, W, y, ldy, mode, res, ldr);
+    return;
+  }
+  if (type == TL_BF16 && tl_bf16_linear(x, ldx, M, W, y, ldy, mode, res, ldr)) return;
+  int64_t K = W->n_in, num_blocks = W->blocks;
+  int rows = M <= MT ? MT : M <= CM ? CM : HT;
+  int64_t block = K * NB * (type == TL_F32 ? 4 : 2); /* bytes */
   /* More than CM rows walk each block several times: each walk prefetches its share of the
    * next block's lines (at most one a k), so that the next block's first walk finds it in L2. */
   int64_t walks = (M + rows - 1) / rows, lines = M > CM ? (block / 64 + walks - 1) / walks : 0;
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < num_blocks; b++) {
-    const char* wb = (const char*)w + b * block;
-    fvec sc[NV], bi[NV];
-    for (int j = 0; j < NV; j++) {
-      sc[j] = scale ? loadv(scale, b * NB + j * VL, TL_F32) : splat(1.0f);
-      bi[j] = bias ? loadv(bias, b * NB + j * VL, TL_F32) : splat(0.0f);
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += rows) {
-      int mt = M - m0 < rows ? (int)(M - m0) : rows;
-      fvec acc[CM][NV];
-      const char* pf = wb + block + m0 / rows * lines * 64;
-      if (rows == CM) block_rows(x + m0 * ldx, ldx, mt, K, wb, type, acc);
-      else if (rows > MT) big_tile(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc);
-      else tile_any(x + m0 * ldx, ldx, mt, K, wb, type, pf, lines, acc); /* and HT == MT's */
-      for (int m = 0; m < mt; m++) {
-        fvec v[NV];
-        for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];
-        float* yrow = y + (m0 + m) * ldy;
-        if (mode >= TL_SILU_MUL) { /* vectors [0, NV/2): gates; [NV/2, NV): their ups */
-          float tmp[NB / 2];
-          for (int j = 0; j < NV / 2; j++) {
-            fvec out = gate_act(v[j], mode) * v[j + NV / 2];
-            memcpy(tmp + j * VL, &out, sizeof out);
-          }
-          int64_t n0 = b * (NB / 2), n = n_out - n0 < NB / 2 ? n_out - n0 : NB / 2;
-          for (int64_t i = 0; i < n; i++) yrow[n0 + i] = tmp[i];
-        } else {
-          store_row(yrow, b * NB, n_out, v, mode, res + (m0 + m) * ldr);
-        }
-      }
-    }
-  }
+  for (int64_t b = 0; b < num_blocks; b++)
+    walk_block(x, ldx, M, W, b, (const char*)W->w + b * block, type, lines, y, ldy, mode, res,
+               ldr);
+}
+
+void tl_walk_f32(const float* x, int64_t ldx, int64_t M, const tl_weights* W, int64_t b,
+                 const float* wb, float* y, int64_t ldy, int mode, const float* res,
+                 int64_t ldr) {
+  walk_block(x, ldx, M, W, b, (const char*)wb, TL_F32, 0, y, ldy, mode, res, ldr);
+}
+
+void tl_emit(const tl_weights* W, int64_t b, const float* sums, int64_t mt, float* y,
+             int64_t ldy, int mode, const float* res, int64_t ldr) {
+  fvec acc[QMR][NV];
+  memcpy(acc, sums, sizeof(float) * NB * mt);
+  emit(W, b, acc, mt, y, ldy, mode, res, ldr);
 }
 
 void tl_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
@@ -345,12 +365,6 @@ typedef struct {
   tl_weights qkv, o, gate_up, down;
 } tl_layer;
 
-INLINE uint16_t to_bf16(float v) { /* round to nearest even */
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
 /* qkv [M, (H + 2 KVH) d] = rope(norm(x) Wqkv^T), the q and k heads normed first when the layer
  * has q/k norms, no rope when cos_ is NULL (a layer without RoPE); K and V rows then go to the
  * cache rows write_rows[t * KVH + head] (cache viewed as [-1, d], of cache_type). */
@@ -409,4 +423,20 @@ void tl_layer_attn_out_mlp(const tl_layer* L, float* x, int64_t M, const float* 
   branch_add(act, M, &L->down, L->mlp_out_norm, L->eps, x);
   free(h);
   free(act);
+}
+
+/* A layer of decodes only (one token a sequence, the batch's rows in order), in one call:
+ * tl_layer_attn_in, decode attention over the paged cache into attn [M, H d], then
+ * tl_layer_attn_out_mlp. At one stream the Python and ctypes between three calls a layer
+ * were ~10% of a token. */
+void tl_layer_decode(const tl_layer* L, float* x, int64_t M, const float* cos_,
+                     const float* sin_, const int64_t* write_rows, void* k_cache, void* v_cache,
+                     int cache_type, const int64_t* tables, int64_t max_blocks,
+                     const int64_t* lens, int64_t block_size, float scale, int64_t window,
+                     float* qkv, float* attn) {
+  int64_t H = L->heads, KVH = L->kv_heads, d = L->head_dim;
+  tl_layer_attn_in(L, x, M, cos_, sin_, write_rows, k_cache, v_cache, cache_type, qkv);
+  tl_decode_attention(qkv, (H + 2 * KVH) * d, k_cache, v_cache, cache_type, tables, max_blocks,
+                      lens, M, H, KVH, d, block_size, scale, window, attn);
+  tl_layer_attn_out_mlp(L, x, M, attn);
 }

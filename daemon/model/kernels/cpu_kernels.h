@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant.h"
+
 /* Vectors of the machine's own width: GCC lowers a wider generic vector badly (through the
  * stack, lane by lane, for AVX2). Up to MT rows of activations (batch 1's weight streaming)
  * walk whole blocks, MT rows times NV vectors per block row of accumulators, sized to the
@@ -47,11 +49,43 @@ typedef float fvec __attribute__((vector_size(VL * 4)));
 typedef int32_t ivec __attribute__((vector_size(VL * 4)));
 typedef uint16_t hvec __attribute__((vector_size(VL * 2)));
 
-enum { TL_F32 = 0, TL_BF16 = 1, TL_I8 = 2 };
+enum { TL_F32 = 0, TL_BF16 = 1 }; /* quantized weights: quant.h's TL_Q4 and on */
 enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2, TL_GELU_TANH_MUL = 3 };
 #define NB 32       /* output rows per packed block */
 #define NV (NB / VL) /* vectors per packed block row */
 #define INLINE static inline __attribute__((always_inline))
+
+/* A packed weight (daemon/model/kernels/cpu.py: pack; quantized types: quant.h): `blocks`
+ * blocks of 32 rows of n_in, n_out rows in use. scale (an output multiplier per row) and bias
+ * are in packed row order, or NULL. mode TL_STORE, or TL_SILU_MUL / TL_GELU_TANH_MUL (each block holds 16 gate rows then
+ * their 16 up rows; the output is act(gate) * up, n_out columns). Mirrored by ctypes in
+ * cpu.py: keep the two in step. */
+typedef struct {
+  const void* w;
+  const float* scale;
+  const float* bias;
+  int64_t blocks, n_in, n_out;
+  int32_t type, mode;
+} tl_weights;
+
+/* The quantized linears (quant.c), the bf16 products (bf16.c: 0 when it leaves the call to
+ * cpu_kernels.c), and the pieces of cpu_kernels.c they share: the fp32 walk over one block of
+ * 32 rows, and the scale / bias / mode step of a tile's sums [mt][32] (mt <= QMR). */
+void tl_quant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
+                     int64_t ldy, int mode, const float* res, int64_t ldr);
+int tl_bf16_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
+                   int64_t ldy, int mode, const float* res, int64_t ldr);
+void tl_walk_f32(const float* x, int64_t ldx, int64_t M, const tl_weights* W, int64_t b,
+                 const float* wb, float* y, int64_t ldy, int mode, const float* res,
+                 int64_t ldr);
+void tl_emit(const tl_weights* W, int64_t b, const float* sums, int64_t mt, float* y,
+             int64_t ldy, int mode, const float* res, int64_t ldr);
+
+/* cpu_attention.c's decode attention (a decode-only layer calls it from cpu_kernels.c). */
+void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                         int type, const int64_t* block_tables, int64_t max_blocks,
+                         const int64_t* context_lens, int64_t D, int64_t H, int64_t KVH,
+                         int64_t d, int64_t bs, float scale, int64_t window, float* out);
 
 /* A broadcast (one load when v is in memory); `0 + v` cost an add and a register shuffle per
  * activation in the linears' inner loop. */
@@ -84,25 +118,19 @@ INLINE fvec loadv(const void* base, int64_t i, int type) {
   fvec out;
   if (type == TL_F32) {
     memcpy(&out, (const float*)base + i, sizeof out);
-  } else if (type == TL_BF16) {
+  } else {
     hvec h;
     memcpy(&h, (const uint16_t*)base + i, sizeof h);
     ivec bits = __builtin_convertvector(h, ivec) << 16;
     memcpy(&out, &bits, sizeof out);
-  } else {
-    /* GCC scalarises a generic int8 -> float vector conversion; say it in intrinsics. */
-    const int8_t* p = (const int8_t*)base + i;
-#if defined(__AVX512F__)
-    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-    memcpy(&out, &v, sizeof out);
-#elif defined(__AVX2__)
-    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-    memcpy(&out, &v, sizeof out);
-#else
-    for (int j = 0; j < VL; j++) out[j] = (float)p[j];
-#endif
   }
   return out;
+}
+
+INLINE uint16_t to_bf16(float v) { /* round to nearest even */
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 /* exp, arguments clamped to [-87, 88]; Cephes' polynomial after reduction by ln 2 (about 1 ulp). */

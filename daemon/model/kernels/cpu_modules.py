@@ -6,8 +6,9 @@ SDPA); then the output projection with its residual, norm, gate/up with SiLU-and
 the down projection with its residual (tl_layer_attn_out_mlp). Between op-by-op calls Python
 cost more than the normalisation, RoPE and attention together at batch 1.
 
-Activations are float32 whatever the weights' dtype; weights are packed once (cpu.pack) as
-float32, bfloat16 or int8 with a scale per row. Each replacement keeps the forward signature
+Activations are float32 whatever the weights' dtype; weights are packed once as float32 or
+bfloat16 (cpu.pack), or quantized (quant_pack.pack: a GGUF file's blocks as they are, or
+weights quantized at load by --quantization). Each replacement keeps the forward signature
 of the torch module it replaces (daemon/model/decoder.py).
 """
 
@@ -23,62 +24,90 @@ from torch import Tensor, nn
 from daemon.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from daemon.model.config import ModelConfig
 from daemon.model.decoder import DecoderLayer, DecoderLM, RMSNorm
-from daemon.model.kernels import cpu
+from daemon.model.kernels import cpu, quant_pack
 from daemon.model.kernels.cpu import Kernels
+from daemon.model.kernels.quant_pack import Blocks
 from daemon.model.parallel.layers import Linear
-
-QUANTIZATIONS = ("int8",)
 
 
 def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None) -> None:
-    """Replace the model's layers, final norm, embedding and head, in place."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, "
-                         f"got {quantization!r}")
-    int8 = quantization == "int8"
-    model.layers = nn.ModuleList(CpuDecoderLayer(cast(DecoderLayer, layer), model.config,
-                                                 kernels, int8) for layer in model.layers)
+    """Replace the model's layers, final norm, embedding and head, in place. The weights in
+    `model.quantized` are packed as they are (and leave it)."""
+    if quantization is not None and quantization not in quant_pack.QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(quant_pack.QUANTIZATIONS)} "
+                         f"or None, got {quantization!r}")
+    kept = model.quantized
+    model.layers = nn.ModuleList(
+        CpuDecoderLayer(cast(DecoderLayer, layer), model.config, kernels, quantization,
+                        {k.removeprefix(f"layers.{i}."): v for k, v in kept.items()
+                         if k.startswith(f"layers.{i}.")})
+        for i, layer in enumerate(model.layers))
     model.norm = KernelRMSNorm(model.norm, kernels)  # type: ignore[assignment]
     limit, tied = model.vocab_limit, model.lm_head is None
+    name = "embed_tokens.weight" if tied else "lm_head.weight"
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    head = PackedLinear(weight if limit is None else weight[:limit], None, kernels, int8)
+    blocks = kept.get(name)
+    if blocks is None:
+        head = PackedLinear(weight if limit is None else weight[:limit], None, kernels,
+                            quantization)
+    else:
+        head = PackedLinear(blocks if limit is None else blocks.rows(slice(0, limit)), None,
+                            kernels)
     # A tied head serves the embedding lookups too, so the table is held once, packed; with a
     # vocab limit the packed head lacks rows a token id may still name.
-    source = head if tied and limit is None else model.embed_tokens.weight
+    embed = kept.get("embed_tokens.weight")
+    source: PackedLinear | Tensor = (
+        head if tied and limit is None else model.embed_tokens.weight if embed is None
+        else PackedLinear(embed, None, kernels))
     model.embed_tokens = KernelEmbedding(source)  # type: ignore[assignment]
     model.lm_head = KernelLMHead(head, model.config.vocab_size)  # type: ignore[assignment]
+    model.quantized = {}
 
 
 class PackedLinear(nn.Module):
     """A weight packed for tl_linear; forward gives y = (x W^T + bias) * out_scale, float32.
-    With gate_up, act(gate) * up (act: a key of cpu.GATED)."""
+    With gate_up, act(gate) * up (act: a key of cpu.GATED). The weight is a float32 or
+    bfloat16 tensor, quantized here when `quantize` names a format (quant_pack.QUANTIZATIONS),
+    or quantized Blocks (quant.h) as a GGUF file held them."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, kernels: Kernels, int8: bool,
-                 gate_up: bool = False, act: str = "silu", out_scale: float = 1.0) -> None:
+    def __init__(self, weight: Tensor | Blocks, bias: Tensor | None, kernels: Kernels,
+                 quantize: str | None = None, gate_up: bool = False, act: str = "silu",
+                 out_scale: float = 1.0) -> None:
         super().__init__()
-        weight = weight.detach()
+        if isinstance(weight, Tensor) and quantize is not None:
+            weight = quant_pack.quantize(weight, quant_pack.QUANTIZATIONS[quantize])
+        if isinstance(weight, Blocks):
+            n, n_in = weight.codes.shape[0], weight.inputs
+            self.packed, kind = quant_pack.pack(weight, gate_up), weight.kind
+            units = -(-n // 2 // quant_pack.GROUP) if gate_up else -(-n // quant_pack.UNIT)
+        else:
+            weight = weight.detach()
+            if weight.dtype not in cpu.WEIGHT_TYPES:
+                weight = weight.float()
+            n, n_in = weight.shape
+            self.packed, kind = cpu.pack(weight, gate_up), cpu.WEIGHT_TYPES[weight.dtype]
+            units = self.packed.shape[0]
         row_scale = None
-        if int8:
-            weight, row_scale = cpu.quantize_int8(weight)
-        elif weight.dtype not in cpu.WEIGHT_TYPES:
-            weight = weight.float()
         if out_scale != 1.0:  # Granite's residual multiplier rides on the row scales
-            row_scale = (torch.ones(weight.shape[0]) if row_scale is None else row_scale) * out_scale
+            row_scale = torch.full((n,), out_scale)
             bias = None if bias is None else bias.detach().float() * out_scale
-        self.packed = cpu.pack(weight, gate_up)
         self.scale = None if row_scale is None else cpu.pack_vector(row_scale, gate_up)
         self.bias = None if bias is None else cpu.pack_vector(bias.detach(), gate_up)
-        n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
-        self.desc = cpu.Weights(
-            self.packed.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.packed.shape[0],
-            weight.shape[1], n_out, cpu.WEIGHT_TYPES[weight.dtype],
-            cpu.GATED[act] if gate_up else cpu.STORE)
+        self.desc = cpu.Weights(self.packed.data_ptr(), _ptr(self.scale), _ptr(self.bias), units,
+                                n_in, n // 2 if gate_up else n, kind,
+                                cpu.GATED[act] if gate_up else cpu.STORE)
         self.kernels = kernels
 
     @classmethod
-    def replacing(cls, linear: Linear, kernels: Kernels, int8: bool, gate_up: bool = False,
-                  act: str = "silu", out_scale: float = 1.0) -> PackedLinear:
-        return cls(linear.weight, linear.bias, kernels, int8, gate_up, act, out_scale)
+    def replacing(cls, linear: Linear, kernels: Kernels, quantize: str | None,
+                  gate_up: bool = False, act: str = "silu", out_scale: float = 1.0,
+                  blocks: Blocks | None = None) -> PackedLinear:
+        weight = linear.weight if blocks is None else blocks
+        return cls(weight, linear.bias, kernels, quantize, gate_up, act, out_scale)
+
+    @property
+    def quantized(self) -> bool:
+        return self.desc.type >= quant_pack.TL_Q4
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.float().contiguous()
@@ -89,24 +118,38 @@ class PackedLinear(nn.Module):
 
     def rows(self, ids: Tensor) -> Tensor:
         """Rows `ids` of the weight, float32 (a tied head serving embedding lookups)."""
-        out = cpu.unpack_rows(self.packed, ids).float()
+        if self.quantized:
+            ids = ids.to(torch.int64).contiguous()
+            out = torch.empty(ids.shape[0], self.desc.n_in)
+            self.kernels.quant_rows(ctypes.byref(self.desc), ids.data_ptr(), ids.shape[0],
+                                    out.data_ptr())
+        else:
+            out = cpu.unpack_rows(self.packed, ids).float()
         return out if self.scale is None else out * self.scale[ids][:, None]
 
 
 class CpuDecoderLayer(nn.Module):
     def __init__(self, layer: DecoderLayer, cfg: ModelConfig, kernels: Kernels,
-                 int8: bool) -> None:
+                 quantize: str | None = None, quantized: dict[str, Blocks] | None = None
+                 ) -> None:
+        """quantize: a format to quantize float weights into; quantized: this layer's weights
+        a GGUF file held quantized, by parameter name in the layer."""
         super().__init__()
+        kept = quantized or {}
         attn, mlp = layer.attn, layer.mlp
         # Granite's residual multiplier scales a branch's output; after its norm if it has one.
         out_norms = [None if n is None else n.scale() * cfg.residual_multiplier
                      for n in (layer.attn_out_norm, layer.mlp_out_norm)]
         o_scale, down_scale = (cfg.residual_multiplier if n is None else 1.0 for n in out_norms)
-        self.qkv = PackedLinear.replacing(attn.qkv_proj, kernels, int8)
-        self.o = PackedLinear.replacing(attn.o_proj, kernels, int8, out_scale=o_scale)
-        self.gate_up = PackedLinear.replacing(mlp.gate_up_proj, kernels, int8, gate_up=True,
-                                              act=cfg.hidden_act)
-        self.down = PackedLinear.replacing(mlp.down_proj, kernels, int8, out_scale=down_scale)
+        self.qkv = PackedLinear.replacing(attn.qkv_proj, kernels, quantize,
+                                          blocks=kept.get("attn.qkv_proj.weight"))
+        self.o = PackedLinear.replacing(attn.o_proj, kernels, quantize, out_scale=o_scale,
+                                        blocks=kept.get("attn.o_proj.weight"))
+        self.gate_up = PackedLinear.replacing(mlp.gate_up_proj, kernels, quantize, gate_up=True,
+                                              act=cfg.hidden_act,
+                                              blocks=kept.get("mlp.gate_up_proj.weight"))
+        self.down = PackedLinear.replacing(mlp.down_proj, kernels, quantize, out_scale=down_scale,
+                                           blocks=kept.get("mlp.down_proj.weight"))
         # Kept referenced: the layer descriptor holds their addresses.
         self.norms = [layer.input_norm.scale(), layer.post_attention_norm.scale(),
                       *(None if n is None else n.scale() for n in (attn.q_norm, attn.k_norm)),
@@ -129,10 +172,16 @@ class CpuDecoderLayer(nn.Module):
         qkv = x.new_empty(x.shape[0], heads + 2 * kv_heads, head_dim)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         tables = (cos.data_ptr(), sin.data_ptr()) if self.rope else (None, None)
-        self.kernels.layer_attn_in(
-            ctypes.byref(self.desc), x.data_ptr(), x.shape[0], *tables,
-            meta.write_rows.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-            cpu.WEIGHT_TYPES[kv_cache.dtype], qkv.data_ptr())
+        cache = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), cpu.WEIGHT_TYPES[kv_cache.dtype])
+        if not meta.prefills and isinstance(self.paged, CpuPagedAttention):  # all decodes
+            out = x.new_empty(x.shape[0], heads * head_dim)
+            self.kernels.layer_decode(
+                ctypes.byref(self.desc), x.data_ptr(), x.shape[0], *tables,
+                meta.write_rows.data_ptr(), *cache, *self.paged.decode_args(kv_cache[0], meta),
+                qkv.data_ptr(), out.data_ptr())
+            return x
+        self.kernels.layer_attn_in(ctypes.byref(self.desc), x.data_ptr(), x.shape[0], *tables,
+                                   meta.write_rows.data_ptr(), *cache, qkv.data_ptr())
         out = self.paged.attend(qkv[:, :heads], qkv[:, heads : heads + kv_heads],
                                 qkv[:, heads + kv_heads :], kv_cache, meta).contiguous()
         self.kernels.layer_attn_out_mlp(ctypes.byref(self.desc), x.data_ptr(), x.shape[0],
@@ -193,20 +242,27 @@ class CpuPagedAttention(PagedAttention):
 
     def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                meta: AttentionMetadata) -> Tensor:
-        tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        assert tables is not None and lens is not None
+        tables, width, lens, block_size, scale, window = self.decode_args(k_cache, meta)
         num_seqs, num_heads, head_dim = q.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.float().contiguous()
-        num_kv_heads, block_size = k_cache.shape[1:3]
         out = q.new_empty(num_seqs, num_heads, head_dim)
         self.kernels.decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            cpu.WEIGHT_TYPES[k_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-            num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-            1.0 / math.sqrt(head_dim) if self.scale is None else self.scale, self.window or 0,
-            out.data_ptr())
+            cpu.WEIGHT_TYPES[k_cache.dtype], tables, width, lens, num_seqs, num_heads,
+            k_cache.shape[1], head_dim, block_size, scale, window, out.data_ptr())
         return out
+
+    def decode_args(self, k_cache: Tensor, meta: AttentionMetadata
+                    ) -> tuple[int, int, int, int, float, int]:
+        """tl_decode_attention's block tables, their width, the context lengths, the cache's
+        block size, the score scale and the window (0: none)."""
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and lens is not None
+        head_dim = k_cache.shape[-1]
+        scale = 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale
+        return (tables.data_ptr(), tables.shape[1], lens.data_ptr(), k_cache.shape[2], scale,
+                self.window or 0)
 
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,

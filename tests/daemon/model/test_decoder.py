@@ -197,15 +197,19 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_in_bfloat16(
         assert (row - theirs).abs().max() <= 2 * (theirs - exact).abs().max() + 1e-3
 
 
-def test_int8_weights_stay_close_to_float32(llama_checkpoint: Checkpoint) -> None:
+# Random Gaussian weights in 4 bits keep ~8% error each (a step of ~(4 sigma) / 15): the KL
+# of that is ~0.26 nats here; a kernel or packing that is wrong gives several.
+@pytest.mark.parametrize(("quantization", "bound"), [("int8", 1e-2), ("int4", 0.5)])
+def test_quantized_weights_stay_close_to_float32(llama_checkpoint: Checkpoint,
+                                                 quantization: str, bound: float) -> None:
     path, hf = llama_checkpoint("none", False)
-    loaded = load_model(str(path), "cpu", torch.float32, quantization="int8")
+    loaded = load_model(str(path), "cpu", torch.float32, quantization=quantization)
     runner = ModelRunner(loaded.model, loaded.config, num_blocks=8)
     (seq,) = make_seqs([30], num_blocks=8, seed=7)
     logits = runner.run([seq.chunk()])[0]
     exact = reference_logits(hf, seq.ids)[-1]
     kl = (exact.log_softmax(-1).exp() * (exact.log_softmax(-1) - logits.log_softmax(-1))).sum()
-    assert 0 < kl < 1e-2
+    assert 0 < kl < bound
 
 
 def test_vocab_limit_masks_padded_ids() -> None:

@@ -68,3 +68,25 @@ def test_greedy_tokens_agree_with_transformers_teacher_forced(loaded: LoadedMode
     assert len(PROMPTS) == 8 and result["positions"] == 256
     assert result["share"] >= 0.99, result
     assert "Paris" in result["rows"][0]["text"]  # it speaks
+
+
+def test_the_files_quantized_weights_stay_quantized_and_agree_with_float32(
+        loaded: LoadedModel) -> None:
+    """--dtype auto (the default) computes on the file's Q4_1 and Q8_0 blocks: a fifth of
+    float32's bytes held, and teacher-forced the same next tokens as float32 at >= 97% of
+    positions, mean KL <= 0.1 nats (issue 37's goals for 4-bit; measured 0.001-0.005). The
+    positions that differ are near-ties of the reference (its top two within a few percent),
+    most at the first token after a prompt; the decode path alone has 128 positions here,
+    where one is 0.8%, so it is held to 95% (on 256, loadtest/quant_quality.py: 97.7%)."""
+    from loadtest.quant_quality import quality
+
+    quantized = load_model(str(real_model_path()), "cpu", "auto")
+    linears = [m for m in quantized.model.modules() if hasattr(m, "packed")]
+    assert {m.desc.type for m in linears} == {3, 4}  # Q4_1 layers, the Q8_0 head
+    held = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    assert held < 110e6  # float32: 540 MB
+    result = quality(loaded, quantized, steps=16)
+    prefill, decode = result["prefill"], result["decode"]
+    assert prefill["mean_kl"] <= 0.1 and decode["mean_kl"] <= 0.1, result
+    assert prefill["share"] >= 0.97 and decode["share"] >= 0.95, result
+    assert (prefill["agree"] + decode["agree"]) / (prefill["positions"] + decode["positions"]) >= 0.97

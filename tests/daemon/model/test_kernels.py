@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from daemon.model.attention import AttentionMetadata, PagedAttention
 from daemon.model.config import ModelConfig
 from daemon.model.decoder import ACTIVATIONS, DecoderLM, RMSNorm
-from daemon.model.kernels import cpu
+from daemon.model.kernels import cpu, quant_pack
 from daemon.model.kernels.cpu_modules import CpuDecoderLayer, CpuPagedAttention, KernelRMSNorm, PackedLinear
 from daemon.model.loader import init_random_
 from daemon.model.runner import ModelRunner, ScheduledChunk
@@ -37,7 +37,7 @@ def weights(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 def test_linear_matches_torch(kernels: cpu.Kernels, n_out: int, n_in: int, rows: int) -> None:
     w, b = weights(n_out, n_in), torch.randn(n_out)
     x = torch.randn(rows, n_in)
-    layer = PackedLinear(w, b, kernels, int8=False)
+    layer = PackedLinear(w, b, kernels)
     assert layer.packed.shape == (-(-n_out // 32), n_in, 32)
     assert torch.allclose(layer(x), F.linear(x, w, b), atol=1e-5)
 
@@ -48,16 +48,21 @@ def test_every_row_count_matches_torch(kernels: cpu.Kernels, rows: int) -> None:
     16 rows; 6-row half blocks over all of K), K across chunk boundaries (300 = 2 x 128 + 44),
     every weight type and the gated output."""
     w, b, x = weights(70, 300), torch.randn(70), torch.randn(rows, 300)
-    assert torch.allclose(PackedLinear(w, b, kernels, int8=False)(x), F.linear(x, w, b),
+    assert torch.allclose(PackedLinear(w, b, kernels)(x), F.linear(x, w, b),
                           atol=1e-5)
     bf16 = w.bfloat16()
-    assert torch.allclose(PackedLinear(bf16, None, kernels, int8=False)(x),
-                          F.linear(x, bf16.float()), atol=1e-5)
-    q, scale = cpu.quantize_int8(w)
-    assert torch.allclose(PackedLinear(w, None, kernels, int8=True)(x),
-                          F.linear(x, q.float() * scale[:, None]), atol=1e-4)
+    kernels.bf16_select(0)  # the float32 walk at every row count (test_bf16.py: the products)
+    try:
+        assert torch.allclose(PackedLinear(bf16, None, kernels)(x),
+                              F.linear(x, bf16.float()), atol=1e-5)
+    finally:
+        kernels.bf16_select(-1)
+    for quantize, bits in quant_pack.QUANTIZATIONS.items():
+        exact = F.linear(x, torch.from_numpy(quant_pack.quantize(w, bits).dequantized()))
+        got = PackedLinear(w, None, kernels, quantize)(x)
+        assert (got - exact).abs().max() < (1e-4 if rows <= 2 else 2e-2) * exact.abs().max()
     gate, up = F.linear(x, w[:64]).chunk(2, dim=-1)
-    assert torch.allclose(PackedLinear(w[:64], None, kernels, int8=False, gate_up=True)(x),
+    assert torch.allclose(PackedLinear(w[:64], None, kernels, gate_up=True)(x),
                           F.silu(gate) * up, atol=1e-5)
 
 
@@ -67,7 +72,7 @@ def test_gate_up_writes_act_times_up(kernels: cpu.Kernels, intermediate: int, ac
     w = weights(2 * intermediate, 48)
     x = torch.randn(5, 48) * 4  # large gates: both tails of the activation
     gate, up = F.linear(x, w).chunk(2, dim=-1)
-    out = PackedLinear(w, None, kernels, int8=False, gate_up=True, act=act)(x)
+    out = PackedLinear(w, None, kernels, gate_up=True, act=act)(x)
     assert out.shape == (5, intermediate)
     assert torch.allclose(out, ACTIVATIONS[act](gate) * up, atol=1e-5)
 
@@ -75,33 +80,40 @@ def test_gate_up_writes_act_times_up(kernels: cpu.Kernels, intermediate: int, ac
 def test_an_output_scale_multiplies_weights_and_bias(kernels: cpu.Kernels) -> None:
     w, b, x = weights(40, 64), torch.randn(40), torch.randn(3, 64)
     want = F.linear(x, w, b) * 0.22
-    assert torch.allclose(PackedLinear(w, b, kernels, int8=False, out_scale=0.22)(x), want,
+    assert torch.allclose(PackedLinear(w, b, kernels, out_scale=0.22)(x), want,
                           atol=1e-5)
-    q, scale = cpu.quantize_int8(w)
-    int8 = PackedLinear(w, b, kernels, int8=True, out_scale=0.22)(x)
-    assert torch.allclose(int8, F.linear(x, q.float() * scale[:, None], b) * 0.22, atol=1e-4)
+    int8 = PackedLinear(w, b, kernels, "int8", out_scale=0.22)(x)
+    exact = F.linear(x, torch.from_numpy(quant_pack.quantize(w, 8).dequantized()), b) * 0.22
+    assert (int8 - exact).abs().max() < 2e-2 * exact.abs().max()
 
 
 def test_bfloat16_weights_compute_in_float32(kernels: cpu.Kernels) -> None:
     w = weights(64, 96).bfloat16()
     x = torch.randn(2, 96)
-    out = PackedLinear(w, None, kernels, int8=False)(x)
+    out = PackedLinear(w, None, kernels)(x)
     assert out.dtype == torch.float32
     assert torch.allclose(out, F.linear(x, w.float()), atol=1e-5)
 
 
-def test_int8_weights_use_a_scale_per_row(kernels: cpu.Kernels) -> None:
-    w = weights(40, 64)
-    w[3] *= 100  # one loud row must not cost the others their precision
+@pytest.mark.parametrize(("quantize", "levels"), [("int8", 255), ("int4", 16)])
+def test_weights_quantize_in_blocks_of_32_inputs(kernels: cpu.Kernels, quantize: str,
+                                                 levels: int) -> None:
+    w = weights(40, 70)  # 70 inputs: the last block padded
+    w[3] *= 100  # a loud row costs the others nothing,
+    w[5, :32] *= 100  # nor a loud block the rest of its row
     w[7] = 0  # an all-zero row
-    q, scale = cpu.quantize_int8(w)
-    assert q.dtype == torch.int8 and (q[7] == 0).all()
-    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
-    x = torch.randn(3, 64)
-    layer = PackedLinear(w, None, kernels, int8=True)
-    assert torch.allclose(layer(x), F.linear(x, q.float() * scale[:, None]), atol=1e-4)
+    blocks = quant_pack.quantize(w, quant_pack.QUANTIZATIONS[quantize])
+    assert blocks.codes.shape == (40, 96) and blocks.inputs == 70
+    back = torch.from_numpy(blocks.dequantized())
+    step = (w.view(40, -1)[:, :64].reshape(40, 2, 32).abs().amax(-1) * 2 / (levels - 1))
+    assert ((back[:, :64] - w[:, :64]).abs().reshape(40, 2, 32) <= step[..., None] * 0.51 + 1e-3).all()
+    assert (back[7] == 0).all()
+    layer = PackedLinear(w, None, kernels, quantize)
+    x = torch.randn(1, 70)
+    exact = F.linear(x, back)
+    assert (layer(x) - exact).abs().max() < 1e-4 * exact.abs().max()
     ids = torch.tensor([0, 3, 39])
-    assert torch.allclose(layer.rows(ids), q[ids].float() * scale[ids, None])
+    assert torch.allclose(layer.rows(ids), back[ids], atol=1e-6)
 
 
 def test_rmsnorm_matches_the_torch_module(kernels: cpu.Kernels) -> None:
@@ -112,14 +124,17 @@ def test_rmsnorm_matches_the_torch_module(kernels: cpu.Kernels) -> None:
     assert torch.allclose(KernelRMSNorm(norm, kernels)(x), norm(x), atol=1e-5)
 
 
-def both_layers(kernels: cpu.Kernels, model: DecoderLM
+DECODES = [ScheduledChunk([1], 20, [3, 9], True), ScheduledChunk([2], 5, [4], True)]
+
+
+def both_layers(kernels: cpu.Kernels, model: DecoderLM, decodes_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(CPU layer's output, torch layer's, their caches) for the model's one layer over a
-    batch of decodes and prefill chunks."""
+    batch of decodes and prefill chunks (or of decodes only: one kernel call a layer)."""
     runner = ModelRunner(model, model.config, num_blocks=32)
-    chunks = [ScheduledChunk([1], 20, [3, 9], True), ScheduledChunk([2], 5, [4], True),
-              ScheduledChunk([3, 4, 5], 14, [7, 8], True),
-              ScheduledChunk(list(range(6, 15)), 0, [30], True)]
+    chunks = DECODES if decodes_only else [
+        *DECODES, ScheduledChunk([3, 4, 5], 14, [7, 8], True),
+        ScheduledChunk(list(range(6, 15)), 0, [30], True)]
     batch = runner._prepare(chunks)
     torch.manual_seed(0)
     dtype = model.dtype
@@ -130,7 +145,7 @@ def both_layers(kernels: cpu.Kernels, model: DecoderLM
     caches = [cache.clone(), cache.clone()]
     with torch.inference_mode():
         want = model.layers[0](x, cos, sin, caches[0], batch.meta)
-        layer = CpuDecoderLayer(model.layers[0], model.config, kernels, int8=False)
+        layer = CpuDecoderLayer(model.layers[0], model.config, kernels)
         got = layer(x.clone(), cos, sin, caches[1], batch.meta)
     return got, want.float(), caches[1].float(), caches[0].float()
 
@@ -139,14 +154,17 @@ def both_layers(kernels: cpu.Kernels, model: DecoderLM
                                                          (torch.float32, True, 32),
                                                          (torch.bfloat16, False, 64),
                                                          (torch.float32, False, 24)])
+@pytest.mark.parametrize("decodes_only", [False, True])
 def test_decoder_layer_matches_the_torch_layer(kernels: cpu.Kernels, dtype: torch.dtype,
-                                               bias: bool, head_dim: int) -> None:
-    """One layer over a batch of decodes and prefill chunks: same output, same cache."""
+                                               bias: bool, head_dim: int,
+                                               decodes_only: bool) -> None:
+    """One layer over a batch of decodes and prefill chunks, or of decodes only (one kernel
+    call: tl_layer_decode): same output, same cache."""
     config = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=72, num_layers=1,
                          num_heads=6, num_kv_heads=2, head_dim=head_dim, qkv_bias=bias)
     model = DecoderLM(config, torch.device("cpu"), dtype)
     init_random_(model, seed=3)
-    got, want, cache, cache_want = both_layers(kernels, model)
+    got, want, cache, cache_want = both_layers(kernels, model, decodes_only)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert (got - want).abs().max() < tol
     assert (cache - cache_want).abs().max() < tol
@@ -230,18 +248,17 @@ def test_narrower_vector_builds_compute_the_same(arch: str) -> None:
     build, with other tile shapes and an int8 path of their own."""
     lib = cpu.Kernels(cpu._build(arch))
     w, b, x = weights(70, 33), torch.randn(70), torch.randn(5, 33)
-    assert torch.allclose(PackedLinear(w, b, lib, int8=False)(x), F.linear(x, w, b), atol=1e-5)
+    assert torch.allclose(PackedLinear(w, b, lib)(x), F.linear(x, w, b), atol=1e-5)
     for rows in (1, 2, 3, 8, 9, 17, 65):  # every tier of tiles
         many = torch.randn(rows, 300)
-        assert torch.allclose(PackedLinear(weights(70, 300), b, lib, int8=False)(many),
+        assert torch.allclose(PackedLinear(weights(70, 300), b, lib)(many),
                               F.linear(many, weights(70, 300), b), atol=1e-5)
-    q, scale = cpu.quantize_int8(w)
-    assert torch.allclose(PackedLinear(w, None, lib, int8=True)(x),
-                          F.linear(x, q.float() * scale[:, None]), atol=1e-4)
+    exact = F.linear(x, torch.from_numpy(quant_pack.quantize(w, 8).dequantized()))
+    assert (PackedLinear(w, None, lib, "int8")(x) - exact).abs().max() < 2e-2 * exact.abs().max()
     gate_up = weights(80, 33)
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
     for act, fn in ACTIVATIONS.items():
-        assert torch.allclose(PackedLinear(gate_up, None, lib, int8=False, gate_up=True,
+        assert torch.allclose(PackedLinear(gate_up, None, lib, gate_up=True,
                                            act=act)(x), fn(gate) * up, atol=1e-5)
     lens = [1, 17, 300]
     for dtype in (torch.float32, torch.bfloat16):
