@@ -1,5 +1,5 @@
-"""Builds, caches and calls the CPU kernels (cpu_kernels.c, cpu_attention.c); packs weights for
-them.
+"""Builds, caches and calls the CPU kernels (cpu_kernels.c, cpu_layer.c, cpu_attention.c);
+packs weights for them.
 
 The shared library is compiled on first use with the system C compiler (``$CC``, else ``cc``)
 for this CPU (``-march=native``) and cached under ``$TETHER_CACHE_DIR`` (else systemd's
@@ -31,7 +31,8 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_attention.c", HERE / "quant.c", HERE / "bf16.c")
+SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_layer.c", HERE / "cpu_attention.c", HERE / "quant.c",
+           HERE / "bf16.c")
 HEADERS = (HERE / "cpu_kernels.h", HERE / "quant.h", HERE / "quant_ymm.h", HERE / "bf16.h")
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-Wno-psabi"]
 # The quantized and bf16 kernels' CPU tiers, each built with its own instructions whatever
@@ -62,7 +63,7 @@ class Weights(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """tl_layer of cpu_kernels.c, field for field."""
+    """tl_layer of cpu_layer.c, field for field."""
 
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
                 ("eps", _F), ("input_norm", _P), ("post_attention_norm", _P), ("q_norm", _P),

@@ -81,7 +81,11 @@ void tl_walk_f32(const float* x, int64_t ldx, int64_t M, const tl_weights* W, in
 void tl_emit(const tl_weights* W, int64_t b, const float* sums, int64_t mt, float* y,
              int64_t ldy, int mode, const float* res, int64_t ldr);
 
-/* cpu_attention.c's decode attention (a decode-only layer calls it from cpu_kernels.c). */
+/* cpu_kernels.c's product y = x W^T, or y = res + x W^T with add, for cpu_layer.c's layers. */
+void tl_linear_add(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
+                   int64_t ldy, int add, const float* res, int64_t ldr);
+
+/* cpu_attention.c's decode attention (a decode-only layer calls it from cpu_layer.c). */
 void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
                          int type, const int64_t* block_tables, int64_t max_blocks,
                          const int64_t* context_lens, int64_t D, int64_t H, int64_t KVH,
