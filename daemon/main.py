@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from daemon.engine.admission import single_tool_call
 from daemon.engine.core import Engine, Runner
 from daemon.engine.grammar import Grammars
 from daemon.engine.guided import Guidance
 from daemon.model.chat_template import TOOL_CALL_TOKENS, tool_call_format
 from daemon.model.tokenizer import Tokenizer
 from daemon.options import DaemonOptions, ModelOptions
+from daemon.prompts import single_tool_call
 from daemon.responses.conversations import ConversationLimits
 from daemon.responses.store import ResponseStore, StoreError
 from daemon.server import DaemonServer, Notify

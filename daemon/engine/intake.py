@@ -10,19 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from daemon.engine.admission import (
-    Built,
-    History,
-    build_sequences,
-    check_limits,
-    check_sequences,
-    max_token_bytes,
-    render_prompts,
-)
+from daemon.engine.admission import Built, build_sequences, check_limits, check_sequences
 from daemon.engine.block_manager import BlockManager
 from daemon.engine.output import Detokenizer
 from daemon.engine.session import Session
 from daemon.model.tokenizer import Tokenizer
+from daemon.prompts import History, max_token_bytes, render_prompts
 from daemon.rejected import ContextBytes
 from ipc.records import RequestKind, Submit
 

@@ -5,8 +5,8 @@ or the text) and a Finish whose usage counts the tokens, or the refusal naming t
 
 from __future__ import annotations
 
-from daemon.engine.admission import chat_text, check_ids
 from daemon.model.tokenizer import Tokenizer
+from daemon.prompts import chat_text, check_ids
 from daemon.rejected import Rejected
 from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, Usage
 from ipc.wire import ToProxy

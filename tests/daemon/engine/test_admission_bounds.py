@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine import admission
-from daemon.engine.admission import CUT_SLACK, encode_within, max_token_bytes, pieces
+from daemon import prompts
 from daemon.model.tokenizer import ByteTokenizer, HFTokenizer
+from daemon.prompts import CUT_SLACK, encode_within, max_token_bytes, pieces
 from daemon.rejected import ContextBytes
 
 REPO = Path(__file__).parents[3]
@@ -43,7 +43,7 @@ def test_a_text_with_more_bytes_than_the_context_can_spell_is_never_tokenized() 
 
 def test_a_long_text_is_counted_only_until_it_is_past_the_context(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(admission, "PIECE_CHARS", 100)
+    monkeypatch.setattr(prompts, "PIECE_CHARS", 100)
     tok = Counting()
     text = "word " * 2_200  # 11,000 bytes, 11,000 tokens: under 12 x 1,000, over 8 x 1,000
     assert encode_within(tok, text, ContextBytes(1_000, 12)) == 11_000
@@ -51,8 +51,8 @@ def test_a_long_text_is_counted_only_until_it_is_past_the_context(
 
 
 def test_a_text_that_fits_is_tokenized_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(admission, "PIECE_CHARS", 100)
-    monkeypatch.setattr(admission, "DENSE_BYTES", 0)  # count in pieces first, however short
+    monkeypatch.setattr(prompts, "PIECE_CHARS", 100)
+    monkeypatch.setattr(prompts, "DENSE_BYTES", 0)  # count in pieces first, however short
     tok = ByteTokenizer()
     text = "<|im_start|>user\nword word<|im_end|>\n" * 40
     assert encode_within(tok, text, ContextBytes(len(tok.encode(text, False)), 12)) == \
@@ -63,7 +63,7 @@ def _texts() -> list[str]:
     """Real text and code, and the shapes that could fool the cuts: runs of spaces, a word with
     no space at all, special tokens' text, newlines between words."""
     real = "".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
-    real += (REPO / "daemon" / "engine" / "admission.py").read_text()
+    real += (REPO / "daemon" / "prompts.py").read_text()
     return [real, " " * 3_000 + "a" * 3_000 + " x" * 500, "<|im_start|>user\n" * 400,
             ("ab\n\ncd  \n" * 600), "é" * 2_000 + " 漢字" * 500]
 
@@ -74,7 +74,7 @@ def test_pieces_never_count_more_than_the_slack_over_the_whole(
     from tests.support.real_tokenizers import tokenizer_dir
 
     tok = HFTokenizer.from_dir(tokenizer_dir(family))
-    monkeypatch.setattr(admission, "PIECE_CHARS", 200)  # many cuts
+    monkeypatch.setattr(prompts, "PIECE_CHARS", 200)  # many cuts
     for text in _texts():
         parts: Sequence[str] = list(pieces(text))
         assert "".join(reversed(parts)) == text

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from daemon.engine.admission import render_prompts, template_message, template_tool
 from daemon.model.tokenizer import ByteTokenizer
+from daemon.prompts import render_prompts, template_message, template_tool
 from daemon.rejected import ContextBytes
 from ipc.records import Message, RequestKind, SamplingParams, Submit, ToolCall, ToolFunction
 

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from daemon.engine.admission import single_tool_call
 from daemon.engine.stops import StopMatcher
 from daemon.model.tokenizer import ChatTemplateError, HFTokenizer, IncrementalDetokenizer
+from daemon.prompts import single_tool_call
 from tests.support.real_tokenizers import FAMILIES, chat_templates, reference, tokenizer_dir
 
 pytestmark = pytest.mark.timeout(600)
@@ -281,7 +281,7 @@ TOOLS = [
 
 def _tool_conversations() -> list[list[dict[str, Any]]]:
     """Chat messages as the daemon hands them to a template (daemon/engine/admission.py)."""
-    from daemon.engine.admission import template_message
+    from daemon.prompts import template_message
     from ipc.records import Message, ToolCall
 
     ask = [Message("system", "You help."), Message("user", "Weather in Paris and the time?")]
