@@ -404,7 +404,7 @@ class Engine:
         seq.finish_reason = reason
         self._release(seq)
         session = self.sessions[seq.rid]
-        finish = Finish(seq.rid, seq.index, reason, seq.usage)
+        finish = Finish(seq.rid, seq.index, reason, seq.usage, stop=seq.stops.matched)
         if not session.is_finished:
             return [finish]
         del self.sessions[seq.rid]
