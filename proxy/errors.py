@@ -2,11 +2,14 @@
 
 Every refusal the client can cause is an `ApiError` with the right status; the app's exception
 handlers turn it (and Starlette's own 404/405) into ``{"error": {message, type, param, code}}``.
+An API whose clients read errors in a shape of their own (Anthropic's Messages API) says so for
+its routes (`shape_errors`), and every refusal on them, the middleware's too, takes that shape.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -59,13 +62,26 @@ def default_type(status: int) -> str:
     return "invalid_request_error"
 
 
-def error_response(exc: ApiError) -> Response:
+# Routes whose errors take another API's shape: (path prefix, renderer).
+_SHAPES: list[tuple[str, Callable[[ApiError], Response]]] = []
+
+
+def shape_errors(prefix: str, render: Callable[[ApiError], Response]) -> None:
+    """Refusals on the routes under `prefix` are rendered by `render`."""
+    _SHAPES.append((prefix, render))
+
+
+def error_response(exc: ApiError, path: str = "") -> Response:
+    """The refusal as the route at `path` renders its errors (OpenAI's shape by default)."""
+    for prefix, render in _SHAPES:
+        if path.startswith(prefix):
+            return render(exc)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
@@ -81,7 +97,7 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
         message = exc.detail or _PHRASES.get(exc.status_code, "error")
         code = None
     return error_response(ApiError(exc.status_code, message, code=code,
-                                   headers=dict(exc.headers or {})))
+                                   headers=dict(exc.headers or {})), request.url.path)
 
 
 async def disconnected_handler(request: Request, exc: Exception) -> Response:
@@ -91,7 +107,8 @@ async def disconnected_handler(request: Request, exc: Exception) -> Response:
 
 async def unexpected_handler(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(ApiError(500, "internal server error", code="internal_error"))
+    return error_response(ApiError(500, "internal server error", code="internal_error"),
+                          request.url.path)
 
 
 EXCEPTION_HANDLERS = {
