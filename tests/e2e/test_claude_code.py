@@ -25,20 +25,18 @@ it the test is skipped and says so.
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.support.pair import Server, assert_baseline, start_server
 from tests.support.real_tokenizers import save_random_checkpoint
+from tests.support.shim import shim
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -52,7 +50,7 @@ KEY = "sk-claude-test"
 MAX_LEN = 20480
 END_SCALE = 5.0
 FORCED = "ListAgents"
-# The headers the shim passes on, and records.
+# The headers the shim passes on.
 PASSED = ("x-api-key", "authorization", "anthropic-version", "anthropic-beta", "content-type",
           "user-agent")
 
@@ -70,57 +68,28 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server.stop()
 
 
-class _Shim(http.server.BaseHTTPRequestHandler):
-    """Passes Claude Code's requests to the pair and records them; with `force`, its first
-    with `tool_choice` naming that tool. The pair's answer comes back as it is written."""
-
-    upstream = ""
-    force: str | None = None
-    seen: list[dict[str, Any]] = []
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        headers = {k: v for k, v in self.headers.items() if k.lower() in PASSED}
-        self.seen.append({"path": self.path, "headers": dict(self.headers), "body": body})
-        if self.force is not None and len(self.seen) == 1:
-            body["tool_choice"] = {"type": "tool", "name": self.force}
-        with httpx.stream("POST", self.upstream + self.path, json=body, headers=headers,
-                          timeout=300) as r:
-            self.send_response(r.status_code)
-            self.send_header("Content-Type", r.headers["content-type"])
-            self.end_headers()
-            for chunk in r.iter_raw():
-                self.wfile.write(chunk)
-                self.wfile.flush()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 def _claude(pair: Server, tmp: Path, prompt: str,
             force: str | None = None) -> tuple[subprocess.CompletedProcess[str], list[Any]]:
-    seen: list[dict[str, Any]] = []
-    handler = type("Shim", (_Shim,), {"upstream": pair.url, "force": force, "seen": seen})
-    shim = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=shim.serve_forever, daemon=True).start()
+    def forcing(index: int, body: dict[str, Any]) -> None:
+        if index == 0:
+            body["tool_choice"] = {"type": "tool", "name": force}
+
     work = tmp / "work"
     work.mkdir()
-    # Only loopback: the base URL is the shim; nothing else of the environment reaches it.
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp), "NO_COLOR": "1",
-           "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{shim.server_address[1]}",
-           "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-           "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
-           # Every model it might pick is the one served.
-           "ANTHROPIC_MODEL": NAME, "ANTHROPIC_SMALL_FAST_MODEL": NAME,
-           "ANTHROPIC_DEFAULT_HAIKU_MODEL": NAME, "ANTHROPIC_DEFAULT_SONNET_MODEL": NAME,
-           "ANTHROPIC_DEFAULT_OPUS_MODEL": NAME}
-    try:
+    with shim(pair.url, PASSED, forcing if force is not None else None) as (url, seen):
+        # Only loopback: the base URL is the shim; nothing else of the environment reaches it.
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp),
+               "NO_COLOR": "1", "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": KEY,
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+               "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
+               # Every model it might pick is the one served.
+               "ANTHROPIC_MODEL": NAME, "ANTHROPIC_SMALL_FAST_MODEL": NAME,
+               "ANTHROPIC_DEFAULT_HAIKU_MODEL": NAME, "ANTHROPIC_DEFAULT_SONNET_MODEL": NAME,
+               "ANTHROPIC_DEFAULT_OPUS_MODEL": NAME}
         ran = subprocess.run([str(CLAUDE), "-p", "--output-format", "json", "--max-turns", "4",
                               "--model", NAME, prompt], cwd=work, env=env,
                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
                              timeout=360)
-    finally:
-        shim.shutdown()
     return ran, seen
 
 
@@ -144,7 +113,8 @@ def test_claude_code_runs_a_turn_to_its_end(pair: Server, tmp_path: Path) -> Non
     assert 5_000 < result["usage"]["input_tokens"] + result["usage"].get(
         "cache_read_input_tokens", 0) < MAX_LEN - 1_024, result["usage"]  # its whole prompt
     first = seen[0]
-    print("Claude Code sent:", json.dumps(_summary(first), indent=1))  # docs/endpoints.md
+    print("Claude Code sent:", json.dumps({**_summary(first), "usage": result["usage"]},
+                                          indent=1))  # docs/endpoints.md
     # What docs/endpoints.md says it sends.
     body, headers = first["body"], {k.lower(): v for k, v in first["headers"].items()}
     assert first["path"] == "/v1/messages?beta=true" and body["stream"] is True
