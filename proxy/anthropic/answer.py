@@ -31,6 +31,8 @@ from proxy.tool_calls.parser import CallArguments, CallStart, Content, Event, Fo
 
 Block = dict[str, Any]
 PING = sse_event({"type": "ping"}, "ping")
+# A stream idle this long gets a ping (proxy/token_stream.py's keepalive), as Anthropic's do.
+PING_INTERVAL_S = 10.0
 
 
 def usage_body(usage: Usage) -> dict[str, int]:

@@ -22,7 +22,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ipc.records import RequestKind, SamplingParams, Submit
-from proxy.anthropic.answer import MessageAnswer
+from proxy.anthropic import answer as answer_module
+from proxy.anthropic.answer import PING, MessageAnswer
 from proxy.anthropic.request import CountTokensRequest, MessagesRequest
 from proxy.anthropic.translate import chat_messages, check_prompt, sampling, tool_use
 from proxy.collected import CollectedBudget, check_collected
@@ -32,6 +33,7 @@ from proxy.exchange import exchange
 from proxy.metrics import RequestTimer
 from proxy.options import ProxyOptions
 from proxy.schemas import check_model, client_request_id, decode_body, new_id
+from proxy.token_stream import Keepalive
 from proxy.tokenize import ask
 from proxy.tool_requests import tool_guide
 
@@ -61,7 +63,8 @@ async def messages(request: Request) -> Response:
     answer = MessageAnswer(rid, req.model, use, fmt, req.stream, budget)
     del req  # let the body go while the request is held
     timer = RequestTimer(request.app.state.metrics, "messages", t_start)
-    return await exchange(request, submit, answer, answer.stream, timer)
+    return await exchange(request, submit, answer, answer.stream, timer,
+                          Keepalive(PING, answer_module.PING_INTERVAL_S))
 
 
 async def count_tokens(request: Request) -> Response:
