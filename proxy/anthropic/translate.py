@@ -2,8 +2,8 @@
 chat path, which then serves it as it serves /v1/chat/completions (the same exchange, tool-call
 parsing, forced-call grammars and drop guarantees).
 
-- ``system`` (a string or text blocks) is the first system message; a ``system``-role message
-  inside ``messages`` stays a system message where it is.
+- ``system`` (a string or text blocks) is the first system message, and a ``system``-role
+  message inside ``messages`` (Claude Code's environment) joins it, in order.
 - A user turn's ``tool_result`` blocks are tool messages answering their ``tool_use_id`` (an
   ``is_error`` one says so first), in the order given; its text blocks are the user message
   after them. An assistant turn's ``tool_use`` blocks are its tool calls, ``input`` as the
@@ -46,16 +46,20 @@ ERROR_RESULT = "Error: "  # before the text of a tool_result with is_error
 
 
 def chat_messages(req: _Prompt) -> list[Message]:
-    """The request's system prompt and messages as the chat template's messages."""
-    out: list[Message] = []
+    """The request's system prompt and messages as the chat template's messages: one system
+    message first, of `system` and then each system-role message, since chat templates take a
+    system message first only (Mistral's refuse a later one)."""
     system = req.system
-    if isinstance(system, list):
-        system = "\n\n".join(block.text for block in system) if system else None
-    if system:
-        out.append(Message("system", system))
+    systems = [system] if isinstance(system, str) else [block.text for block in system or ()]
+    out: list[Message] = []
     for i, message in enumerate(req.messages):
-        out += _turn(message, f"messages[{i}].content")
-    return out
+        turn = _turn(message, f"messages[{i}].content")
+        if message.role == "system":
+            systems += [m.content for m in turn if m.content]
+        else:
+            out += turn
+    text = "\n\n".join(s for s in systems if s)
+    return [Message("system", text), *out] if text else out
 
 
 def _turn(message: MessageParam, where: str) -> list[Message]:

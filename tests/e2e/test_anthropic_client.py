@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -15,6 +16,7 @@ import pytest
 
 from tests.support.pair import Server, assert_baseline, start_server
 from tests.support.raw_http import sse_events
+from tests.support.real_tokenizers import save_random_checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -209,3 +211,20 @@ def test_x_api_key_is_the_key(keyed: Server) -> None:
     with pytest.raises(anthropic.AuthenticationError) as raised:
         bad.messages.create(model=MODEL, max_tokens=2, messages=ASK)
     assert _error(raised)["type"] == "authentication_error"
+
+
+def test_a_system_turn_joins_the_system_prompt(tmp_path: Path) -> None:
+    """Claude Code's environment comes as a system-role message after the user's turn; Mistral's
+    template refuses a system message anywhere but first, so it joins the system prompt."""
+    checkpoint = save_random_checkpoint("spm", tmp_path / "mistral-ckpt", end_scale=5.0)
+    (tmp_path / "pair").mkdir()
+    s = start_server(tmp_path / "pair", ["--model", str(checkpoint)])
+    try:
+        client = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0)
+        m = client.messages.create(
+            model="mistral-ckpt", max_tokens=8, system="You are an agent.",
+            messages=[{"role": "user", "content": "say hi"},
+                      {"role": "system", "content": [{"type": "text", "text": "# Environment"}]}])
+        assert m.stop_reason in ("end_turn", "max_tokens")
+    finally:
+        s.stop()

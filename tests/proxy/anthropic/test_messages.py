@@ -46,10 +46,9 @@ async def test_a_conversation_becomes_chat_messages(client: httpx.AsyncClient,
     assert r.status_code == 200, r.text
     submit = peer.submits[-1]
     assert submit.messages == [
-        Message("system", "Be brief."), Message("user", "hi"),
+        Message("system", "Be brief.\n\n# Environment"), Message("user", "hi"),
         Message("assistant", "calling", [ToolCall("t1", "get", '{"a":1}')]),
-        Message("tool", "Error: no", tool_call_id="t1"), Message("user", "again"),
-        Message("system", "# Environment")]
+        Message("tool", "Error: no", tool_call_id="t1"), Message("user", "again")]
     assert [t.name for t in submit.tools] == ["get"]  # the deferred one is not offered
     assert submit.sampling.max_tokens_ceiling and submit.sampling.max_tokens == 3
 
