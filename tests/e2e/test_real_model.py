@@ -157,18 +157,12 @@ LONG_CALL = {"model": NAME, "max_tokens": 1200, "messages": CHAT["messages"],
                  "required": ["text"]}}]}
 
 
-def test_a_dropped_messages_stream_is_evicted(server: Server) -> None:
-    before = server.metrics()
-    rid = new_rid("real-messages-drop")
-    sock = post_raw(server, "/v1/messages", {**LONG_CALL, "stream": True}, rid)
-    read_events(sock, 5)
-    check_abort(server, before, rid, drop(sock), sequences=1)
-
-
-def test_a_dropped_stream_is_evicted(server: Server) -> None:
+@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT),
+                                           ("/v1/messages", LONG_CALL)], ids=["chat", "messages"])
+def test_a_dropped_stream_is_evicted(server: Server, path: str, body: dict[str, Any]) -> None:
     before = server.metrics()
     rid = new_rid("real-stream-drop")
-    sock = post_raw(server, "/v1/chat/completions", {**CHAT, "stream": True}, rid)
+    sock = post_raw(server, path, {**body, "stream": True}, rid)
     read_events(sock, 5)
     check_abort(server, before, rid, drop(sock), sequences=1)
 
