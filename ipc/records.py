@@ -34,7 +34,8 @@ from ipc.reasons import Reason
 # 16: ResponseOp.request, one record a kind (ResponseGet, ConversationCreate, ...) in place of
 # ResponseOp.op and its optional fields
 # 17: Error.reason, ResponseReply.reason (ipc/reasons.py) for HTTP statuses; Stats.phase_seconds
-PROTOCOL_VERSION = 17
+# 18: SamplingParams.max_tokens_ceiling, Finish.stop (the Messages API's)
+PROTOCOL_VERSION = 18
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -159,6 +160,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # when a client leaves it out); 16 is only the default of records made in code, as in
     # vLLM's SamplingParams.
     max_tokens: PosInt | None = 16
+    # max_tokens as a ceiling (Anthropic's reading): past the room the prompt leaves in the
+    # context, that room, not a refusal.
+    max_tokens_ceiling: bool = False
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: no top-k (the OpenAI/vLLM convention)
@@ -387,6 +391,7 @@ class Finish(msgspec.Struct, tag=Kind.FINISH.value, tag_field="k"):
     usage: Usage
     cause: AbortCause | None = None  # set when reason is ABORT
     message: str | None = None  # set when reason is ERROR
+    stop: str | None = None  # the stop string that ended it, when one did
 
 
 class Error(msgspec.Struct, tag=Kind.ERROR.value, tag_field="k"):

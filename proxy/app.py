@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy import completions, conversations, responses, tokenize
 from proxy.access_log import AccessLogMiddleware
+from proxy.anthropic import routes as anthropic
 from proxy.auth import ApiKeyMiddleware
 from proxy.engine_client import EngineClient
 from proxy.errors import EXCEPTION_HANDLERS, ApiError, error_response
@@ -71,7 +72,7 @@ class BodyLimitMiddleware:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             exc = self._too_large() if length.isdigit() else ApiError(
                 400, "invalid Content-Length header", code="invalid_header")
-            return error_response(exc)(scope, receive, send)
+            return error_response(exc, scope["path"])(scope, receive, send)
         if length is not None:
             return self.app(scope, receive, send)  # the server reads no more than it says
         seen = 0
@@ -165,6 +166,7 @@ def create_app(options: ProxyOptions) -> Starlette:
         *responses.routes,
         *conversations.routes,
         *tokenize.routes,
+        *anthropic.routes,
     ]
     middleware = [
         # Outermost: the access log sees every answer, CORS headers go on refusals too, and a

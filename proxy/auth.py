@@ -3,6 +3,7 @@
 Pure ASGI (not BaseHTTPMiddleware) because the handlers' disconnect detection needs the
 server's own ``receive``: wrapping it in a task-and-queue layer delays or loses http.disconnect.
 
+The key is read from ``Authorization: Bearer`` or, as Anthropic's clients send it, ``x-api-key``.
 The key a request matched names its tenant (``scope["state"]["tenant"]``, read by
 proxy/tenancy.py): a tag derived from the key, never the key, under which the store keeps what
 the request stores.
@@ -46,9 +47,10 @@ class ApiKeyMiddleware:
             scope.setdefault("state", {})["tenant"] = tenant
         if tenant is not None or not scope["path"].startswith(self.prefix):
             return self.app(scope, receive, send)
-        exc = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+        exc = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                       "(or 'x-api-key: <key>')",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        return error_response(exc)(scope, receive, send)
+        return error_response(exc, scope["path"])(scope, receive, send)
 
     def _tenant(self, scope: Scope) -> str | None:
         """The tenant of the key the request offers; None when it offers none of ours."""
@@ -58,6 +60,9 @@ class ApiKeyMiddleware:
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() == b"bearer":
                     offered = token.strip()
+                break
+            if name == b"x-api-key":  # Anthropic's clients send the key so
+                offered = value.strip()
                 break
         # Compare against every key so the time taken does not tell which one nearly matched.
         matched: str | None = None

@@ -4,11 +4,14 @@ Every refusal the client can cause is an `ApiError` with the right status; the a
 handlers turn it (and Starlette's own 404/405) into ``{"error": {message, type, param, code}}``.
 The daemon refuses with typed reasons (ipc/reasons.py), which `REFUSALS` turns into statuses and
 codes: the one place that says how an engine's refusal reads over HTTP.
+An API whose clients read errors in a shape of their own (Anthropic's Messages API) says so for
+its routes (`shape_errors`), and every refusal on them, the middleware's too, takes that shape.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -94,13 +97,26 @@ def default_type(status: int) -> str:
     return "invalid_request_error"
 
 
-def error_response(exc: ApiError) -> Response:
+# Routes whose errors take another API's shape: (path prefix, renderer).
+_SHAPES: list[tuple[str, Callable[[ApiError], Response]]] = []
+
+
+def shape_errors(prefix: str, render: Callable[[ApiError], Response]) -> None:
+    """Refusals on the routes under `prefix` are rendered by `render`."""
+    _SHAPES.append((prefix, render))
+
+
+def error_response(exc: ApiError, path: str = "") -> Response:
+    """The refusal as the route at `path` renders its errors (OpenAI's shape by default)."""
+    for prefix, render in _SHAPES:
+        if path.startswith(prefix):
+            return render(exc)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
@@ -116,7 +132,7 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
         message = exc.detail or _PHRASES.get(exc.status_code, "error")
         code = None
     return error_response(ApiError(exc.status_code, message, code=code,
-                                   headers=dict(exc.headers or {})))
+                                   headers=dict(exc.headers or {})), request.url.path)
 
 
 async def disconnected_handler(request: Request, exc: Exception) -> Response:
@@ -126,7 +142,8 @@ async def disconnected_handler(request: Request, exc: Exception) -> Response:
 
 async def unexpected_handler(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(ApiError(500, "internal server error", code="internal_error"))
+    return error_response(ApiError(500, "internal server error", code="internal_error"),
+                          request.url.path)
 
 
 EXCEPTION_HANDLERS = {

@@ -18,7 +18,7 @@ from proxy.batching import Batch
 from proxy.cancellation import DisconnectWatch
 from proxy.engine_client import EngineClient
 from proxy.metrics import RequestTimer
-from proxy.token_stream import StreamAnswer, TokenStream
+from proxy.token_stream import Keepalive, StreamAnswer, TokenStream
 
 
 class Answer(StreamAnswer, Protocol):
@@ -32,7 +32,7 @@ class Answer(StreamAnswer, Protocol):
 
 
 async def exchange(request: Request, submit: Submit, answer: Answer, stream: bool,
-                   timer: RequestTimer) -> Response:
+                   timer: RequestTimer, keepalive: Keepalive | None = None) -> Response:
     engine: EngineClient = request.app.state.engine
     session = engine.open_session(submit)
     # One watcher for the whole request: while queued, while collecting, while streaming.
@@ -43,7 +43,7 @@ async def exchange(request: Request, submit: Submit, answer: Answer, stream: boo
             first = await session.next_batch()
         if stream:
             streaming = True  # from here the response closes the watch and the session
-            return TokenStream(engine, session, answer, timer, first or [], watch)
+            return TokenStream(engine, session, answer, timer, first or [], watch, keepalive)
         with watch:
             batch = first
             while batch is not None:

@@ -10,6 +10,7 @@ import sys
 
 import msgspec
 
+from proxy.anthropic.request import CountTokensRequest, MessagesRequest
 from proxy.fields import table
 from proxy.responses_request import CreateResponse
 from proxy.schemas import ChatRequest, CompletionRequest
@@ -17,7 +18,8 @@ from proxy.schemas import ChatRequest, CompletionRequest
 
 def endpoints() -> dict[str, type[msgspec.Struct]]:
     return {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
-            "/v1/responses": CreateResponse}
+            "/v1/responses": CreateResponse, "/v1/messages": MessagesRequest,
+            "/v1/messages/count_tokens": CountTokensRequest}
 
 
 # What the Responses store keeps, and the bounds on what one request may make it do.

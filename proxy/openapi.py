@@ -31,6 +31,8 @@ from proxy.answer_types import (
     ResponseEvent,
     ResponseObject,
 )
+from proxy.anthropic.answer_types import AnthropicError, MessageEvent, MessageObject, TokenCount
+from proxy.anthropic.request import CountTokensRequest, MessagesRequest
 from proxy.conversations import AddItems, CreateConversation, UpdateConversation
 from proxy.responses_request import CreateResponse
 from proxy.schemas import REQUEST_ID_PATTERN, ChatRequest, CompletionRequest
@@ -45,8 +47,11 @@ _TYPES = (CompletionRequest, ChatRequest, CreateResponse, ErrorBody, Completion,
           CompletionChunk, ChatCompletionChunk, ResponseEvent, ResponseObject, DeletedResponse,
           InputItemList, ModelList, Health, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
           DetokenizeResponse, CreateConversation, UpdateConversation, AddItems, Conversation,
-          DeletedConversation, InputItem)
+          DeletedConversation, InputItem, MessagesRequest, CountTokensRequest, MessageObject,
+          MessageEvent, AnthropicError, TokenCount)
 _ERRORS = {"400": "invalid input, named in error.param", "401": "missing or wrong API key",
+           "529": "overloaded: too many requests waiting, or the engine unavailable (Anthropic's "
+                  "status, on /v1/messages)",
            "404": "unknown model or response", "413": "request body too large",
            "429": "too many requests waiting", "500": "the engine or the store failed",
            "503": "the engine is unavailable or the server is stopping",
@@ -73,14 +78,15 @@ def _sse_event(*payloads: str) -> JSON:
 
 
 def _answers(ok: str | None, *, stream: tuple[str, ...] = (),
-             errors: tuple[str, ...] = tuple(_ERRORS), ok_type: str = "application/json") -> JSON:
+             errors: tuple[str, ...] = tuple(_ERRORS), ok_type: str = "application/json",
+             error_body: str = "ErrorBody") -> JSON:
     content: JSON = {ok_type: {"schema": _ref(ok) if ok else {"type": "string"}}}
     if stream:
         content["text/event-stream"] = {"schema": _sse_event(*stream)}
     out: JSON = {"200": {"description": "success", "content": content}}
     for code in errors:
         out[code] = {"description": _ERRORS[code],
-                     "content": {"application/json": {"schema": _ref("ErrorBody")}}}
+                     "content": {"application/json": {"schema": _ref(error_body)}}}
     return out
 
 
@@ -138,8 +144,17 @@ def _conversation_paths(lookup: tuple[str, ...]) -> JSON:
 def _paths() -> JSON:
     generate = ("400", "401", "404", "413", "429", "500", "503")
     lookup = ("400", "401", "404", "500", "503")
+    anthropic = ("400", "401", "404", "413", "500", "504", "529")
     return {
         **_conversation_paths(lookup),
+        "/v1/messages": {"post": _operation(
+            "Create a message, Anthropic's Messages API (SSE when stream is true)", _answers(
+                "MessageObject", stream=("MessageEvent", "AnthropicError"), errors=anthropic,
+                error_body="AnthropicError"), "MessagesRequest", [_REQUEST_ID])},
+        "/v1/messages/count_tokens": {"post": _operation(
+            "Count a message's prompt tokens (Anthropic's)", _answers(
+                "TokenCount", errors=anthropic, error_body="AnthropicError"),
+            "CountTokensRequest")},
         "/v1/completions": {"post": _operation(
             "Create a completion (SSE when stream is true)", _answers(
                 "Completion", stream=("CompletionChunk", "ErrorBody"), errors=generate),

@@ -11,6 +11,10 @@ flow control, to go out in one write once it has.
 
 The task otherwise waits, inside the request's DisconnectWatch: for the end of the stream, or
 for the client to leave, when closing the session writes the Abort at once.
+
+A stream may ask for a keepalive (the Messages API's ``ping``): an event written, from a timer
+callback on the loop, whenever nothing has been written for its interval, so that a client (or a
+proxy between) that times out an idle stream keeps it while the engine is slow to the next token.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Generator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -30,6 +34,11 @@ from proxy.errors import ApiError, ClientDisconnected
 from proxy.metrics import RequestTimer
 from proxy.session import Session
 from proxy.sse import SSE_HEADERS
+
+
+class Keepalive(NamedTuple):
+    event: bytes  # written when the stream has been idle
+    interval_s: float
 
 
 class StreamAnswer(Protocol):
@@ -50,7 +59,8 @@ class TokenStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, engine: EngineClient, session: Session, answer: StreamAnswer,
-                 timer: RequestTimer, first: Batch, watch: DisconnectWatch) -> None:
+                 timer: RequestTimer, first: Batch, watch: DisconnectWatch,
+                 keepalive: Keepalive | None = None) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers(SSE_HEADERS)
@@ -67,6 +77,9 @@ class TokenStream(Response):
         self._ended = False
         self._error: BaseException | None = None
         self._wake: asyncio.Future[None] | None = None  # the task waits here
+        self._keepalive = keepalive
+        self._idle: asyncio.TimerHandle | None = None  # the keepalive's next look
+        self._last_write = 0.0  # the loop's time of the last write begun
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
@@ -79,11 +92,14 @@ class TokenStream(Response):
                     self._render(first)
                 self._session.sink = self._pump
                 self._pump()
+                self._look_idle()
                 await self._serve()
         except ClientDisconnected:
             pass  # nobody is left to answer
         finally:
             self._ended = True
+            if self._idle is not None:
+                self._idle.cancel()
             self._watch.close()
             if self._pending is not None:
                 self._pending[0].close()
@@ -126,9 +142,24 @@ class TokenStream(Response):
         self._timer.see(batch)
         self._write(*self._answer.render(batch))
 
+    def _look_idle(self) -> None:
+        """The keepalive's timer: writes its event when nothing was written for its interval
+        (and no send is under way), and looks again an interval after the last write."""
+        self._idle = None
+        if self._keepalive is None or self._ended:
+            return
+        loop = asyncio.get_running_loop()
+        interval = self._keepalive.interval_s
+        if self._pending is None and loop.time() - self._last_write >= interval:
+            self._write(self._keepalive.event, False)
+        self._idle = loop.call_at(max(self._last_write, loop.time() - interval) + interval,
+                                  self._look_idle)
+
     def _write(self, data: bytes, final: bool) -> None:
         assert self._send is not None
         self._final = final
+        if self._keepalive is not None:
+            self._last_write = asyncio.get_running_loop().time()
         message = {"type": "http.response.body", "body": data, "more_body": not final}
         try:
             call = self._send(message).__await__()

@@ -71,7 +71,7 @@ async def tokenize(request: Request) -> Response:
                      messages=[m.to_record() for m in req.messages or ()],
                      add_special_tokens=req.add_special_tokens,
                      add_generation_prompt=req.add_generation_prompt is not False)
-    ids = (await _ask(request, submit)).token_ids
+    ids = (await ask(request, submit)).token_ids
     engine: EngineClient = request.app.state.engine
     return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
 
@@ -80,7 +80,7 @@ async def detokenize(request: Request) -> Response:
     req = decode_body(await request.body(), DetokenizeRequest)
     check_model(req.model, served_models(request))
     submit = _submit(request, RequestKind.DETOKENIZE, prompt_ids=[req.tokens])
-    return JSONResponse({"prompt": (await _ask(request, submit)).text})
+    return JSONResponse({"prompt": (await ask(request, submit)).text})
 
 
 def _submit(request: Request, kind: RequestKind, **fields: Any) -> Submit:
@@ -89,7 +89,7 @@ def _submit(request: Request, kind: RequestKind, **fields: Any) -> Submit:
                   client_id=client_request_id(request.headers.get("x-request-id")), **fields)
 
 
-async def _ask(request: Request, submit: Submit) -> Delta:
+async def ask(request: Request, submit: Submit) -> Delta:
     """The daemon's answer: its one Delta (a refusal is raised as the ApiError it names)."""
     engine: EngineClient = request.app.state.engine
     answer: Delta | None = None

@@ -53,6 +53,10 @@ def check_limits(submit: Submit, prompts: list[list[int]], max_model_len: int,
         _check_room(submit, longest, max_model_len, block_manager)
         return
     max_tokens = params.max_tokens
+    if params.max_tokens_ceiling and max_tokens > output_room(longest, submit.n, max_model_len,
+                                                              block_manager):
+        _check_room(submit, longest, max_model_len, block_manager)  # the room is the ceiling
+        return
     if longest + max_tokens > max_model_len:
         room = max_model_len - longest
         if room > 0:
@@ -113,7 +117,7 @@ def build_sequences(submit: Submit, prompts: list[list[int]],
                     ) -> Built:
     """All sequences in index order, and their outputs; sample 0 of each prompt carries its
     siblings to fork. An omitted max_tokens becomes each prompt's room for the output
-    (`output_room`)."""
+    (`output_room`), as does a ceiling above it."""
     params = submit.sampling
     bad_words = bad_word_ids(params.bad_words,
                              lambda text: tokenizer.encode(text, add_special_tokens=False))
@@ -121,8 +125,9 @@ def build_sequences(submit: Submit, prompts: list[list[int]],
     outputs: list[Output] = []
     for p, (ids, echo) in enumerate(zip(prompts, make_echoes(submit, prompts, tokenizer),
                                         strict=True)):
-        max_tokens = params.max_tokens or output_room(len(ids), submit.n, max_model_len,
-                                                      block_manager)
+        room = output_room(len(ids), submit.n, max_model_len, block_manager)
+        max_tokens = room if params.max_tokens is None else (
+            min(params.max_tokens, room) if params.max_tokens_ceiling else params.max_tokens)
         gathered = echo if echo is not None and echo.num_logprobs is not None else None
         group = [
             Sequence(rid=submit.rid, index=p * submit.n + s, token_ids=list(ids), params=params,

