@@ -196,24 +196,47 @@ _HELP: dict[str, str] = {
 }
 
 
+# `--help` in groups, each field in one; --model and --port first.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("model", ("model", "served_model_name", "dtype", "quantization", "device", "kernels",
+               "threads", "tensor_parallel_size", "tool_call_parser")),
+    ("server", ("port", "host", "api_key", "api_key_scope", "allowed_origins",
+                "allowed_methods", "allowed_headers", "runtime_dir", "pipe_group",
+                "max_connections", "keep_alive_timeout_s", "drain_timeout_s")),
+    ("engine", ("max_num_seqs", "max_seqs_per_request", "max_tokens_per_tick",
+                "kv_cache_blocks", "kv_cache_mib", "gpu_memory_utilization", "cuda_graphs",
+                "prefix_caching", "grammar_compile_timeout_s", "grammar_cache_mib")),
+    ("store", ("state_dir", "state_url", "replica_id", "replica_lease_s", "response_store_max",
+               "response_store_max_age_s", "response_store_max_bytes", "conversation_store_max",
+               "conversation_store_max_age_s", "conversation_store_max_bytes",
+               "conversation_max_items", "background_history_bytes")),
+    ("limits", ("max_waiting", "max_body_bytes", "max_collected_bytes", "max_header_bytes",
+                "header_timeout_s", "body_timeout_s", "body_min_rate", "request_timeout_s",
+                "stall_timeout_s", "max_buffered_tokens", "stream_merge_tokens")),
+    ("logging", ("log_level", "log_format", "access_log_sample")),
+)
+
+
 def env_name(field: str) -> str:
     return "TETHER_" + field.upper()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
-    for f in dataclasses.fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        shown = ",".join(default) if isinstance(default, list) else default
-        help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {shown}]"
-        if isinstance(default, list):
-            parser.add_argument(flag, action="append", default=None, help=help_text)
-        elif isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-        else:
-            parser.add_argument(flag, default=None, help=help_text)
+    for title, names in GROUPS:
+        group = parser.add_argument_group(title)
+        for name in names:
+            flag = "--" + name.replace("_", "-")
+            default = getattr(defaults, name)
+            shown = ",".join(default) if isinstance(default, list) else default
+            help_text = f"{_HELP[name]} [env {env_name(name)}; default {shown}]"
+            if isinstance(default, list):
+                group.add_argument(flag, action="append", default=None, help=help_text)
+            elif isinstance(default, bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+            else:
+                group.add_argument(flag, default=None, help=help_text)
 
 
 def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:

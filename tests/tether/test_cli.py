@@ -32,6 +32,21 @@ def test_help_lists_every_flag_and_variable(
         assert settings.env_name(f.name) in out
 
 
+def test_help_groups_the_flags_model_first_then_server(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    names = [n for _, group in settings.GROUPS for n in group]
+    assert sorted(names) == sorted(f.name for f in dataclasses.fields(Settings))  # each once
+    assert cli.main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    titles = [t for t, _ in settings.GROUPS]
+    assert titles == ["model", "server", "engine", "store", "limits", "logging"]
+    at = [out.index(f"\n{t}:\n") for t in titles]
+    assert at == sorted(at)
+    flags = [line.split()[0] for line in out.splitlines() if line.startswith("  --")]
+    assert flags[:2] == ["--model", "--served-model-name"]
+    assert flags[flags.index("--tool-call-parser") + 1] == "--port"
+
+
 def test_top_level_help_lists_commands_and_variables(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
