@@ -95,7 +95,8 @@ class Settings:
 
 
 _HELP: dict[str, str] = {
-    "runtime_dir": "directory holding the FIFOs (requests, control, tokens)",
+    "runtime_dir": "directory holding the FIFOs (requests, control, tokens); one pair a "
+    "directory (a second is refused at start, naming the holder's pid: give it its own)",
     "state_dir": "directory holding the response store (SQLite) when --state-url is not set",
     "state_url": "response store shared by replicas: postgresql://user:pass@host/db (or "
     "sqlite:///path); empty = SQLite under --state-dir",
@@ -136,7 +137,8 @@ _HELP: dict[str, str] = {
     "max_num_seqs": "most sequences running at once",
     "max_seqs_per_request": "most sequences one request may ask for (prompts x n for "
     "completions, n otherwise); more is a 400 naming the limit",
-    "max_tokens_per_tick": "token budget of one forward pass (prefill chunks + decodes)",
+    "max_tokens_per_tick": "token budget of one forward pass (prefill chunks + decodes): the "
+    "bound on a tick, and so on abort latency",
     "kv_cache_blocks": "KV cache pool size in blocks of 16 tokens",
     "kv_cache_mib": "KV cache pool as a memory budget in MiB (per tensor-parallel rank, which "
     "holds its own heads); when > 0 it sets the block count",
