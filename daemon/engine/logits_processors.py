@@ -185,6 +185,10 @@ class LogitsProcessors:
             r = torch.tensor(repetition, device=device).unsqueeze(1)
             seen = in_output | self.counts.in_prompt.index_select(0, own)
             part = torch.where(seen, torch.where(part > 0, part / r, part * r), part)
+            # A penalty float32 rounds to 0 (the edge takes any positive one) divides a logit
+            # into infinity, which softmax turns into NaN: the largest finite logit instead.
+            part = torch.nan_to_num(part, posinf=torch.finfo(part.dtype).max,
+                                    neginf=float("-inf"))
         frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=device)
         presence = torch.tensor([s.params.presence_penalty for s in seqs], device=device)
         part = part - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * in_output

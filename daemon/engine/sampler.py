@@ -28,6 +28,7 @@ from ipc.records import TokenLogprob
 if TYPE_CHECKING:
     from daemon.engine.echo import Echo
 
+SAMPLING_EPS = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, sample) pairs over the generator's seed space
 
 
@@ -55,11 +56,13 @@ class Sampler:
         if all([s.plain_draw for s in seqs]):  # nothing asked for but the draw itself
             return _draw(torch.softmax(logits.float(), dim=-1))
         logits = self.processors(logits.float(), seqs)
-        greedy = [s.params.temperature == 0.0 for s in seqs]
+        # As vLLM: a temperature under SAMPLING_EPS is greedy (dividing by one that float32
+        # rounds to 0 would make every logit infinite, and the draw NaN).
+        greedy = [s.params.temperature < SAMPLING_EPS for s in seqs]
         if all(greedy):
             return logits.argmax(dim=-1)
         # A greedy row is drawn too (divided by 1), then takes its argmax instead.
-        temps = [s.params.temperature or 1.0 for s in seqs]
+        temps = [1.0 if g else s.params.temperature for s, g in zip(seqs, greedy, strict=True)]
         sampled = self._sample(logits, seqs, temps)
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=logits.device),

@@ -148,3 +148,24 @@ def test_a_plain_batch_draws_what_the_full_path_draws():
 def test_any_sampling_field_takes_the_full_path(params, held):
     s = Sequence("r", 0, [1, 2, 3], SamplingParams(**params), **held)
     assert not s.plain_draw
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 5e-324}, {"temperature": 1e-40, "seed": 3},
+    {"repetition_penalty": 5e-324, "temperature": 1.0},
+    {"repetition_penalty": 1e38, "temperature": 0.7},
+])
+def test_parameters_past_float32_never_give_a_token_outside_the_vocabulary(params):
+    """A temperature or a repetition penalty that float32 rounds to 0 or to infinity (the
+    edge takes any positive number) still gives a token of the vocabulary: the fuzzer's
+    repetition_penalty 5e-324 once picked id 260 of 260."""
+    seed = params.pop("seed", None)
+    sampler = Sampler([EOS])
+    seqs = [seq(seed=seed, **params) for _ in range(4)]
+    for s in seqs:
+        s.token_ids += list(range(VOCAB))  # every token seen: every logit penalised
+    logits = torch.randn(4, VOCAB) * 5
+    sampler.count(seqs, [list(range(VOCAB))] * 4)
+    for _ in range(5):
+        tokens = sampler(logits, seqs)
+        assert all(0 <= t < VOCAB for t in tokens), tokens
