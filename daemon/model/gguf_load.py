@@ -1,6 +1,6 @@
 """Loads a GGUF file (daemon/model/gguf_file.py) into a DecoderLM: the config from its
 metadata (gguf_families.py), the tokenizer from its tokenizer keys, each parameter from the
-tensors the safetensors loader would read (loader._sources), found under llama.cpp's names,
+tensors the safetensors loader would read (loaded.hf_sources), found under llama.cpp's names,
 their shapes checked against the metadata's before any is read, then dequantized (or kept as
 quantized blocks for the CPU kernels: gguf_families.unconverted_blocks). A
 `package:NAME` spec is the one .gguf file an installed Python package ships
@@ -30,12 +30,12 @@ from daemon.model.gguf_file import GGUFError, GGUFFile
 from daemon.model.gguf_tokenizer import GGUFTokenizerError, load_gguf_tokenizer
 from daemon.model.kernels import quant_pack
 from daemon.model.kernels.quant_pack import Blocks
-from daemon.model.loader import (
+from daemon.model.loaded import (
     LoadedModel,
     ModelLoadError,
-    _check_shardable,
-    _sources,
+    check_shardable_at,
     generation_defaults,
+    hf_sources,
 )
 from daemon.model.parallel.group import TPGroup
 from daemon.model.parallel.layers import shard_of
@@ -76,7 +76,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, group: TPGro
         tokenizer = load_gguf_tokenizer(file, [i for i in eos if i >= 0])
         config.bos_token_id = tokenizer.bos_token_id
         config.eos_token_ids = tokenizer.eos_token_ids
-        _check_shardable(path, config, group)
+        check_shardable_at(path, config, group)
         model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
         load_gguf_weights_(model, file, keep_quantized)
     except (GGUFError, GGUFTokenizerError) as e:
@@ -87,7 +87,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, group: TPGro
 
 class _Names(Collection[str]):
     """The Hugging Face tensor names a GGUF file holds, under llama.cpp's names (what
-    loader._sources asks to learn whether q/k/v and gate/up come fused)."""
+    loaded.hf_sources asks to learn whether q/k/v and gate/up come fused)."""
 
     def __init__(self, file: GGUFFile, num_layers: int) -> None:
         self.file = file
@@ -159,7 +159,7 @@ def _plan(file: GGUFFile, config: ModelConfig) -> dict[str, list[tuple[str, int,
     rows = {"q_proj": config.num_heads * config.head_dim, "k_proj": kv_rows, "v_proj": kv_rows,
             "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
     plan: dict[str, list[tuple[str, int, int]]] = {}
-    for ours, theirs in _sources(config, names).items():
+    for ours, theirs in hf_sources(config, names).items():
         plan[ours] = []
         for hf_name in theirs:
             name = names.gguf_name(hf_name)

@@ -8,9 +8,7 @@ download, identical on every machine, varied (if meaningless) output.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +19,18 @@ from daemon.model.config import ConfigError, ModelConfig
 from daemon.model.decoder import DecoderLM
 from daemon.model.device import pick_device, pick_dtype
 from daemon.model.kernels import install as install_kernels
+from daemon.model.loaded import (
+    LoadedModel,
+    ModelLoadError,
+    check_shardable_at,
+    generation_defaults,
+    hf_sources,
+)
 from daemon.model.parallel.group import SINGLE, TPGroup
-from daemon.model.parallel.layers import ShardSpec, check_shardable, shard_of
+from daemon.model.parallel.layers import ShardSpec, shard_of
 from daemon.model.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
-    Tokenizer,
     TokenizerLoadError,
     read_json_object,
 )
@@ -35,24 +39,6 @@ __all__ = ["LoadedModel", "ModelLoadError", "load_model", "pick_device", "pick_d
 
 BUILTIN_SEED = 1234
 INIT_STD = 0.02
-
-
-class ModelLoadError(Exception):
-    """The model spec cannot be loaded; the message names the file or the field."""
-
-
-@dataclasses.dataclass(slots=True)
-class LoadedModel:
-    config: ModelConfig
-    model: DecoderLM
-    tokenizer: Tokenizer
-    name: str  # the model id reported to clients
-    max_model_len: int
-    kernels: str = "torch"  # what the forward pass runs on: 'cpu', 'triton' or 'torch'
-    # The model's own sampling defaults (generation_config.json, GGUF's general.sampling.*),
-    # by SamplingParams field: what a request that omits the field gets (the daemon checks
-    # them against what a request may ask for: ipc.records.GenerationDefaults).
-    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def builtin_config(name: str) -> ModelConfig:
@@ -100,19 +86,12 @@ def load_model(spec: str, device: torch.device | str = "cpu", dtype: torch.dtype
 def _load_builtin(spec: str, device: torch.device, dtype: torch.dtype,
                   group: TPGroup) -> LoadedModel:
     config = builtin_config(spec.removeprefix("builtin:"))
-    _check_shardable(spec, config, group)
+    check_shardable_at(spec, config, group)
     tokenizer = ByteTokenizer()
     limit = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
     model = DecoderLM(config, device, dtype, vocab_limit=limit, group=group)
     init_random_(model.requires_grad_(False), BUILTIN_SEED)
     return LoadedModel(config, model.eval(), tokenizer, spec, config.max_model_len)
-
-
-def _check_shardable(where: object, config: ModelConfig, group: TPGroup) -> None:
-    try:
-        check_shardable(config, group.size)
-    except ConfigError as e:
-        raise ModelLoadError(f"{where}: {e}") from e
 
 
 @torch.no_grad()
@@ -173,20 +152,12 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype,
     except TokenizerLoadError as e:
         raise ModelLoadError(str(e)) from e
     config.eos_token_ids = tokenizer.eos_token_ids
-    _check_shardable(path / "config.json", config, group)
+    check_shardable_at(path / "config.json", config, group)
     model = DecoderLM(config, device, dtype, group=group).requires_grad_(False)
     load_weights_(model, path)
     return LoadedModel(config, model.eval(), tokenizer, model_id(path),
                        config.max_model_len,
                        generation_defaults=generation_defaults(generation))
-
-
-GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def generation_defaults(values: dict[str, Any]) -> dict[str, Any]:
-    """The sampling defaults a model states, by SamplingParams field (others ignored)."""
-    return {k: v for k, v in values.items() if k in GENERATION_FIELDS and v is not None}
 
 
 def model_id(path: Path) -> str:
@@ -232,49 +203,10 @@ def weight_files(path: Path) -> dict[str, Path]:
         raise ModelLoadError(f"{single}: cannot be read: {e}") from e
 
 
-def _sources(config: ModelConfig, files: Collection[str] = ()) -> dict[str, list[str]]:
-    """Our parameter name -> the HF tensors concatenated (dim 0) into it: one name where the
-    checkpoint's tensor names (`files`) hold them fused (Phi-3's qkv_proj and gate_up_proj)."""
-    out = {"embed_tokens.weight": ["model.embed_tokens.weight"],
-           "norm.weight": ["model.norm.weight"]}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = ["lm_head.weight"]
-
-    def fused(name: str, parts: list[str], suffix: str) -> list[str]:
-        return [name + suffix] if name + suffix in files else [p + suffix for p in parts]
-
-    # Our norms by role -> HF's. Gemma 3's post_attention_layernorm norms the attention's
-    # output; its pre_feedforward_layernorm is the one before the MLP.
-    norms = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
-    if config.sandwich_norms:
-        norms = {"input_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
-                 "post_attention_norm": "pre_feedforward_layernorm",
-                 "mlp_out_norm": "post_feedforward_layernorm"}
-    for i in range(config.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        attn = hf + "self_attn."
-        qkv = [f"{attn}{p}_proj" for p in "qkv"]
-        out[ours + "attn.qkv_proj.weight"] = fused(attn + "qkv_proj", qkv, ".weight")
-        if config.qkv_bias:
-            out[ours + "attn.qkv_proj.bias"] = fused(attn + "qkv_proj", qkv, ".bias")
-        out[ours + "attn.o_proj.weight"] = [attn + "o_proj.weight"]
-        if config.o_bias:
-            out[ours + "attn.o_proj.bias"] = [attn + "o_proj.bias"]
-        if config.qk_norm:
-            out[ours + "attn.q_norm.weight"] = [attn + "q_norm.weight"]
-            out[ours + "attn.k_norm.weight"] = [attn + "k_norm.weight"]
-        gate_up = [hf + "mlp.gate_proj", hf + "mlp.up_proj"]
-        out[ours + "mlp.gate_up_proj.weight"] = fused(hf + "mlp.gate_up_proj", gate_up, ".weight")
-        out[ours + "mlp.down_proj.weight"] = [hf + "mlp.down_proj.weight"]
-        for mine, theirs in norms.items():
-            out[f"{ours}{mine}.weight"] = [f"{hf}{theirs}.weight"]
-    return out
-
-
 @torch.no_grad()
 def load_weights_(model: DecoderLM, path: Path) -> None:
     files = weight_files(path)
-    sources = _sources(model.config, files)
+    sources = hf_sources(model.config, files)
     needed = {name for names in sources.values() for name in names}
     unused = [n for n in files if n not in needed and not _ignorable(n, model.config)]
     if unused:

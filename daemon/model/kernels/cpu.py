@@ -1,5 +1,5 @@
-"""Builds, caches and calls the CPU kernels (cpu_kernels.c, cpu_layer.c, cpu_attention.c);
-packs weights for them.
+"""Builds, caches and calls the CPU kernels (linear.c, cpu_kernels.c, cpu_layer.c,
+cpu_attention.c); packs weights for them.
 
 The shared library is compiled on first use with the system C compiler (``$CC``, else ``cc``)
 for this CPU (``-march=native``) and cached under ``$TETHER_CACHE_DIR`` (else systemd's
@@ -31,9 +31,10 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_layer.c", HERE / "cpu_attention.c", HERE / "quant.c",
-           HERE / "bf16.c")
-HEADERS = (HERE / "cpu_kernels.h", HERE / "quant.h", HERE / "quant_ymm.h", HERE / "bf16.h")
+SOURCES = (HERE / "linear.c", HERE / "cpu_kernels.c", HERE / "cpu_layer.c",
+           HERE / "cpu_attention.c", HERE / "quant.c", HERE / "bf16.c")
+HEADERS = (HERE / "cpu_kernels.h", HERE / "vec.h", HERE / "quant.h", HERE / "quant_ymm.h",
+           HERE / "bf16.h")
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-Wno-psabi"]
 # The quantized and bf16 kernels' CPU tiers, each built with its own instructions whatever
 # this CPU has (quant.c and bf16.c call one only where CPUID says the CPU has them); x86-64

@@ -249,18 +249,13 @@ INLINE void walk_block(const float* x, int64_t ldx, int64_t M, const tl_weights*
   }
 }
 
-/* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with TL_ADD, y = res + x W^T (res may be y).
- * Quantized weights go to quant.c; bfloat16 ones of enough rows to bf16.c where the CPU has
- * bf16 products. Walking more than CM rows chunk by chunk too was as fast
- * at its best but slower at the median on this shared machine. */
-void tl_linear_add(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
-                   int64_t ldy, int add, const float* res, int64_t ldr) {
-  int type = W->type, mode = add ? TL_ADD : W->mode;
-  if (type >= TL_Q4) {
-    tl_quant_linear(x, ldx, M, W, y, ldy, mode, res, ldr);
-    return;
-  }
-  if (type == TL_BF16 && tl_bf16_linear(x, ldx, M, W, y, ldy, mode, res, ldr)) return;
+/* y [M, ldy] = x [M, n_in] (row stride ldx) W^T for float32 and bfloat16 weights, `mode` as
+ * tl_emit takes it (TL_ADD: y = res + x W^T, res may be y); linear.c sends the other types on.
+ * Walking more than CM rows chunk by chunk too was as fast at its best but slower at the median
+ * on this shared machine. */
+void tl_float_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
+                     int64_t ldy, int mode, const float* res, int64_t ldr) {
+  int type = W->type;
   int64_t K = W->n_in, num_blocks = W->blocks;
   int rows = M <= MT ? MT : M <= CM ? CM : HT;
   int64_t block = K * NB * (type == TL_F32 ? 4 : 2); /* bytes */
@@ -284,9 +279,4 @@ void tl_emit(const tl_weights* W, int64_t b, const float* sums, int64_t mt, floa
   fvec acc[QMR][NV];
   memcpy(acc, sums, sizeof(float) * NB * mt);
   emit(W, b, acc, mt, y, ldy, mode, res, ldr);
-}
-
-void tl_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
-               int64_t ldy) {
-  tl_linear_add(x, ldx, M, W, y, ldy, 0, NULL, 0);
 }

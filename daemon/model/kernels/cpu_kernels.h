@@ -1,5 +1,6 @@
-/* What the CPU kernels share (cpu_kernels.c, cpu_attention.c): the machine's vector types,
- * the element types and modes Python passes (mirrored in cpu.py), and small vector helpers.
+/* What the CPU kernels share (linear.c, cpu_kernels.c, cpu_layer.c, cpu_attention.c, quant.c,
+ * bf16.c): the machine's vector types, the element types and modes Python passes (mirrored in
+ * cpu.py), the entries each file gives the others, and small vector helpers (vec.h).
  */
 #ifndef TETHER_CPU_KERNELS_H
 #define TETHER_CPU_KERNELS_H
@@ -81,9 +82,12 @@ void tl_walk_f32(const float* x, int64_t ldx, int64_t M, const tl_weights* W, in
 void tl_emit(const tl_weights* W, int64_t b, const float* sums, int64_t mt, float* y,
              int64_t ldy, int mode, const float* res, int64_t ldr);
 
-/* cpu_kernels.c's product y = x W^T, or y = res + x W^T with add, for cpu_layer.c's layers. */
+/* linear.c's product y = x W^T, or y = res + x W^T with add, any weight type (cpu_layer.c's
+ * layers call it); cpu_kernels.c's for float32 and bfloat16 weights, `mode` as tl_emit's. */
 void tl_linear_add(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                    int64_t ldy, int add, const float* res, int64_t ldr);
+void tl_float_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
+                     int64_t ldy, int mode, const float* res, int64_t ldr);
 
 /* cpu_attention.c's decode attention (a decode-only layer calls it from cpu_layer.c). */
 void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
@@ -91,78 +95,6 @@ void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const
                          const int64_t* context_lens, int64_t D, int64_t H, int64_t KVH,
                          int64_t d, int64_t bs, float scale, int64_t window, float* out);
 
-/* A broadcast (one load when v is in memory); `0 + v` cost an add and a register shuffle per
- * activation in the linears' inner loop. */
-INLINE fvec splat(float v) {
-#if defined(__AVX512F__)
-  __m512 b = _mm512_set1_ps(v);
-#elif defined(__AVX2__)
-  __m256 b = _mm256_set1_ps(v);
-#else
-  fvec b = {v, v, v, v};
-#endif
-  fvec out;
-  memcpy(&out, &b, sizeof out);
-  return out;
-}
-
-/* Lane-wise a > b ? a : b (C has no vector conditional operator). */
-INLINE fvec vmax(fvec a, fvec b) {
-  ivec pick_a = a > b, ai, bi;
-  memcpy(&ai, &a, sizeof ai);
-  memcpy(&bi, &b, sizeof bi);
-  ivec r = (ai & pick_a) | (bi & ~pick_a);
-  fvec out;
-  memcpy(&out, &r, sizeof out);
-  return out;
-}
-
-/* VL elements from base[i], as floats. */
-INLINE fvec loadv(const void* base, int64_t i, int type) {
-  fvec out;
-  if (type == TL_F32) {
-    memcpy(&out, (const float*)base + i, sizeof out);
-  } else {
-    hvec h;
-    memcpy(&h, (const uint16_t*)base + i, sizeof h);
-    ivec bits = __builtin_convertvector(h, ivec) << 16;
-    memcpy(&out, &bits, sizeof out);
-  }
-  return out;
-}
-
-INLINE uint16_t to_bf16(float v) { /* round to nearest even */
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-/* exp, arguments clamped to [-87, 88]; Cephes' polynomial after reduction by ln 2 (about 1 ulp). */
-INLINE fvec vexp(fvec x) {
-  const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-  x = vmax(x, splat(-87.0f));
-  x = -vmax(-x, splat(-88.0f));
-  fvec n = (x * 1.44269504089f + magic) - magic;
-  fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  fvec p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-  fvec scale;
-  memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-/* The gate of a gated MLP: silu(g) = g sigmoid(g), or GELU's tanh approximation, which is
- * g sigmoid(2u) with u = sqrt(2/pi) (g + 0.044715 g^3) (as 0.5 (1 + tanh u) = sigmoid(2u)). */
-INLINE fvec gate_act(fvec g, int mode) {
-  if (mode == TL_SILU_MUL) return g / (1.0f + vexp(-g));
-  fvec u = 0.7978845608f * (g + 0.044715f * g * g * g);
-  return g / (1.0f + vexp(-2.0f * u));
-}
+#include "vec.h"
 
 #endif
