@@ -14,27 +14,8 @@ import msgspec
 
 from ipc.reasons import Reason
 
-# 3: logprob tokens travel as bytes; 4: connection epochs assigned by the daemon (Hello
-# nonce, Welcome), Admitted, Alive, Pause/Resume, Submit.client_id, Stats.paused;
-# 5: Welcome.tensor_parallel_size; 6: ResponseFields.input as messages (the proxy parses the
-# Responses input), ResponseReply typed (StoredResponse, input_items, deleted) instead of a body;
-# 7: input items paged by the daemon (ResponseOp.page; ResponseReply.item_ids, has_more, param);
-# 8: SamplingParams.guide (constrained decoding), Stats.grammar_*
-# 9: sampling parity (penalties, min_p, logit_bias, bad_words, echo), max_tokens None, token-id
-# prompts (Submit.prompt_ids), tokenize/detokenize Submits, Delta.prompt
-# 10: tools (Submit.tools, Message.tool_calls / tool_call_id, Welcome.tool_call_format,
-# ResponseFields.tool_call_format, StoredResponse.tool_call_format)
-# 11: conversations (ResponseOp CONVERSATION_* on the requests pipe, ResponseFields.conversation)
-# 12: ResponseFields.echo / StoredResponse.echo (the request fields a Response object echoes),
-# Stats.grammar_pending
-# 13: Welcome.single_tool_call, Welcome.generation_defaults (the model's own sampling defaults)
-# 14: the daemon's Goodbye on tokens (a clean stop, told from a crash)
-# 15: ResponseOp.tenant / client / deadline, ITEMS (every reference of a request in one op, on
-# the requests pipe) in place of ITEM; ResponseFields.tenant
-# 16: ResponseOp.request, one record a kind (ResponseGet, ConversationCreate, ...) in place of
-# ResponseOp.op and its optional fields
-# 17: Error.reason, ResponseReply.reason (ipc/reasons.py) for HTTP statuses; Stats.phase_seconds
-# 18: SamplingParams.max_tokens_ceiling, Finish.stop (the Messages API's)
+# What each version changed: docs/architecture.md, "The protocol's versions". A proxy and a
+# daemon of different versions refuse each other at Hello.
 PROTOCOL_VERSION = 18
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
