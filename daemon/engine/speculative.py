@@ -1,0 +1,144 @@
+"""Speculative decoding by prompt lookup (n-gram): drafts from a sequence's own tokens, verified
+in one forward pass.
+
+A drafted sequence's decode is `[last token] + drafts`, one chunk whose every position gives a
+logits row; a draft is accepted while it equals what the sequence samples at the row before it,
+and the first sampled id that differs (or the one after the last draft) comes free. Drafts live
+in one step's `Batch` only: no sequence or session keeps any, so an abort or a preemption
+between steps leaves nothing speculative behind.
+
+Torch-free: `tether/settings.py` parses the configuration with `parse_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from daemon.engine.sequence import Sequence
+
+SAMPLING_EPS = 1e-5  # as the sampler's: a temperature under it is greedy
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+MAX_SPECULATIVE_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class NgramConfig:
+    """vLLM's `--speculative-config` for method "ngram"."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+
+def parse_config(text: str) -> NgramConfig | None:
+    """`--speculative-config`'s JSON (empty: off); ValueError naming the field at fault."""
+    if not text.strip():
+        return None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config: not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--speculative-config: expected a JSON object")
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown field {unknown[0]!r} "
+                         f"(known: {', '.join(_FIELDS)})")
+    if raw.get("method") != "ngram":
+        raise ValueError(f"--speculative-config: method must be \"ngram\", got "
+                         f"{raw.get('method')!r}")
+    k = _count(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+    high = _count(raw, "prompt_lookup_max", None, 1, 1024)
+    low = _count(raw, "prompt_lookup_min", high, 1, high)
+    return NgramConfig(k, high, low)
+
+
+def _count(raw: dict[str, object], name: str, default: int | None, low: int, high: int) -> int:
+    value = raw.get(name, default)
+    if value is None:
+        raise ValueError(f"--speculative-config: {name} is required")
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"--speculative-config: {name} must be an integer in {low}..{high}, "
+                         f"got {value!r}")
+    return value
+
+
+def propose(token_ids: list[int], config: NgramConfig, limit: int) -> list[int]:
+    """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix
+    of `token_ids` (prompt_lookup_max down to prompt_lookup_min tokens long); [] if none."""
+    num = len(token_ids)
+    limit = min(limit, config.num_speculative_tokens)
+    if limit <= 0:
+        return []
+    for n in range(min(config.prompt_lookup_max, num - 1), config.prompt_lookup_min - 1, -1):
+        suffix = token_ids[num - n:]
+        first = suffix[0]
+        found: list[int] = []
+        # Latest start first: the nearest context is the likeliest to be copied on; but one
+        # too near the end to be followed by `limit` tokens (a run of one token) gives way to
+        # an earlier one that is.
+        for start in range(num - n - 1, -1, -1):
+            if token_ids[start] == first and token_ids[start:start + n] == suffix:
+                found = found or token_ids[start + n:start + n + limit]
+                if start + n + limit <= num:
+                    return token_ids[start + n:start + n + limit]
+        if found:
+            return found
+    return []
+
+
+def speculable(seq: Sequence) -> bool:
+    """Greedy and nothing that depends on the tokens before a position (penalties, bad words,
+    a pending min_tokens, a grammar), no siblings to fork, no prompt logprobs to gather: each
+    of its rows' argmax is then exactly what one-token decoding would have chosen."""
+    p = seq.params
+    return (p.temperature < SAMPLING_EPS and seq.constraint is None and not seq.bad_words
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and p.repetition_penalty == 1.0 and seq.num_generated >= p.min_tokens
+            and not seq.fork_children and seq.prompt_logprobs is None)
+
+
+def accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafts are accepted: the longest prefix equal to the ids sampled at the rows
+    before them (`sampled` has one more row than `drafts`)."""
+    n = 0
+    for draft, token in zip(drafts, sampled, strict=False):
+        if draft != token:
+            break
+        n += 1
+    return n
+
+
+class Speculation:
+    """The engine's n-gram speculation: proposing for the scheduler, verifying for update,
+    and the counters (vLLM's names: drafts, draft tokens, accepted tokens)."""
+
+    def __init__(self, config: NgramConfig) -> None:
+        self.config = config
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def drafts(self, seq: Sequence) -> list[int]:
+        """This step's drafts for a sequence about to decode one token ([]: none)."""
+        if not speculable(seq):
+            return []
+        # Never past its max_tokens: the decode's own token is one, each draft one more.
+        room = seq.max_tokens - seq.num_generated - 1 if seq.max_tokens else 0
+        return propose(seq.token_ids, self.config, room)
+
+    def verify(self, drafts: dict[int, list[int]], rows: list[list[int]]) -> dict[int, int]:
+        """Cuts each drafted row (index -> drafts) to its accepted drafts plus the bonus token,
+        in place; each one's number of accepted drafts."""
+        counts: dict[int, int] = {}
+        for i, proposed in drafts.items():
+            n = accepted(proposed, rows[i])
+            del rows[i][n + 1:]
+            counts[i] = n
+            if not proposed:  # sampled beside grammar masks: its drafts were dropped
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += len(proposed)
+            self.num_accepted_tokens += n
+        return counts

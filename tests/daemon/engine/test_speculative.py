@@ -1,0 +1,127 @@
+"""Speculative decoding by prompt lookup: proposing, the configuration, and greedy output that is
+token for token what it is without speculation (the fake runner reads every context token back
+through the block table, so KV left by a rejected draft would change a token)."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.engine.core import Engine
+from daemon.engine.speculative import NgramConfig, accepted, parse_config, propose
+from ipc.records import Delta, TokenLogprob
+from ipc.wire import ToProxy
+from tests.support.engine_kit import EOS, TOK, completion, finishes, make_engine, run, texts
+from tests.support.fake_runner import Script
+
+NGRAM = NgramConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+def copier(prompt: str, text: str) -> Script:
+    """The model writes `text` after `prompt`, then EOS."""
+    n_prompt = len(TOK.encode(prompt))
+    data = text.encode()
+    return lambda ctx: data[len(ctx) - n_prompt] if len(ctx) - n_prompt < len(data) else EOS
+
+
+def generate(script: Script, speculative: NgramConfig | None, prompt: str = PROMPT,
+             **params: object) -> tuple[list[ToProxy], Engine, int]:
+    engine, runner = make_engine(script, speculative=speculative)
+    engine.submit(completion("a", prompt, **{"temperature": 0.0, "max_tokens": 60, **params}))
+    out = run(engine)
+    assert engine.block_manager.num_used == 0 and engine.sessions == {}
+    return out, engine, len(runner.passes)
+
+
+def token_ids(out: list[ToProxy]) -> list[int]:
+    return [t for r in out if isinstance(r, Delta) for t in r.token_ids]
+
+
+def logprobs(out: list[ToProxy]) -> list[TokenLogprob]:
+    return [lp for r in out if isinstance(r, Delta) for lp in r.logprobs or ()]
+
+
+def test_propose_takes_what_followed_the_longest_latest_suffix() -> None:
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], NGRAM, 4) == [7, 1, 2, 3]
+    assert propose([5, 1, 2, 6, 2], NGRAM, 2) == [6, 2]  # one token of suffix, latest match
+    assert propose([1, 2, 3, 4], NGRAM, 4) == []  # nothing repeats
+    assert propose([7, 7, 7, 7, 7, 7], NGRAM, 3) == [7, 7, 7]  # not the one-token latest
+    assert propose([1, 2, 9, 1, 2], NGRAM, 4) == [9, 1, 2]  # all that followed it
+    assert propose([1, 2, 1, 2], NGRAM, 0) == []
+
+
+def test_accepted_is_the_longest_matching_prefix() -> None:
+    assert accepted([4, 5, 6], [4, 5, 7, 8]) == 2
+    assert accepted([4, 5, 6], [4, 5, 6, 8]) == 3
+    assert accepted([4], [3, 4]) == 0
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"method": "eagle", "num_speculative_tokens": 3, "prompt_lookup_max": 3}', "method"),
+    ('{"method": "ngram", "prompt_lookup_max": 3}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 3}',
+     "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 3}', "prompt_lookup_max"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, '
+     '"prompt_lookup_min": 4}', "prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "model": "x"}',
+     "'model'"),
+    ("[1]", "object"),
+    ("{", "JSON"),
+])
+def test_a_config_other_than_ngram_is_refused_naming_the_field(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_config(text)
+
+
+def test_parse_config_as_vllm_spells_it() -> None:
+    assert parse_config("") is None
+    assert parse_config('{"method": "ngram", "num_speculative_tokens": 5, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}') == NgramConfig(5, 4, 2)
+    assert parse_config('{"method": "ngram", "num_speculative_tokens": 5, '
+                        '"prompt_lookup_max": 4}') == NgramConfig(5, 4, 4)
+
+
+def test_greedy_output_that_copies_its_prompt_is_identical_in_fewer_passes() -> None:
+    script = copier(PROMPT, " sat on the mat. the cat sat on the mat.")
+    plain, _, plain_passes = generate(script, None)
+    spec, engine, spec_passes = generate(script, NGRAM)
+    assert token_ids(spec) == token_ids(plain) and texts(spec, "a") == texts(plain, "a")
+    assert finishes(spec, "a")[0].usage == finishes(plain, "a")[0].usage
+    s = engine.speculation
+    assert s is not None and s.num_accepted_tokens > 0 and s.num_drafts > 0
+    assert spec_passes < plain_passes
+
+
+def test_rejected_drafts_leave_no_trace_in_the_kv_or_the_prefix_cache() -> None:
+    # Copies a while, then departs from its prompt: drafts are accepted, then rejected.
+    script = copier(PROMPT, " sat on the rug; a cat sat on the hat. the dog sat on the cat.")
+    plain, _, _ = generate(script, None)
+    spec, engine, _ = generate(script, NGRAM)
+    assert token_ids(spec) == token_ids(plain)
+    s = engine.speculation
+    assert s is not None and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    # The prefix cache now holds the blocks it filled: a second run reads them back.
+    engine.submit(completion("b", PROMPT, temperature=0.0, max_tokens=60))
+    again = run(engine)
+    assert texts(again, "b") == texts(plain, "a")
+
+
+def test_max_tokens_stop_strings_and_logprobs_behave_as_without() -> None:
+    script = copier(PROMPT, " sat on the mat. the cat sat on the mat.")
+    for params in ({"max_tokens": 7}, {"stop": ["mat. the"]}, {"logprobs": 2},
+                   {"stop_token_ids": [ord(".")]}):
+        plain, _, _ = generate(script, None, **params)
+        spec, _, _ = generate(script, NGRAM, **params)
+        assert texts(spec, "a") == texts(plain, "a"), params
+        assert finishes(spec, "a")[0] == finishes(plain, "a")[0], params
+        assert logprobs(spec) == logprobs(plain), params
+
+
+def test_sampled_and_penalised_rows_do_not_draft() -> None:
+    script = copier(PROMPT, " sat on the mat. the cat sat on the mat.")
+    for params in ({"temperature": 0.7, "seed": 1}, {"frequency_penalty": 0.5}):
+        engine, _ = make_engine(script, speculative=NGRAM)
+        engine.submit(completion("a", PROMPT, max_tokens=20, **params))
+        run(engine)
+        assert engine.speculation is not None and engine.speculation.num_drafts == 0
