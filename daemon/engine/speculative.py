@@ -3,7 +3,15 @@ in one forward pass.
 
 A drafted sequence's decode is `[last token] + drafts`, one chunk whose every position gives a
 logits row; a draft is accepted while it equals what the sequence samples at the row before it,
-and the first sampled id that differs (or the one after the last draft) comes free. Drafts live
+and the first sampled id that differs (or the one after the last draft) comes free.
+
+That is Leviathan et al.'s rejection sampling for a draft that is one token for certain (q is a
+point mass): accept draft t with probability min(1, p(t)/q(t)) = p(t), and on rejection draw from
+p with t taken out, renormalised. A draw x from p itself does both at once: x = t with
+probability p(t), and any other y with probability p(y) = (1 - p(t)) * p(y) / (1 - p(t)). So
+each row is sampled as without speculation (temperature, top-k/p, min-p, bias, its seed's
+generator), and the output is distributed exactly as without; greedy rows take the argmax, so
+greedy output is the same token for token. Drafts live
 in one step's `Batch` only: no sequence or session keeps any, so an abort or a preemption
 between steps leaves nothing speculative behind.
 
@@ -17,7 +25,6 @@ from dataclasses import dataclass
 
 from daemon.engine.sequence import Sequence
 
-SAMPLING_EPS = 1e-5  # as the sampler's: a temperature under it is greedy
 _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -89,11 +96,11 @@ def propose(token_ids: list[int], config: NgramConfig, limit: int) -> list[int]:
 
 
 def speculable(seq: Sequence) -> bool:
-    """Greedy and nothing that depends on the tokens before a position (penalties, bad words,
-    a pending min_tokens, a grammar), no siblings to fork, no prompt logprobs to gather: each
-    of its rows' argmax is then exactly what one-token decoding would have chosen."""
+    """Nothing in its sampling that depends on the tokens before a position (penalties, bad
+    words, a pending min_tokens, a grammar), no siblings to fork, no prompt logprobs to gather:
+    each of its rows is then sampled from what one-token decoding would have sampled from."""
     p = seq.params
-    return (p.temperature < SAMPLING_EPS and seq.constraint is None and not seq.bad_words
+    return (seq.constraint is None and not seq.bad_words
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and p.repetition_penalty == 1.0 and seq.num_generated >= p.min_tokens
             and not seq.fork_children and seq.prompt_logprobs is None)

@@ -4,6 +4,8 @@ through the block table, so KV left by a rejected draft would change a token).""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from daemon.engine.core import Engine
@@ -24,8 +26,22 @@ def copier(prompt: str, text: str) -> Script:
     return lambda ctx: data[len(ctx) - n_prompt] if len(ctx) - n_prompt < len(data) else EOS
 
 
+def repeater(prompt: str, period: int, every: int) -> Script:
+    """The model repeats what it read `period` tokens ago (so a wrong token read back through
+    the block table changes all that follows), but every `every`th token it writes the next
+    byte instead: drafts are accepted, then rejected."""
+    n_prompt = len(TOK.encode(prompt))
+
+    def script(ctx: list[int]) -> int:
+        written = len(ctx) - n_prompt
+        if written >= 50:
+            return EOS
+        return (ctx[-period] + (written % every == every - 1)) % 256
+    return script
+
+
 def generate(script: Script, speculative: NgramConfig | None, prompt: str = PROMPT,
-             **params: object) -> tuple[list[ToProxy], Engine, int]:
+             **params: Any) -> tuple[list[ToProxy], Engine, int]:
     engine, runner = make_engine(script, speculative=speculative)
     engine.submit(completion("a", prompt, **{"temperature": 0.0, "max_tokens": 60, **params}))
     out = run(engine)
@@ -94,8 +110,7 @@ def test_greedy_output_that_copies_its_prompt_is_identical_in_fewer_passes() -> 
 
 
 def test_rejected_drafts_leave_no_trace_in_the_kv_or_the_prefix_cache() -> None:
-    # Copies a while, then departs from its prompt: drafts are accepted, then rejected.
-    script = copier(PROMPT, " sat on the rug; a cat sat on the hat. the dog sat on the cat.")
+    script = repeater(PROMPT, len("the cat sat on the mat. "), 11)
     plain, _, _ = generate(script, None)
     spec, engine, _ = generate(script, NGRAM)
     assert token_ids(spec) == token_ids(plain)
@@ -118,10 +133,49 @@ def test_max_tokens_stop_strings_and_logprobs_behave_as_without() -> None:
         assert logprobs(spec) == logprobs(plain), params
 
 
-def test_sampled_and_penalised_rows_do_not_draft() -> None:
+def test_penalised_and_banning_rows_do_not_draft() -> None:
     script = copier(PROMPT, " sat on the mat. the cat sat on the mat.")
-    for params in ({"temperature": 0.7, "seed": 1}, {"frequency_penalty": 0.5}):
+    for params in ({"frequency_penalty": 0.5}, {"repetition_penalty": 1.2},
+                   {"bad_words": ["dog"]}, {"min_tokens": 30}):
         engine, _ = make_engine(script, speculative=NGRAM)
         engine.submit(completion("a", PROMPT, max_tokens=20, **params))
         run(engine)
         assert engine.speculation is not None and engine.speculation.num_drafts == 0
+
+
+def samples(speculative: NgramConfig | None, n: int = 64,
+            seed: int = 7) -> tuple[list[str], Engine]:
+    script = copier(PROMPT, " sat on the mat. the cat sat on the mat.")
+    engine, _ = make_engine(script, num_blocks=600, max_num_seqs=n, budget=1024,
+                            speculative=speculative)
+    engine.submit(completion("a", PROMPT, n=n, temperature=0.5, top_k=50, seed=seed,
+                             max_tokens=12))
+    out = texts(run(engine), "a")
+    return [out[i] for i in range(n)], engine
+
+
+def test_seeded_samples_repeat_with_speculation() -> None:
+    first, engine = samples(NGRAM)
+    again, _ = samples(NGRAM)
+    assert first == again
+    assert engine.speculation is not None and engine.speculation.num_accepted_tokens > 0
+
+
+def test_sampled_output_is_distributed_as_without_speculation() -> None:
+    # Each token is the script's with probability about 0.6 (temperature 0.5 over the fake
+    # runner's spread), so the prefix a sample keeps of the script is geometric; the mean
+    # length of that prefix must agree within a few standard errors.
+    script = " sat on the mat. the cat sat on the mat."
+
+    def kept(outs: list[str]) -> float:
+        lengths = [next((i for i, (a, b) in enumerate(zip(t, script, strict=False)) if a != b),
+                        min(len(t), len(script))) for t in outs]
+        return sum(lengths) / len(lengths)
+
+    plain = sum([kept(samples(None, 64, seed)[0]) for seed in range(8)]) / 8
+    runs = [samples(NGRAM, 64, 100 + seed) for seed in range(8)]
+    drafted = sum([kept(texts) for texts, _ in runs]) / 8
+    # 512 samples a side: the standard error of each mean is about 0.1 (seeded: no flake).
+    assert abs(plain - drafted) < 0.4, (plain, drafted)
+    assert 0.5 < plain < 4.0  # neither greedy (12) nor never the script
+    assert sum([e.speculation.num_accepted_tokens for _, e in runs if e.speculation]) > 100
