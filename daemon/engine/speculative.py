@@ -21,6 +21,7 @@ Torch-free: `tether/settings.py` parses the configuration with `parse_config`.
 from __future__ import annotations
 
 import json
+from array import array
 from dataclasses import dataclass
 
 from daemon.engine.sequence import Sequence
@@ -73,23 +74,30 @@ def _count(raw: dict[str, object], name: str, default: int | None, low: int, hig
 
 def propose(token_ids: list[int], config: NgramConfig, limit: int) -> list[int]:
     """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix
-    of `token_ids` (prompt_lookup_max down to prompt_lookup_min tokens long); [] if none."""
+    of `token_ids` (prompt_lookup_max down to prompt_lookup_min tokens long); [] if none.
+
+    The search runs over the ids as bytes (`bytes.rfind`, in C): the context a client chooses
+    costs the tick a scan at memory speed, not a Python loop over every position."""
     num = len(token_ids)
     limit = min(limit, config.num_speculative_tokens)
-    if limit <= 0:
+    if limit <= 0 or num < 2:
         return []
+    text = array("I", token_ids).tobytes()
     for n in range(min(config.prompt_lookup_max, num - 1), config.prompt_lookup_min - 1, -1):
-        suffix = token_ids[num - n:]
-        first = suffix[0]
+        suffix = text[(num - n) * 4:]
         found: list[int] = []
         # Latest start first: the nearest context is the likeliest to be copied on; but one
         # too near the end to be followed by `limit` tokens (a run of one token) gives way to
         # an earlier one that is.
-        for start in range(num - n - 1, -1, -1):
-            if token_ids[start] == first and token_ids[start:start + n] == suffix:
-                found = found or token_ids[start + n:start + n + limit]
-                if start + n + limit <= num:
-                    return token_ids[start + n:start + n + limit]
+        last = (num - n - 1) * 4  # the latest byte a match may start at: before the suffix
+        while last >= 0 and (at := text.rfind(suffix, 0, last + len(suffix))) >= 0:
+            last = at - 1
+            if at % 4:
+                continue  # across two ids' bytes: not a match of tokens
+            start = at // 4 + n
+            found = found or token_ids[start:start + limit]
+            if start + limit <= num:
+                return token_ids[start:start + limit]
         if found:
             return found
     return []

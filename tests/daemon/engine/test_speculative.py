@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from daemon.engine.core import Engine
 from daemon.engine.speculative import NgramConfig, accepted, parse_config, propose
@@ -64,6 +66,29 @@ def test_propose_takes_what_followed_the_longest_latest_suffix() -> None:
     assert propose([7, 7, 7, 7, 7, 7], NGRAM, 3) == [7, 7, 7]  # not the one-token latest
     assert propose([1, 2, 9, 1, 2], NGRAM, 4) == [9, 1, 2]  # all that followed it
     assert propose([1, 2, 1, 2], NGRAM, 0) == []
+
+
+def plain_propose(ids: list[int], config: NgramConfig, limit: int) -> list[int]:
+    """`propose` as a Python loop over every start, to hold the byte search to."""
+    num, limit = len(ids), min(limit, config.num_speculative_tokens)
+    for n in range(min(config.prompt_lookup_max, num - 1), config.prompt_lookup_min - 1, -1):
+        found: list[int] = []
+        for start in range(num - n - 1, -1, -1):
+            if limit > 0 and ids[start:start + n] == ids[num - n:]:
+                found = found or ids[start + n:start + n + limit]
+                if start + n + limit <= num:
+                    return ids[start + n:start + n + limit]
+        if found:
+            return found
+    return []
+
+
+@given(st.lists(st.sampled_from([1, 2, 3, 256, 257, 65537, 1 << 24]), max_size=40),
+       st.integers(0, 6))
+def test_the_byte_search_finds_what_a_loop_over_every_start_finds(ids: list[int],
+                                                                  limit: int) -> None:
+    # Ids of several bytes: a match across two ids' bytes is no match.
+    assert propose(ids, NGRAM, limit) == plain_propose(ids, NGRAM, limit)
 
 
 def test_accepted_is_the_longest_matching_prefix() -> None:
