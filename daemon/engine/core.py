@@ -375,5 +375,11 @@ class Engine:
 
     def stats(self) -> Stats:
         """Gauges and counters now; latency observations since the previous call."""
-        return engine_stats(self.figures, self.scheduler, self.sessions, self.responses,
-                            self.guidance, self.stored)
+        stats = engine_stats(self.figures, self.scheduler, self.sessions, self.responses,
+                             self.guidance, self.stored)
+        if self.speculation is not None:
+            s = self.speculation
+            stats.spec_decode_num_drafts = s.num_drafts
+            stats.spec_decode_num_draft_tokens = s.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = s.num_accepted_tokens
+        return stats

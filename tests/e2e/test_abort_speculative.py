@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.metrics import m
 from tests.support.pair import (
     ABORT_MODEL,
     CHAT,
@@ -66,3 +67,7 @@ def test_a_pass_that_verified_drafts_counts_all_its_tokens(server: Server) -> No
                           "spec-drafted", 60, tokens_per_pass=1 + K)
     ticks = server.request_line(rid)["last_ticks"]
     assert any(n > 1 for _, n in ticks), ticks
+    figures = server.metrics()
+    drafts = m(figures, "tether_spec_decode_num_drafts_total")
+    accepted = m(figures, "tether_spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= m(figures, "tether_spec_decode_num_draft_tokens_total") <= K * drafts

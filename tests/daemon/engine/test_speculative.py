@@ -132,6 +132,10 @@ def test_greedy_output_that_copies_its_prompt_is_identical_in_fewer_passes() -> 
     s = engine.speculation
     assert s is not None and s.num_accepted_tokens > 0 and s.num_drafts > 0
     assert spec_passes < plain_passes
+    stats = engine.stats()
+    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens) == (
+        s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
 
 
 def test_rejected_drafts_leave_no_trace_in_the_kv_or_the_prefix_cache() -> None:
