@@ -139,6 +139,8 @@ class Scheduler:
         """`ready`'s decodes with the drafts each proposes within `spare` tokens, if all their
         blocks are free (speculation never preempts); the tokens scheduled, or 0: not done."""
         assert self.speculation is not None
+        if not self.speculation.on_for(len(ready)):
+            return 0
         drafts: list[list[int]] = []
         for seq in ready:
             proposed = self.speculation.drafts(seq)[:spare] if spare > 0 else []

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from daemon.engine.sequence import Sequence
 
-_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+           "disable_by_batch_size")
 MAX_SPECULATIVE_TOKENS = 64
 
 
@@ -37,6 +38,9 @@ class NgramConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    # No drafts in a step with more decodes than this (where the forward pass is bound by
+    # compute, not by reading the weights, verifying drafts costs more than it saves).
+    disable_by_batch_size: int | None = None
 
 
 def parse_config(text: str) -> NgramConfig | None:
@@ -59,7 +63,9 @@ def parse_config(text: str) -> NgramConfig | None:
     k = _count(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
     high = _count(raw, "prompt_lookup_max", None, 1, 1024)
     low = _count(raw, "prompt_lookup_min", high, 1, high)
-    return NgramConfig(k, high, low)
+    off_above = (_count(raw, "disable_by_batch_size", None, 1, 1 << 20)
+                 if raw.get("disable_by_batch_size") is not None else None)
+    return NgramConfig(k, high, low, off_above)
 
 
 def _count(raw: dict[str, object], name: str, default: int | None, low: int, high: int) -> int:
@@ -134,6 +140,11 @@ class Speculation:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+
+    def on_for(self, num_decodes: int) -> bool:
+        """Whether a step of `num_decodes` decodes drafts at all."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_decodes <= limit
 
     def drafts(self, seq: Sequence) -> list[int]:
         """This step's drafts for a sequence about to decode one token ([]: none)."""

@@ -107,6 +107,8 @@ def test_accepted_is_the_longest_matching_prefix() -> None:
      '"prompt_lookup_min": 4}', "prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "model": "x"}',
      "'model'"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
+     '"disable_by_batch_size": 0}', "disable_by_batch_size"),
     ("[1]", "object"),
     ("{", "JSON"),
 ])
@@ -121,6 +123,22 @@ def test_parse_config_as_vllm_spells_it() -> None:
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}') == NgramConfig(5, 4, 2)
     assert parse_config('{"method": "ngram", "num_speculative_tokens": 5, '
                         '"prompt_lookup_max": 4}') == NgramConfig(5, 4, 4)
+    assert parse_config('{"method": "ngram", "num_speculative_tokens": 5, '
+                        '"prompt_lookup_max": 4, "disable_by_batch_size": 8}'
+                        ) == NgramConfig(5, 4, 4, 8)
+
+
+def test_no_drafts_in_a_step_of_more_decodes_than_disable_by_batch_size() -> None:
+    script = copier(PROMPT, " sat on the mat. the cat sat on the mat.")
+    counts = []
+    for limit in (1, 2):
+        engine, _ = make_engine(script, speculative=NgramConfig(4, 3, 1, limit))
+        engine.submit(completion("a", PROMPT, n=2, temperature=0.0, max_tokens=20))
+        out = run(engine)
+        assert texts(out, "a") == {0: " sat on the mat. the", 1: " sat on the mat. the"}
+        assert engine.speculation is not None
+        counts.append(engine.speculation.num_drafts)
+    assert counts[0] == 0 < counts[1]
 
 
 def test_greedy_output_that_copies_its_prompt_is_identical_in_fewer_passes() -> None:
