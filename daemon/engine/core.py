@@ -286,7 +286,7 @@ class Engine:
         seqs, rows, starts = executed.seqs, executed.rows(), executed.starts
         accepted = None
         if executed.drafts and self.speculation is not None:  # rows cut to what they keep
-            kept = self.speculation.verify(executed.drafts, rows)
+            kept = self.speculation.verify(seqs, executed.drafts, rows)
             accepted = {seqs[i].seq_id: n for i, n in kept.items()}
         self.scheduler.update(batch, accepted)
         self._count_tick(seqs, rows, starts is not None)

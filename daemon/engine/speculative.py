@@ -29,6 +29,7 @@ from daemon.engine.sequence import Sequence
 _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
            "disable_by_batch_size")
 MAX_SPECULATIVE_TOKENS = 64
+MAX_DRAFT_WAIT = 32  # steps a sequence whose drafts keep failing goes without, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,15 +149,20 @@ class Speculation:
 
     def drafts(self, seq: Sequence) -> list[int]:
         """This step's drafts for a sequence about to decode one token ([]: none)."""
+        if seq.draft_wait:  # its last drafts were all rejected: it waits, longer each time
+            seq.draft_wait -= 1
+            return []
         if not speculable(seq):
             return []
         # Never past its max_tokens: the decode's own token is one, each draft one more.
         room = seq.max_tokens - seq.num_generated - 1 if seq.max_tokens else 0
         return propose(seq.token_ids, self.config, room)
 
-    def verify(self, drafts: dict[int, list[int]], rows: list[list[int]]) -> dict[int, int]:
+    def verify(self, seqs: list[Sequence], drafts: dict[int, list[int]],
+               rows: list[list[int]]) -> dict[int, int]:
         """Cuts each drafted row (index -> drafts) to its accepted drafts plus the bonus token,
-        in place; each one's number of accepted drafts."""
+        in place; each one's number of accepted drafts. A sequence whose drafts were all
+        rejected drafts none for 2, 4, ... MAX_DRAFT_WAIT steps (its text stopped copying)."""
         counts: dict[int, int] = {}
         for i, proposed in drafts.items():
             n = accepted(proposed, rows[i])
@@ -164,6 +170,9 @@ class Speculation:
             counts[i] = n
             if not proposed:  # sampled beside grammar masks: its drafts were dropped
                 continue
+            seq = seqs[i]
+            seq.draft_misses = 0 if n else seq.draft_misses + 1
+            seq.draft_wait = min(1 << seq.draft_misses, MAX_DRAFT_WAIT) if not n else 0
             self.num_drafts += 1
             self.num_draft_tokens += len(proposed)
             self.num_accepted_tokens += n

@@ -15,7 +15,7 @@ from daemon.engine.speculative import NgramConfig, accepted, parse_config, propo
 from ipc.records import Delta, TokenLogprob
 from ipc.wire import ToProxy
 from tests.support.engine_kit import EOS, TOK, completion, finishes, make_engine, run, texts
-from tests.support.fake_runner import Script
+from tests.support.fake_runner import Script, hash_script
 
 NGRAM = NgramConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
@@ -226,3 +226,16 @@ def test_sampled_output_is_distributed_as_without_speculation() -> None:
     assert abs(plain - drafted) < 0.4, (plain, drafted)
     assert 0.5 < plain < 4.0  # neither greedy (12) nor never the script
     assert sum([e.speculation.num_accepted_tokens for _, e in runs if e.speculation]) > 100
+
+
+def test_a_sequence_whose_drafts_fail_backs_off() -> None:
+    # The answer is a hash of its context: its tokens occurred before (the suffix of one token
+    # finds a match), what followed them never comes again.
+    script = hash_script(TOK.vocab_size)
+    plain, _, _ = generate(script, None, max_tokens=200)
+    spec, engine, _ = generate(script, NGRAM, max_tokens=200)
+    assert token_ids(spec) == token_ids(plain)
+    s = engine.speculation
+    assert s is not None and s.num_accepted_tokens <= 1
+    # Waits of 2, 4, 8, 16, 32, 32, ... steps after each failure: a handful of drafts, not 200.
+    assert 0 < s.num_drafts <= 12, s.num_drafts
