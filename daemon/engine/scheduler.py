@@ -139,18 +139,13 @@ class Scheduler:
         """`ready`'s decodes with the drafts each proposes within `spare` tokens, if all their
         blocks are free (speculation never preempts); the tokens scheduled, or 0: not done."""
         assert self.speculation is not None
-        if not self.speculation.on_for(len(ready)):
-            return 0
-        drafts: list[list[int]] = []
-        for seq in ready:
-            proposed = self.speculation.drafts(seq)[:spare] if spare > 0 else []
-            spare -= len(proposed)
-            drafts.append(proposed)
+        drafts = self.speculation.step_drafts(ready, spare)
         if not any(drafts):
             return 0
         sizes = [1 + len(d) for d in drafts]
-        if sum(map(self._blocks_needed, ready, sizes)) > self._num_available:
-            return 0  # _blocks_needed counts each one's forks
+        # _blocks_needed counts each one's forks; the room kept for waiting requests stays.
+        if sum(map(self._blocks_needed, ready, sizes)) + self._room_total[1] > self._num_available:
+            return 0
         for seq, n in zip(ready, sizes, strict=True):
             self.block_manager.may_append(seq.block_table, seq.num_computed + n)
         self._fork_reserve += sum([self._fork_cost(seq, seq.num_computed + 1) for seq in ready])

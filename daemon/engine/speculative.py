@@ -142,10 +142,18 @@ class Speculation:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
-    def on_for(self, num_decodes: int) -> bool:
-        """Whether a step of `num_decodes` decodes drafts at all."""
+    def step_drafts(self, ready: list[Sequence], spare: int) -> list[list[int]]:
+        """The drafts of each of a step's decodes, `spare` tokens of them in all, first come
+        first served; none in a step of more decodes than disable_by_batch_size."""
         limit = self.config.disable_by_batch_size
-        return limit is None or num_decodes <= limit
+        if limit is not None and len(ready) > limit:
+            return [[] for _ in ready]
+        out: list[list[int]] = []
+        for seq in ready:
+            proposed = self.drafts(seq)[:spare] if spare > 0 else []
+            spare -= len(proposed)
+            out.append(proposed)
+        return out
 
     def drafts(self, seq: Sequence) -> list[int]:
         """This step's drafts for a sequence about to decode one token ([]: none)."""

@@ -239,3 +239,29 @@ def test_a_sequence_whose_drafts_fail_backs_off() -> None:
     assert s is not None and s.num_accepted_tokens <= 1
     # Waits of 2, 4, 8, 16, 32, 32, ... steps after each failure: a handful of drafts, not 200.
     assert 0 < s.num_drafts <= 12, s.num_drafts
+
+
+def test_drafts_never_take_the_room_of_a_request_waiting_its_turn() -> None:
+    """A wide request whose eight sequences all draft, in a cache nearly too small for it: a
+    small request arriving behind it still finishes within the ticks it takes without
+    speculation, with its own text."""
+    prompt = "abcdabcdabcd"
+    script = repeater(prompt, 4, 1000)
+    results = []
+    for speculative in (None, NGRAM):
+        engine, _ = make_engine(script, num_blocks=44, max_num_seqs=8,
+                                speculative=speculative)
+        engine.submit(completion("wide", prompt, n=8, max_tokens=60, temperature=0.0))
+        out = [r for _ in range(3) for r in engine.step()]
+        engine.submit(completion("small", "quick", max_tokens=5, temperature=0.0))
+        ticks = 0
+        while not finishes(out, "small"):
+            out += engine.step()
+            ticks += 1
+        out += run(engine)
+        results.append((ticks, texts(out, "small"), texts(out, "wide")))
+        assert engine.block_manager.num_used == 0
+        assert speculative is None or (engine.speculation is not None
+                                       and engine.speculation.num_accepted_tokens > 0)
+    (plain_ticks, plain_small, plain_wide), (ticks, small, wide) = results
+    assert ticks <= max(plain_ticks, 7) and small == plain_small and wide == plain_wide
