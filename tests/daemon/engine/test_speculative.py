@@ -4,6 +4,7 @@ through the block table, so KV left by a rejected draft would change a token).""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -12,9 +13,18 @@ from hypothesis import strategies as st
 
 from daemon.engine.core import Engine
 from daemon.engine.speculative import NgramConfig, accepted, parse_config, propose
-from ipc.records import Delta, TokenLogprob
+from ipc.records import Delta, Guide, GuideKind, TokenLogprob
 from ipc.wire import ToProxy
-from tests.support.engine_kit import EOS, TOK, completion, finishes, make_engine, run, texts
+from tests.support.engine_kit import (
+    EOS,
+    TOK,
+    completion,
+    finishes,
+    guidance,
+    make_engine,
+    run,
+    texts,
+)
 from tests.support.fake_runner import Script, hash_script
 
 NGRAM = NgramConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
@@ -265,3 +275,23 @@ def test_drafts_never_take_the_room_of_a_request_waiting_its_turn() -> None:
                                        and engine.speculation.num_accepted_tokens > 0)
     (plain_ticks, plain_small, plain_wide), (ticks, small, wide) = results
     assert ticks <= max(plain_ticks, 7) and small == plain_small and wide == plain_wide
+
+
+def test_drafts_beside_a_grammar_masked_row_are_dropped_and_the_output_is_the_same() -> None:
+    """A step with a constrained row samples a drafted sequence's first row only: its drafts
+    are all rejected (no gain, and no mask row to mismatch); both outputs are as without."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    guide = Guide(GuideKind.JSON_SCHEMA, json.dumps(schema), source="response_format")
+    script = copier(PROMPT, " sat on the mat. the cat sat on the mat.")
+    results = []
+    for speculative in (None, NGRAM):
+        engine, _ = make_engine(script, guidance=guidance(), speculative=speculative)
+        engine.submit(completion("json", PROMPT, max_tokens=30, temperature=0.0, guide=guide))
+        out = []
+        while not engine.has_work:  # its grammar compiles on a thread
+            out += engine.admit_guided()
+        engine.submit(completion("copy", PROMPT, max_tokens=30, temperature=0.0))
+        out += run(engine)
+        results.append((texts(out, "copy"), texts(out, "json"), logprobs(out)))
+        assert engine.block_manager.num_used == 0
+    assert results[0] == results[1]
