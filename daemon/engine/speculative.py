@@ -11,9 +11,11 @@ p with t taken out, renormalised. A draw x from p itself does both at once: x = 
 probability p(t), and any other y with probability p(y) = (1 - p(t)) * p(y) / (1 - p(t)). So
 each row is sampled as without speculation (temperature, top-k/p, min-p, bias, its seed's
 generator), and the output is distributed exactly as without; greedy rows take the argmax, so
-greedy output is the same token for token. Drafts live
-in one step's `Batch` only: no sequence or session keeps any, so an abort or a preemption
-between steps leaves nothing speculative behind.
+greedy output is the same token for token.
+
+Drafts live in one step's `Batch` only: no sequence or session keeps any, so an abort or a
+preemption between steps leaves nothing speculative behind (a sequence keeps only its back-off
+counters, freed with it).
 
 Torch-free: `tether/settings.py` parses the configuration with `parse_config`.
 """
