@@ -4,7 +4,7 @@ import httpx
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from proxy.auth import ApiKeyMiddleware
+from proxy.http.auth import ApiKeyMiddleware
 
 pytestmark = pytest.mark.anyio
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ipc.records import Delta, Finish, FinishReason, TokenLogprob, Usage
-from proxy.batching import Batch, merge_deltas
+from proxy.engine.batching import Batch, merge_deltas
 
 
 def delta(index: int, k: int, logprobs: bool = False) -> Delta:

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 from starlette.types import Message, Receive
 
-from proxy.cancellation import DisconnectWatch
-from proxy.errors import ClientDisconnected
+from proxy.http.cancellation import DisconnectWatch
+from proxy.http.errors import ClientDisconnected
 
 
 def receiver(messages: asyncio.Queue[Message]) -> Receive:

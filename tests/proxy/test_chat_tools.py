@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 from ipc.records import Delta, Finish, FinishReason, ToolCallFormat, ToolFunction, Usage
-from proxy.chat_tools import ChatToolCalls
-from proxy.chunks import StreamChunks
-from proxy.completion_answer import CHAT
+from proxy.openai.chat_tools import ChatToolCalls
+from proxy.openai.chunks import StreamChunks
+from proxy.openai.completion_answer import CHAT
 from proxy.tool_calls import ToolUse
 
 USE = ToolUse((ToolFunction("get"),), "auto")

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from ipc.records import Delta, Finish, FinishReason, Usage
-from proxy.chunks import StreamChunks
-from proxy.completion_answer import CHAT, COMPLETION, Shape
-from proxy.sse import sse_json
+from proxy.http.sse import sse_json
+from proxy.openai.chunks import StreamChunks
+from proxy.openai.completion_answer import CHAT, COMPLETION, Shape
 
 TEXTS = ["a", 'quote " and \\ back', "line\u2028sep\x85and\u2029para", "caf\u00e9 \U0001f389",
          "\x00\x01\x1f controls", "\n\r\t", "\x00text\x00", "</script>"]

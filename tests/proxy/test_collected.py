@@ -27,7 +27,7 @@ from ipc.records import (
     TokenLogprob,
     Usage,
 )
-from proxy.collected import (
+from proxy.engine.collected import (
     LOGPROB_BYTES,
     LOGPROB_TOKEN_BYTES,
     SLICE_TOKENS,
@@ -35,7 +35,7 @@ from proxy.collected import (
     Logprobs,
     collected_bytes,
 )
-from proxy.completion_answer import CHAT, COMPLETION, CompletionAnswer, Shape, Wants
+from proxy.openai.completion_answer import CHAT, COMPLETION, CompletionAnswer, Shape, Wants
 
 SHAPES = pytest.mark.parametrize("shape", [COMPLETION, CHAT], ids=["completion", "chat"])
 # Tokens of a byte-level BPE: words, pieces of multi-byte characters, bytes alone.

@@ -13,8 +13,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from ipc.records import RequestKind, TokenLogprob
 from proxy.app import create_app
-from proxy.collected import collected_bytes
-from proxy.completion_answer import CHAT, COMPLETION
+from proxy.engine.collected import collected_bytes
+from proxy.openai.completion_answer import CHAT, COMPLETION
 from proxy.options import ProxyOptions
 from tests.proxy.conftest import running_app
 from tests.support.peer import MODEL, ROOM, Peer

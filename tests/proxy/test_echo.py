@@ -10,10 +10,10 @@ import orjson
 import pytest
 
 from ipc.records import Delta, Finish, FinishReason, SamplingParams, Submit, TokenLogprob, Usage
-from proxy.batching import merge_deltas
-from proxy.collected import CollectedBudget, collected_bytes
-from proxy.completion_answer import CHAT, COMPLETION, CompletionAnswer, Wants
-from proxy.errors import ApiError
+from proxy.engine.batching import merge_deltas
+from proxy.engine.collected import CollectedBudget, collected_bytes
+from proxy.http.errors import ApiError
+from proxy.openai.completion_answer import CHAT, COMPLETION, CompletionAnswer, Wants
 from tests.support.raw_http import sse_json
 
 PROMPT = [TokenLogprob(b"<s>", 0.0), TokenLogprob(b"he", -1.0, [(b"he", -1.0)]),

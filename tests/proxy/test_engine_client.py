@@ -12,9 +12,9 @@ import pytest
 from ipc.reasons import Reason
 from ipc.records import AbortCause, Finish, RequestKind, SamplingParams, Submit
 from ipc.response_records import ResponseGet
-from proxy import engine_client
-from proxy.engine_client import EngineClient
-from proxy.errors import ApiError
+from proxy.engine import client as engine_client
+from proxy.engine.client import EngineClient
+from proxy.http.errors import ApiError
 from proxy.options import ProxyOptions
 from tests.support.peer import Peer
 from tests.support.wait import wait_until

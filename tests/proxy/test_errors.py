@@ -12,7 +12,7 @@ from starlette.types import Message
 
 from ipc.reasons import Reason
 from proxy.app import create_app
-from proxy.errors import CLIENT_CLOSED_REQUEST, refused
+from proxy.http.errors import CLIENT_CLOSED_REQUEST, refused
 from proxy.options import ProxyOptions
 from tests.support.peer import Peer
 from tests.support.wait import wait_until

@@ -12,8 +12,8 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from proxy import http_protocol
-from proxy.http_protocol import Edge, EdgeProtocol, protocol_class
+from proxy.http import protocol as http_protocol
+from proxy.http.protocol import Edge, EdgeProtocol, protocol_class
 from tests.support.options import proxy_options
 
 pytestmark = pytest.mark.anyio

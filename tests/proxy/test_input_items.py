@@ -9,15 +9,15 @@ import msgspec
 import pytest
 
 from ipc.records import Message, ToolCall
-from proxy.errors import ApiError
-from proxy.input_items import (
+from proxy.http.errors import ApiError
+from proxy.responses.input_items import (
     MAX_INPUT_ITEMS,
     MAX_ITEM_ID,
     ItemReference,
     input_item_objects,
     stored_items,
 )
-from proxy.responses_request import Decoded, decode_request, parse_request
+from proxy.responses.request import Decoded, decode_request, parse_request
 
 SERVED = ("tiny",)
 

@@ -11,10 +11,10 @@ import pytest
 from ipc.reasons import Reason
 from ipc.records import Usage
 from ipc.response_records import ItemsLookup, ResponseReply, ResponseStatus, StoredResponse
-from proxy.errors import ApiError
-from proxy.input_items import FunctionCallItem, ItemReference, MessageItem, OutputText
-from proxy.item_references import MAX_REFERENCES, resolve_references
-from proxy.tenancy import Who
+from proxy.http.errors import ApiError
+from proxy.http.tenancy import Who
+from proxy.responses.input_items import FunctionCallItem, ItemReference, MessageItem, OutputText
+from proxy.responses.item_references import MAX_REFERENCES, resolve_references
 
 STEM = "0123456789abcdef0123456789abcdef"
 CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_mine"}

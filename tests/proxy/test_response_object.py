@@ -5,7 +5,7 @@ from openai.types.responses import Response, ResponseOutputMessage
 
 from ipc.records import Usage
 from ipc.response_records import PLACEHOLDER_STATUSES, ResponseStatus, StoredResponse
-from proxy.response_object import build_response, stored_response_object
+from proxy.responses.response_object import build_response, stored_response_object
 
 
 def _build(status: ResponseStatus, output_text: str | None, **extra: Any) -> dict[str, Any]:

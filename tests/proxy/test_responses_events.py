@@ -15,10 +15,10 @@ from pydantic import TypeAdapter
 
 from ipc.records import AbortCause, FinishReason, ToolCallFormat, Usage
 from ipc.response_records import SHUTDOWN_REASON, ResponseStatus, StoredResponse
-from proxy.errors import ApiError
-from proxy.response_object import stored_response_object
-from proxy.responses_background import BackgroundRegistry, BackgroundRun
-from proxy.responses_events import Outcome, ResponseEvents, ResponseParams, finish_outcome
+from proxy.http.errors import ApiError
+from proxy.responses.background import BackgroundRegistry, BackgroundRun
+from proxy.responses.events import Outcome, ResponseEvents, ResponseParams, finish_outcome
+from proxy.responses.response_object import stored_response_object
 from proxy.tool_calls import call_ids
 from proxy.tool_calls.hermes import HermesParser
 

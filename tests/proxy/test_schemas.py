@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.errors import ApiError
-from proxy.schemas import (
+from proxy.http.errors import ApiError
+from proxy.openai.schemas import (
     ChatRequest,
     CompletionRequest,
     check_chat,

@@ -17,8 +17,8 @@ from ipc.records import (
     Submit,
     Usage,
 )
-from proxy.errors import ApiError
-from proxy.session import Flow, Phase, Session
+from proxy.engine.session import Flow, Phase, Session
+from proxy.http.errors import ApiError
 
 
 def session(sequences: int = 1, logprobs: int | None = None, high_water: int = 1024,

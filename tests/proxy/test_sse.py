@@ -4,7 +4,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.sse import sse_event, sse_json
+from proxy.http.sse import sse_event, sse_json
 
 
 @given(st.text())

@@ -10,11 +10,10 @@ import orjson
 import pytest
 
 from ipc.records import ToolCallFormat, ToolFunction
-from proxy.errors import ApiError
 from proxy.guides import MAX_GUIDE_BYTES
-from proxy.responses_request import request_echo, tool_use
-from proxy.schemas import ChatRequest, decode_body
-from proxy.tool_requests import (
+from proxy.http.errors import ApiError
+from proxy.openai.schemas import ChatRequest, decode_body
+from proxy.openai.tool_requests import (
     CUSTOM_PARAMETERS,
     MAX_TOOLS,
     call_name,
@@ -23,6 +22,7 @@ from proxy.tool_requests import (
     resolve,
     tool_guide,
 )
+from proxy.responses.request import request_echo, tool_use
 from tests.proxy.test_input_items import _decoded
 
 ASK = [{"role": "user", "content": "hi"}]

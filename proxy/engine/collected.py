@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from ipc.records import Delta, TokenLogprob
-from proxy.errors import ApiError
+from proxy.http.errors import ApiError
 
 # Bytes the proxy holds per collected token at the peak (the collected choices and the body
 # rendered from them), the worse of the two shapes: the text and its token id; a token's

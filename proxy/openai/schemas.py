@@ -13,7 +13,6 @@ from typing import Annotated, Any, Literal, Protocol, TypeVar
 import msgspec
 
 from ipc.records import MAX_LOGPROBS, GenerationDefaults, Message, SamplingParams, ToolCall
-from proxy.errors import ApiError
 from proxy.fields import (
     CACHE_HINT,
     END_USER,
@@ -25,7 +24,8 @@ from proxy.fields import (
     refused,
 )
 from proxy.guides import GuidedFields, request_guide
-from proxy.tool_requests import PARALLEL_NOTE, TOOLS_NOTE, ChatTool, ChatToolChoice
+from proxy.http.errors import ApiError
+from proxy.openai.tool_requests import PARALLEL_NOTE, TOOLS_NOTE, ChatTool, ChatToolChoice
 
 T = TypeVar("T")
 

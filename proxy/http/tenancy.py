@@ -1,7 +1,7 @@
 """Whose request it is, as the store sees it: its tenant and its client.
 
 The tenant is what the store keeps things under: the tag of the API key the request matched
-(proxy/auth.py), or "" on a server without keys, whose clients are all one tenant (an address is
+(proxy/http/auth.py), or "" on a server without keys, whose clients are all one tenant (an address is
 no identity, and one client could use many). Retention is fair between tenants, and an
 ``item_reference`` reaches only its own tenant's items.
 

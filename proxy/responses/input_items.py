@@ -28,9 +28,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from ipc.records import Message, ToolCall
-from proxy.errors import ApiError
-from proxy.schemas import validation_error
-from proxy.tool_requests import CUSTOM_INPUT, FunctionName, qualified
+from proxy.http.errors import ApiError
+from proxy.openai.schemas import validation_error
+from proxy.openai.tool_requests import CUSTOM_INPUT, FunctionName, qualified
 
 MAX_ITEM_ID = 64  # OpenAI's bound on input[].id
 MAX_CALL_ID = 256
@@ -149,7 +149,7 @@ class ReasoningItem(msgspec.Struct, tag="reasoning", tag_field="type",
 class ItemReference(msgspec.Struct, tag="item_reference", tag_field="type",
                     forbid_unknown_fields=True):
     """An item of a stored response, named by its id: a request's input only, resolved from
-    the store before anything else reads the input (proxy/item_references.py)."""
+    the store before anything else reads the input (proxy/responses/item_references.py)."""
 
     id: ItemId
 

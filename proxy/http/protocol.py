@@ -34,7 +34,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from proxy.errors import ApiError
+from proxy.http.errors import ApiError
 from proxy.options import ProxyOptions
 
 log = logging.getLogger("tether.proxy")

@@ -12,6 +12,19 @@ flow control, to go out in one write once it has.
 The task otherwise waits, inside the request's DisconnectWatch: for the end of the stream, or
 for the client to leave, when closing the session writes the Abort at once.
 
+The contract of the ASGI ``send``, all of it on the event loop's thread:
+- the request's task (`__call__`) awaits ``send`` for ``http.response.start`` alone;
+- every ``http.response.body`` is begun by the sink, `_write`, which steps ``send(message)`` once
+  by hand: mostly outside any task, in the tokens pipe's reader callback (``loop.add_reader`` ->
+  ipc/connection/proxy.py's ``_deliver`` -> `EngineClient._on_delivered` -> `Session.wake` ->
+  `_pump`) or the keepalive's timer callback; in the request's task only for the records waiting
+  when the stream starts and after it finished a send;
+- a send that suspends there (the transport is paused) is handed to the request's task, which
+  drives it to its end (`_finish_send`), then pumps again;
+- so at most one send is under way at any moment (``_pending``), and the message order is the
+  order of the sink's writes. A request that does not stream is sent by Starlette's `Response`,
+  from the request's task (proxy/engine/exchange.py).
+
 A stream may ask for a keepalive (the Messages API's ``ping``): an event written, from a timer
 callback on the loop, whenever nothing has been written for its interval, so that a client (or a
 proxy between) that times out an idle stream keeps it while the engine is slow to the next token.
@@ -27,13 +40,13 @@ from typing import Any, NamedTuple, Protocol
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from proxy.batching import Batch
-from proxy.cancellation import DisconnectWatch
-from proxy.engine_client import EngineClient
-from proxy.errors import ApiError, ClientDisconnected
-from proxy.metrics import RequestTimer
-from proxy.session import Session
-from proxy.sse import SSE_HEADERS
+from proxy.engine.batching import Batch
+from proxy.engine.client import EngineClient
+from proxy.engine.metrics import RequestTimer
+from proxy.engine.session import Session
+from proxy.http.cancellation import DisconnectWatch
+from proxy.http.errors import ApiError, ClientDisconnected
+from proxy.http.sse import SSE_HEADERS
 
 
 class Keepalive(NamedTuple):

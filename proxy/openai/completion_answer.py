@@ -1,7 +1,7 @@
 """A completions or chat request's answer, from the daemon's records: the two endpoints' shapes
 of a choice (`Shape`, `ChatShape`), their logprobs, finish reasons and usage, and
 `CompletionAnswer`, which renders a batch of records as stream events or collects them into one
-body. proxy/completions.py validates the request and runs the exchange around it.
+body. proxy/openai/completions.py validates the request and runs the exchange around it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any, NamedTuple
 import orjson
 
 from ipc.records import Delta, Finish, FinishReason, RequestKind, Submit, TokenLogprob, ToolCallFormat, Usage
-from proxy.batching import Batch
-from proxy.chat_tools import ChatToolCalls
-from proxy.chunks import StreamChunks
-from proxy.collected import Choice, CollectedBudget, Logprobs, joined_arrays, json_array, json_string
-from proxy.errors import ApiError
-from proxy.sse import DONE, sse_event
+from proxy.engine.batching import Batch
+from proxy.engine.collected import Choice, CollectedBudget, Logprobs, joined_arrays, json_array, json_string
+from proxy.http.errors import ApiError
+from proxy.http.sse import DONE, sse_event
+from proxy.openai.chat_tools import ChatToolCalls
+from proxy.openai.chunks import StreamChunks
 from proxy.tool_calls import ToolUse
 
 # A choice's text: a stream's piece, or a collected answer's text already in JSON.

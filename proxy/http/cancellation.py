@@ -12,7 +12,7 @@ from types import TracebackType
 
 from starlette.types import Receive
 
-from proxy.errors import ClientDisconnected
+from proxy.http.errors import ClientDisconnected
 
 
 class DisconnectWatch:

@@ -11,7 +11,7 @@ read half of that.
 
 Its reader is woken once per read of the tokens pipe that brought it records (or when it
 fails): either the coroutine waiting in `next_batch`, or a `sink` called right there, which
-writes them to the client without a task switch (proxy/token_stream.py).
+writes them to the client without a task switch (proxy/engine/token_stream.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 from ipc.proxy_writers import OutFrame
 from ipc.records import Delta, Error, Finish, FinishReason, Pause, Resume, Submit
-from proxy.batching import Batch, merge_deltas
-from proxy.errors import ApiError, refused
+from proxy.engine.batching import Batch, merge_deltas
+from proxy.http.errors import ApiError, refused
 
 
 class Phase(enum.IntEnum):
@@ -134,7 +134,7 @@ class Session:
         first, else left for the next call), maybe none; raises the session's failure.
         Still held (`in_hand`) until `handed_on`: only then do they stop counting for flow
         control and stall detection. With merging on, each sequence's Deltas in the batch are
-        merged (proxy/batching.py)."""
+        merged (proxy/engine/batching.py)."""
         if self.failure is not None:
             raise self.failure  # what it still holds will never be read
         records = self.records

@@ -13,7 +13,7 @@ proxy/tool_calls/): its content, if any, is the message, opened when the first c
 and each call is a ``function_call`` item after it: response.output_item.added,
 response.function_call_arguments.delta ..., response.function_call_arguments.done,
 response.output_item.done. A call of a custom tool is a ``custom_tool_call`` item instead, its
-input the string argument it was offered with (proxy/tool_requests.py), sent whole when the call
+input the string argument it was offered with (proxy/openai/tool_requests.py), sent whole when the call
 ends: response.custom_tool_call_input.delta, then .done (the JSON string is not decoded piece by
 piece).
 
@@ -32,8 +32,15 @@ import msgspec
 
 from ipc.records import AbortCause, Delta, Finish, FinishReason, Usage
 from ipc.response_records import SHUTDOWN_REASON, ResponseStatus, StoredResponse
-from proxy.errors import ApiError
-from proxy.response_object import (
+from proxy.http.errors import ApiError
+from proxy.openai.tool_requests import (
+    ResponsesTool,
+    ResponsesToolChoice,
+    call_name,
+    custom_input,
+    responses_tool_use,
+)
+from proxy.responses.response_object import (
     build_response,
     item_status,
     message_id,
@@ -43,13 +50,6 @@ from proxy.response_object import (
 from proxy.tool_calls import call_ids
 from proxy.tool_calls.parser import CallStart, Content, FormatParser
 from proxy.tool_calls.parser import Event as Parsed
-from proxy.tool_requests import (
-    ResponsesTool,
-    ResponsesToolChoice,
-    call_name,
-    custom_input,
-    responses_tool_use,
-)
 
 Event = dict[str, Any]
 

@@ -3,7 +3,7 @@
 The connection (ipc/connection/proxy.py) says whether the daemon is up, why it is not, and what
 model it serves, and stamps its epoch on what is written. It delivers every record from the
 tokens pipe to `_on_record` on the event loop; each record is routed by rid to its session's
-buffer (proxy/session.py) and wakes the one coroutine reading it. A sweep twice a second ends
+buffer (proxy/engine/session.py) and wakes the one coroutine reading it. A sweep twice a second ends
 what would otherwise wait forever: a request the daemon has not acknowledged within the request
 timeout (504, Abort with cause ``timeout``) and a session whose client has taken nothing for the
 stall timeout (same cause). Flow control: once a session holds ``max_buffered`` weighted tokens
@@ -37,10 +37,10 @@ from ipc.records import (
 from ipc.response_records import REQUESTS_PIPE, ResponseOp, ResponseReply, StoreRequest
 from ipc.stats import Stats
 from ipc.wire import ToProxy
-from proxy.batching import Batch
-from proxy.errors import ApiError
-from proxy.session import Flow, Phase, Session
-from proxy.tenancy import ANYONE, Who
+from proxy.engine.batching import Batch
+from proxy.engine.session import Flow, Phase, Session
+from proxy.http.errors import ApiError
+from proxy.http.tenancy import ANYONE, Who
 
 log = logging.getLogger("tether.proxy")
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import orjson
 
 from ipc.records import Delta, Finish, TokenLogprob
-from proxy.sse import sse_json
+from proxy.http.sse import sse_json
 
 # Where a plain delta's text and token ids go in its pre-rendered choice. JSON renders NUL as
 # "\u0000", which nothing else in a chunk contains.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ipc.records import Delta, Finish, ToolCallFormat
-from proxy.chunks import StreamChunks
+from proxy.openai.chunks import StreamChunks
 from proxy.tool_calls import ToolUse, call_ids
 from proxy.tool_calls.parser import CallArguments, CallStart, Content, Event, FormatParser
 

@@ -2,7 +2,7 @@
 
 Every route is one CONVERSATION_* ResponseOp (on the requests pipe, since items can be as big as
 a Submit's) and its reply. Items are validated as the Responses API validates its input items
-(proxy/input_items.py) and go to the store as the same JSON, with the messages each renders as,
+(proxy/responses/input_items.py) and go to the store as the same JSON, with the messages each renders as,
 so a conversation's history is rendered without reading its items again. Ids are the server's:
 ``conv_…`` for a conversation, and for an item sent without an id the daemon makes one.
 """
@@ -31,19 +31,19 @@ from ipc.response_records import (
     ResponseReply,
     StoredConversation,
 )
-from proxy.engine_client import EngineClient
-from proxy.errors import ApiError, refused
-from proxy.input_items import (
+from proxy.engine.client import EngineClient
+from proxy.http.errors import ApiError, refused
+from proxy.http.tenancy import who
+from proxy.openai.schemas import REQUEST_ID_PATTERN, decode_body, new_id
+from proxy.responses.input_items import (
     MAX_ITEM_ID,
     decode_items,
     listed_items,
     stored_items,
     to_messages,
 )
-from proxy.responses import item_list, items_page
-from proxy.responses_request import Metadata
-from proxy.schemas import REQUEST_ID_PATTERN, decode_body, new_id
-from proxy.tenancy import who
+from proxy.responses.request import Metadata
+from proxy.responses.routes import item_list, items_page
 
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI's bound on the items of one create or append
 

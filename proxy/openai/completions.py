@@ -16,13 +16,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ipc.records import RequestKind, SamplingParams, Submit
-from proxy.collected import CollectedBudget, check_collected
-from proxy.completion_answer import CHAT, COMPLETION, CompletionAnswer, Shape, Wants
-from proxy.engine_client import EngineClient
-from proxy.exchange import exchange
-from proxy.metrics import RequestTimer
-from proxy.options import ProxyOptions
-from proxy.schemas import (
+from proxy.engine.client import EngineClient
+from proxy.engine.collected import CollectedBudget, check_collected
+from proxy.engine.exchange import exchange
+from proxy.engine.metrics import RequestTimer
+from proxy.openai.completion_answer import CHAT, COMPLETION, CompletionAnswer, Shape, Wants
+from proxy.openai.schemas import (
     ChatRequest,
     CompletionRequest,
     check_chat,
@@ -34,7 +33,8 @@ from proxy.schemas import (
     new_id,
     sampling_params,
 )
-from proxy.tool_requests import chat_tool_use, tool_guide
+from proxy.openai.tool_requests import chat_tool_use, tool_guide
+from proxy.options import ProxyOptions
 
 
 async def respond(request: Request, submit: Submit, shape: Shape, wants: Wants) -> Response:

@@ -5,7 +5,7 @@ server's own ``receive``: wrapping it in a task-and-queue layer delays or loses 
 
 The key is read from ``Authorization: Bearer`` or, as Anthropic's clients send it, ``x-api-key``.
 The key a request matched names its tenant (``scope["state"]["tenant"]``, read by
-proxy/tenancy.py): a tag derived from the key, never the key, under which the store keeps what
+proxy/http/tenancy.py): a tag derived from the key, never the key, under which the store keeps what
 the request stores.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.errors import ApiError, error_response
+from proxy.http.errors import ApiError, error_response
 
 # The API lives under /v1, and vLLM's /tokenize and /detokenize beside it; /health, /metrics and
 # /openapi.json stay open for probes and scrapers unless the key guards everything.

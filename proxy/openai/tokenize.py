@@ -18,10 +18,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ipc.records import Delta, RequestKind, SamplingParams, Submit
-from proxy.completions import served_models
-from proxy.engine_client import EngineClient
-from proxy.errors import ApiError
-from proxy.schemas import (
+from proxy.engine.client import EngineClient
+from proxy.http.errors import ApiError
+from proxy.openai.completions import served_models
+from proxy.openai.schemas import (
     ChatMessage,
     TokenId,
     check_model,

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from ipc.records import AbortCause, Delta, Finish, FinishReason
 from ipc.stats import Phase, Stats
-from proxy.engine_client import EngineClient
+from proxy.engine.client import EngineClient
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,6 +1,6 @@
 """POST /v1/responses bodies: validation, and the Submit they become.
 
-The body is decoded into typed, bounded fields in one call into msgspec (proxy/input_items.py:
+The body is decoded into typed, bounded fields in one call into msgspec (proxy/responses/input_items.py:
 a malformed or oversized item, or a field the server does not know, is a 400 naming it); the
 proxy turns the input into chat messages, the daemon puts instructions and the previous
 response's history before them and stores the items, as validated, for listing.
@@ -23,7 +23,6 @@ from ipc.records import (
     Submit,
     ToolCallFormat,
 )
-from proxy.errors import ApiError
 from proxy.fields import (
     CACHE_HINT,
     END_USER,
@@ -34,16 +33,8 @@ from proxy.fields import (
     refused,
 )
 from proxy.guides import FORMAT_NOTE, TextConfig, text_echo, text_guide
-from proxy.input_items import (
-    InputItem,
-    ItemReference,
-    NonEmptyRaws,
-    decode_input,
-    stored_items,
-    to_messages,
-)
-from proxy.responses_events import ResponseParams
-from proxy.schemas import (
+from proxy.http.errors import ApiError
+from proxy.openai.schemas import (
     REQUEST_ID_PATTERN,
     MinP,
     PositiveInt,
@@ -56,8 +47,7 @@ from proxy.schemas import (
     decode_body,
     model_sampling,
 )
-from proxy.tool_calls import ToolUse
-from proxy.tool_requests import (
+from proxy.openai.tool_requests import (
     PARALLEL_NOTE,
     TOOLS_NOTE,
     ResponsesTool,
@@ -65,6 +55,16 @@ from proxy.tool_requests import (
     responses_tool_use,
     tool_guide,
 )
+from proxy.responses.events import ResponseParams
+from proxy.responses.input_items import (
+    InputItem,
+    ItemReference,
+    NonEmptyRaws,
+    decode_input,
+    stored_items,
+    to_messages,
+)
+from proxy.tool_calls import ToolUse
 
 # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
 Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)],
@@ -91,7 +91,7 @@ class ResponseStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     """The marks: see proxy/fields.py."""
 
-    input: str | NonEmptyRaws  # each item decoded on its own (proxy/input_items.py)
+    input: str | NonEmptyRaws  # each item decoded on its own (proxy/responses/input_items.py)
     model: str | None = None
     instructions: str | None = None
     previous_response_id: ResponseId | None = None
@@ -174,7 +174,7 @@ class _SentTools(msgspec.Struct):
 def parse_request(body: bytes, served: tuple[str, ...]
                   ) -> tuple[CreateResponse, str | list[InputItem | ItemReference]]:
     """The validated body and its input items, item references still to resolve
-    (proxy/item_references.py); ApiError(400) naming the offending field otherwise."""
+    (proxy/responses/item_references.py); ApiError(400) naming the offending field otherwise."""
     req = decode_body(body, CreateResponse)
     items = req.input if isinstance(req.input, str) else decode_input(req.input)
     check_model(req.model, served)
@@ -220,7 +220,7 @@ def conversation_input(input: str | list[InputItem]) -> tuple[list[Message], lis
 
 
 # What the Response object echoes of its request, when the request gave it (the rest: the
-# object's defaults, proxy/response_object.py).
+# object's defaults, proxy/responses/response_object.py).
 _ECHOED = ("tools", "tool_choice", "parallel_tool_calls", "metadata", "truncation", "reasoning",
            "user", "safety_identifier", "prompt_cache_key", "top_logprobs")
 
@@ -266,7 +266,7 @@ def build_submit(decoded: Decoded, params: ResponseParams, sampling: SamplingPar
                  t_submit: float, client_id: str | None = None, use: ToolUse | None = None,
                  fmt: ToolCallFormat = ToolCallFormat.HERMES, tenant: str = "") -> Submit:
     """The Submit; `use` the request's tools, `fmt` how the model writes its calls, `tenant`
-    whose it is in the store (proxy/tenancy.py)."""
+    whose it is in the store (proxy/http/tenancy.py)."""
     req = decoded.req
     if use is not None:
         sampling = msgspec.structs.replace(sampling, guide=tool_guide(use, fmt, sampling.guide))

@@ -25,8 +25,8 @@ from typing import Annotated, Literal
 import msgspec
 
 from ipc.records import Guide, ToolCallFormat, ToolFunction
-from proxy.errors import ApiError
 from proxy.guides import MAX_GUIDE_BYTES
+from proxy.http.errors import ApiError
 from proxy.tool_calls import ToolGrammarError, ToolUse
 
 # OpenAI's limit on a request's tools ("a max of 128 functions are supported"), which every

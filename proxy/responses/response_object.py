@@ -2,7 +2,7 @@
 
 Application schema, built here from the typed records the daemon sends (StoredResponse) and
 from the proxy's own live state; the daemon never sees these shapes. (Input items, in and out:
-proxy/input_items.py.)
+proxy/responses/input_items.py.)
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def build_response(
 def stored_response_object(stored: StoredResponse,
                            output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A stored response as GET and cancel answer with it; ``output`` its items where they are
-    more than its text (tool calls: proxy/responses_events.py)."""
+    more than its text (tool calls: proxy/responses/events.py)."""
     return build_response(
         id=stored.id, status=stored.status, created_at=stored.created_at, model=stored.model,
         output_text=stored.output_text, usage=stored.usage, instructions=stored.instructions,

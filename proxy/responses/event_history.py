@@ -2,7 +2,7 @@
 let go to bound what the proxy holds.
 
 Each event is weighed once, as the JSON a reader is sent; the registry of runs
-(proxy/responses_background.py) keeps the sum of all runs' weights under its bound. An event's
+(proxy/responses/background.py) keeps the sum of all runs' weights under its bound. An event's
 number is its ``sequence_number``: ``first`` is the oldest still held, and ``len()`` the next.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import orjson
 
-from proxy.responses_events import Event
+from proxy.responses.events import Event
 
 
 class EventHistory:

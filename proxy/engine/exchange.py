@@ -3,6 +3,7 @@ Responses: queue the Submit -> wait for the daemon's first record while watching
 rejection still gets its HTTP status, and a queued request whose client leaves is aborted) ->
 stream it or collect it, still watching -> finish. An endpoint only says how its answer looks
 (an `Answer`); leaving early, however it happens, closes the session, which writes the Abort.
+Who calls the ASGI ``send`` of a stream, and on which task: proxy/engine/token_stream.py.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ipc.records import Submit
-from proxy.batching import Batch
-from proxy.cancellation import DisconnectWatch
-from proxy.engine_client import EngineClient
-from proxy.metrics import RequestTimer
-from proxy.token_stream import Keepalive, StreamAnswer, TokenStream
+from proxy.engine.batching import Batch
+from proxy.engine.client import EngineClient
+from proxy.engine.metrics import RequestTimer
+from proxy.engine.token_stream import Keepalive, StreamAnswer, TokenStream
+from proxy.http.cancellation import DisconnectWatch
 
 
 class Answer(StreamAnswer, Protocol):
@@ -51,7 +52,7 @@ async def exchange(request: Request, submit: Submit, answer: Answer, stream: boo
                 answer.collect(batch)
                 batch = await session.next_batch()
         timer.done()
-        # orjson: a collected choice's log-probabilities come pre-rendered (proxy/collected.py).
+        # orjson: a collected choice's log-probabilities come pre-rendered (proxy/engine/collected.py).
         return Response(orjson.dumps(answer.body()), media_type="application/json")
     finally:
         if not streaming:

@@ -2,7 +2,7 @@
 
 A foreground response is tied to its HTTP request: when the client leaves, the engine session
 is aborted (and the daemon drops the placeholder). A background response runs in a proxy task
-that no client owns (see `proxy.responses_background`); only a cancel or a DELETE stops it.
+that no client owns (see `proxy.responses.background`); only a cancel or a DELETE stops it.
 The daemon owns the store; GET / DELETE / cancel go to it as ResponseOp records, except that a
 background response this proxy still follows answers from its live state, and from it too when
 the daemon has no row for it yet (it has not admitted the Submit). One whose run lost sight of
@@ -36,19 +36,21 @@ from ipc.response_records import (
     ResponseReply,
     ResponseStatus,
 )
-from proxy.batching import Batch
-from proxy.completions import served_model, served_models
-from proxy.engine_client import EngineClient, unavailable
-from proxy.errors import ApiError, refused
-from proxy.exchange import exchange
-from proxy.input_items import MAX_ITEM_ID, listed_items
-from proxy.item_references import resolve_references
-from proxy.metrics import RequestTimer
+from proxy.engine.batching import Batch
+from proxy.engine.client import EngineClient, unavailable
+from proxy.engine.exchange import exchange
+from proxy.engine.metrics import RequestTimer
+from proxy.http.errors import ApiError, refused
+from proxy.http.sse import SSEResponse, sse_event
+from proxy.http.tenancy import who
+from proxy.openai.completions import served_model, served_models
+from proxy.openai.schemas import check_response_id, client_request_id, new_id
 from proxy.options import ProxyOptions
-from proxy.response_object import deleted_object
-from proxy.responses_background import BackgroundRegistry, BackgroundRun
-from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record, stored_object
-from proxy.responses_request import (
+from proxy.responses.background import BackgroundRegistry, BackgroundRun
+from proxy.responses.events import Event, Outcome, ResponseEvents, apply_record, stored_object
+from proxy.responses.input_items import MAX_ITEM_ID, listed_items
+from proxy.responses.item_references import resolve_references
+from proxy.responses.request import (
     build_submit,
     decode_request,
     parse_request,
@@ -56,9 +58,7 @@ from proxy.responses_request import (
     sampling_params,
     tool_use,
 )
-from proxy.schemas import check_response_id, client_request_id, new_id
-from proxy.sse import SSEResponse, sse_event
-from proxy.tenancy import who
+from proxy.responses.response_object import deleted_object
 from proxy.tool_calls import call_ids
 
 
@@ -279,7 +279,7 @@ def items_page(query: Mapping[str, str], unknown: str) -> ItemsPage:
 
 def item_list(reply: ResponseReply) -> Response:
     """A page of stored items (ResponseReply.input_items) as OpenAI's list object (its items
-    copied as stored, not decoded: proxy/input_items.py `listed_items`)."""
+    copied as stored, not decoded: proxy/responses/input_items.py `listed_items`)."""
     ids = reply.item_ids
     data = msgspec.Raw(listed_items(reply.input_items or "[]", ids))
     return Response(msgspec.json.encode({

@@ -32,11 +32,11 @@ from collections.abc import AsyncGenerator, Callable
 from ipc.reasons import Reason
 from ipc.records import Submit
 from ipc.response_records import PLACEHOLDER_STATUSES, ResponseGet, ResponseStatus
-from proxy.engine_client import EngineClient
-from proxy.errors import ApiError
-from proxy.event_history import EventHistory
-from proxy.metrics import RequestTimer
-from proxy.responses_events import Event, Outcome, ResponseEvents, apply_record
+from proxy.engine.client import EngineClient
+from proxy.engine.metrics import RequestTimer
+from proxy.http.errors import ApiError
+from proxy.responses.event_history import EventHistory
+from proxy.responses.events import Event, Outcome, ResponseEvents, apply_record
 
 log = logging.getLogger("tether.proxy")
 
@@ -168,7 +168,7 @@ class BackgroundRun:
                     for record in batch:
                         self.publish(apply_record(self.events, record))
         except ApiError as exc:
-            if exc.code == "engine_unavailable":  # engine_client.unavailable: not an ending
+            if exc.code == "engine_unavailable":  # engine.client.unavailable: not an ending
                 return False
             # Refused or timed out: the store holds no running response either.
             self.publish(self.events.error(exc.message, exc.code, exc.param))

@@ -9,8 +9,8 @@ import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from proxy.cancellation import DisconnectWatch
-from proxy.errors import ClientDisconnected
+from proxy.http.cancellation import DisconnectWatch
+from proxy.http.errors import ClientDisconnected
 
 DONE = b"data: [DONE]\n\n"
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import msgspec
 
 from ipc.response_records import ItemsLookup, ResponseReply
-from proxy.engine_client import EngineClient
-from proxy.errors import ApiError, refused
-from proxy.input_items import InputItem, ItemReference, decode_stored
-from proxy.responses_events import stored_object
-from proxy.tenancy import ANYONE, Who
+from proxy.engine.client import EngineClient
+from proxy.http.errors import ApiError, refused
+from proxy.http.tenancy import ANYONE, Who
+from proxy.responses.events import stored_object
+from proxy.responses.input_items import InputItem, ItemReference, decode_stored
 
 MAX_REFERENCES = 100
 
