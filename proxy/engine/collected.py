@@ -7,7 +7,7 @@ so only the JSON itself is ever held whole.
 
 A request is refused up front when what it could collect would not fit in
 ``--max-collected-bytes``: the estimate is sequences x max_tokens x the bytes a token takes from
-arrival to the rendered body, measured by tests/proxy/test_collected.py with tracemalloc. One
+arrival to the rendered body, measured by tests/proxy/engine/test_collected.py with tracemalloc. One
 without max_tokens (the rest of the context, which only the daemon knows) is not refused for a
 limit it never set: its tokens are counted as they come (`CollectedBudget`, an echoed prompt's
 too), and it fails with the same 400 only once what it holds passes the bound.

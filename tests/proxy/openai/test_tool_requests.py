@@ -23,7 +23,7 @@ from proxy.openai.tool_requests import (
     tool_guide,
 )
 from proxy.responses.request import request_echo, tool_use
-from tests.proxy.test_input_items import _decoded
+from tests.proxy.responses.test_input_items import _decoded
 
 ASK = [{"role": "user", "content": "hi"}]
 GET = {"type": "function", "function": {"name": "get", "description": "d", "parameters": {

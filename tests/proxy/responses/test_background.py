@@ -1,5 +1,5 @@
 """The Responses API's background responses against the scripted test daemon on real FIFOs
-(`StorePeer`: tests/proxy/test_responses.py): run to the end, cancelled, and a stream that
+(`StorePeer`: tests/proxy/responses/test_routes.py): run to the end, cancelled, and a stream that
 outlives its client."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from ipc.records import AbortCause
 from proxy.app import create_app
 from proxy.options import ProxyOptions
-from tests.proxy.test_responses import StorePeer, app, client, oai, peer, tokens
+from tests.proxy.responses.test_routes import StorePeer, app, client, oai, peer, tokens
 from tests.support.live_proxy import LiveProxy
 from tests.support.raw_http import sse_events
 from tests.support.wait import wait_for, wait_until
