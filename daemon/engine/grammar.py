@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import llguidance
 import msgspec
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from daemon.engine.bitmask import Bitmask
 from daemon.engine.closing import MAX_CLOSING, Closing, SearchBound, Stopped, closing
@@ -175,8 +175,8 @@ def grammar_text(guide: Guide) -> str:
                 "|".join(_regex_literal(c) for c in choices)))
         # Lark as llguidance writes it, or llama.cpp's GBNF, turned into Lark.
         return str(llguidance.LLMatcher.grammar_from_lark(any_to_lark(guide.spec)))
-    except (ValueError, msgspec.DecodeError) as e:
-        raise GrammarError(str(e)) from None
+    except (ValueError, msgspec.DecodeError, GbnfToLarkError, RecursionError) as e:
+        raise GrammarError(str(e) or type(e).__name__) from None
 
 
 def _regex_literal(text: str) -> str:

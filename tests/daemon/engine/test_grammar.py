@@ -77,6 +77,11 @@ def test_a_bad_guide_names_what_is_wrong(grammars: Grammars) -> None:
         grammars.compile(Guide(GuideKind.REGEX, "(unclosed")).result()
     with pytest.raises(GrammarError):
         grammars.compile(Guide(GuideKind.JSON_SCHEMA, "{not json")).result()
+    # GBNF that llguidance's converter cannot read (it raises an error of its own, not a
+    # ValueError: the fuzzer's grammar "0" once took the daemon down).
+    for text in ["0", "root ::= (", "::="]:
+        with pytest.raises(GrammarError):
+            grammars.compile(Guide(GuideKind.GRAMMAR, text)).result()
 
 
 def test_compiled_grammars_are_cached_within_their_bytes() -> None:
