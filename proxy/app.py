@@ -18,12 +18,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.access_log import AccessLogMiddleware
 from proxy.anthropic import routes as anthropic
+from proxy.bodies import REQUEST_ID_PATTERN, check_model
 from proxy.engine.client import EngineClient
 from proxy.engine.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.http.auth import ApiKeyMiddleware
 from proxy.http.errors import EXCEPTION_HANDLERS, ApiError, error_response
 from proxy.openai import completions, tokenize
-from proxy.openai.schemas import REQUEST_ID_PATTERN, check_model
 from proxy.openapi import openapi_json
 from proxy.options import ProxyOptions
 from proxy.responses import conversations

@@ -33,7 +33,8 @@ from proxy.answer_types import (
 )
 from proxy.anthropic.answer_types import AnthropicError, MessageEvent, MessageObject, TokenCount
 from proxy.anthropic.request import CountTokensRequest, MessagesRequest
-from proxy.openai.schemas import REQUEST_ID_PATTERN, ChatRequest, CompletionRequest
+from proxy.bodies import REQUEST_ID_PATTERN
+from proxy.openai.schemas import ChatRequest, CompletionRequest
 from proxy.openai.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,

@@ -26,13 +26,13 @@ from proxy.anthropic import answer as answer_module
 from proxy.anthropic.answer import PING, MessageAnswer
 from proxy.anthropic.request import CountTokensRequest, MessagesRequest
 from proxy.anthropic.translate import chat_messages, check_prompt, sampling, tool_use
+from proxy.bodies import check_model, client_request_id, decode_body, new_id
 from proxy.engine.client import EngineClient
 from proxy.engine.collected import CollectedBudget, check_collected
 from proxy.engine.exchange import exchange
 from proxy.engine.metrics import RequestTimer
 from proxy.engine.token_stream import Keepalive
 from proxy.openai.completions import served_models
-from proxy.openai.schemas import check_model, client_request_id, decode_body, new_id
 from proxy.openai.tokenize import ask
 from proxy.openai.tool_requests import tool_guide
 from proxy.options import ProxyOptions

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ipc.records import RequestKind, SamplingParams, Submit
+from proxy.bodies import check_model, client_request_id, decode_body, new_id
 from proxy.engine.client import EngineClient
 from proxy.engine.collected import CollectedBudget, check_collected
 from proxy.engine.exchange import exchange
@@ -26,11 +27,7 @@ from proxy.openai.schemas import (
     CompletionRequest,
     check_chat,
     check_completion,
-    check_model,
     check_sequences,
-    client_request_id,
-    decode_body,
-    new_id,
     sampling_params,
 )
 from proxy.openai.tool_requests import chat_tool_use, tool_guide

@@ -18,17 +18,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ipc.records import Delta, RequestKind, SamplingParams, Submit
+from proxy.bodies import check_model, client_request_id, decode_body, new_id
 from proxy.engine.client import EngineClient
 from proxy.http.errors import ApiError
 from proxy.openai.completions import served_models
-from proxy.openai.schemas import (
-    ChatMessage,
-    TokenId,
-    check_model,
-    client_request_id,
-    decode_body,
-    new_id,
-)
+from proxy.openai.schemas import ChatMessage, TokenId
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -31,10 +31,10 @@ from ipc.response_records import (
     ResponseReply,
     StoredConversation,
 )
+from proxy.bodies import REQUEST_ID_PATTERN, decode_body, new_id
 from proxy.engine.client import EngineClient
 from proxy.http.errors import ApiError, refused
 from proxy.http.tenancy import who
-from proxy.openai.schemas import REQUEST_ID_PATTERN, decode_body, new_id
 from proxy.responses.input_items import (
     MAX_ITEM_ID,
     decode_items,

@@ -28,8 +28,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from ipc.records import Message, ToolCall
+from proxy.bodies import validation_error
 from proxy.http.errors import ApiError
-from proxy.openai.schemas import validation_error
 from proxy.openai.tool_requests import CUSTOM_INPUT, FunctionName, qualified
 
 MAX_ITEM_ID = 64  # OpenAI's bound on input[].id

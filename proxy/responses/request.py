@@ -23,6 +23,7 @@ from ipc.records import (
     Submit,
     ToolCallFormat,
 )
+from proxy.bodies import REQUEST_ID_PATTERN, check_model, decode_body
 from proxy.fields import (
     CACHE_HINT,
     END_USER,
@@ -35,7 +36,6 @@ from proxy.fields import (
 from proxy.guides import FORMAT_NOTE, TextConfig, text_echo, text_guide
 from proxy.http.errors import ApiError
 from proxy.openai.schemas import (
-    REQUEST_ID_PATTERN,
     MinP,
     PositiveInt,
     RepetitionPenalty,
@@ -43,8 +43,6 @@ from proxy.openai.schemas import (
     TopK,
     TopP,
     check_max_tokens,
-    check_model,
-    decode_body,
     model_sampling,
 )
 from proxy.openai.tool_requests import (

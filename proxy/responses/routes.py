@@ -36,6 +36,7 @@ from ipc.response_records import (
     ResponseReply,
     ResponseStatus,
 )
+from proxy.bodies import check_response_id, client_request_id, new_id
 from proxy.engine.batching import Batch
 from proxy.engine.client import EngineClient, unavailable
 from proxy.engine.exchange import exchange
@@ -44,7 +45,6 @@ from proxy.http.errors import ApiError, refused
 from proxy.http.sse import SSEResponse, sse_event
 from proxy.http.tenancy import who
 from proxy.openai.completions import served_model, served_models
-from proxy.openai.schemas import check_response_id, client_request_id, new_id
 from proxy.options import ProxyOptions
 from proxy.responses.background import BackgroundRegistry, BackgroundRun
 from proxy.responses.events import Event, Outcome, ResponseEvents, apply_record, stored_object

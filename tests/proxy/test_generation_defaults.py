@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ipc.records import GenerationDefaults
-from proxy.openai.schemas import ChatRequest, decode_body, sampling_params
+from proxy.bodies import decode_body
+from proxy.openai.schemas import ChatRequest, sampling_params
 from proxy.responses.request import CreateResponse
 from proxy.responses.request import sampling_params as response_sampling
 

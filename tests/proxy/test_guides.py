@@ -11,9 +11,10 @@ import msgspec
 import pytest
 
 from ipc.records import Guide, GuideKind
+from proxy.bodies import decode_body
 from proxy.guides import MAX_GUIDE_BYTES, request_guide, text_echo, text_guide
 from proxy.http.errors import ApiError
-from proxy.openai.schemas import ChatRequest, CompletionRequest, decode_body
+from proxy.openai.schemas import ChatRequest, CompletionRequest
 from proxy.responses.request import CreateResponse
 from tests.support.peer import Peer
 

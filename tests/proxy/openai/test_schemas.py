@@ -2,16 +2,13 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.bodies import check_model, client_request_id, decode_body, new_id
 from proxy.http.errors import ApiError
 from proxy.openai.schemas import (
     ChatRequest,
     CompletionRequest,
     check_chat,
     check_completion,
-    check_model,
-    client_request_id,
-    decode_body,
-    new_id,
     sampling_params,
 )
 

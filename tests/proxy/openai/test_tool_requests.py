@@ -10,9 +10,10 @@ import orjson
 import pytest
 
 from ipc.records import ToolCallFormat, ToolFunction
+from proxy.bodies import decode_body
 from proxy.guides import MAX_GUIDE_BYTES
 from proxy.http.errors import ApiError
-from proxy.openai.schemas import ChatRequest, decode_body
+from proxy.openai.schemas import ChatRequest
 from proxy.openai.tool_requests import (
     CUSTOM_PARAMETERS,
     MAX_TOOLS,
