@@ -4,7 +4,8 @@ A decoder layer is three kernel calls: norm, QKV projection, RoPE and the cache 
 (tl_layer_attn_in); attention (decode rows in tl_decode_attention, prefill chunks in torch's
 SDPA); then the output projection with its residual, norm, gate/up with SiLU-and-multiply, and
 the down projection with its residual (tl_layer_attn_out_mlp). Between op-by-op calls Python
-cost more than the normalisation, RoPE and attention together at batch 1.
+cost more than the normalisation, RoPE and attention together at batch 1. A batch of decodes
+only runs every layer in one call (KernelDecodeStack: tl_forward_decode).
 
 Activations are float32 whatever the weights' dtype; weights are packed once as float32 or
 bfloat16 (cpu.pack), or quantized (quant_pack.pack: a GGUF file's blocks as they are, or
@@ -62,6 +63,9 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
     model.embed_tokens = KernelEmbedding(source)  # type: ignore[assignment]
     model.lm_head = KernelLMHead(head, model.config.vocab_size)  # type: ignore[assignment]
     model.quantized = {}
+    layers = [cast(CpuDecoderLayer, layer) for layer in model.layers]
+    if all(isinstance(layer.paged, CpuPagedAttention) for layer in layers):
+        model.decode_stack = KernelDecodeStack(layers, model.rotary_of, kernels)
 
 
 class PackedLinear(nn.Module):
@@ -187,6 +191,51 @@ class CpuDecoderLayer(nn.Module):
         self.kernels.layer_attn_out_mlp(ctypes.byref(self.desc), x.data_ptr(), x.shape[0],
                                         out.data_ptr())
         return x
+
+
+class KernelDecodeStack:
+    """Every layer of a batch of decodes in one kernel call (tl_forward_decode), where a call a
+    layer cost ~15 us of Python and ctypes each; DecoderLM.forward takes it for such batches.
+    Its steps hold each layer's cache addresses, made again when the caches move."""
+
+    def __init__(self, layers: list[CpuDecoderLayer], rotary_of: list[int],
+                 kernels: Kernels) -> None:
+        self.layers, self.kernels = layers, kernels
+        self.ropes = [i if layer.rope else -1 for layer, i in zip(layers, rotary_of, strict=True)]
+        self.steps = (cpu.DecodeStep * len(layers))()
+        self.caches: tuple[int, ...] = ()
+        self.calls = 0  # batches run through the stack (a test's witness)
+
+    def __call__(self, x: Tensor, tables: list[tuple[Tensor, Tensor]], kv_caches: list[Tensor],
+                 meta: AttentionMetadata) -> Tensor:
+        x = x.float().contiguous()  # the residual stream, updated in place
+        first = self.layers[0]
+        args = cast(CpuPagedAttention, first.paged).decode_args(kv_caches[0][0], meta)
+        self._place(kv_caches, meta)
+        cos, sin = ([t[j].float().contiguous() for t in tables] for j in (0, 1))
+        qkv = x.new_empty(x.shape[0], (first.heads + 2 * first.kv_heads) * first.head_dim)
+        out = x.new_empty(x.shape[0], first.heads * first.head_dim)
+        pointers = ctypes.c_void_p * len(tables)
+        self.kernels.forward_decode(
+            self.steps, len(self.layers), x.data_ptr(), x.shape[0],
+            pointers(*(c.data_ptr() for c in cos)), pointers(*(s.data_ptr() for s in sin)),
+            meta.write_rows.data_ptr(), cpu.WEIGHT_TYPES[kv_caches[0].dtype], *args[:4],
+            qkv.data_ptr(), out.data_ptr())
+        self.calls += 1
+        return x
+
+    def _place(self, kv_caches: list[Tensor], meta: AttentionMetadata) -> None:
+        """Each step's layer, caches, RoPE table, score scale and window."""
+        caches = tuple(c.data_ptr() for c in kv_caches)
+        if caches == self.caches:
+            return
+        for step, layer, kv, rope in zip(self.steps, self.layers, kv_caches, self.ropes,
+                                         strict=True):
+            scale, window = cast(CpuPagedAttention, layer.paged).decode_args(kv[0], meta)[4:]
+            step.layer = ctypes.pointer(layer.desc)
+            step.k_cache, step.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+            step.rope, step.scale, step.window = rope, scale, window
+        self.caches = caches
 
 
 class KernelRMSNorm(nn.Module):
