@@ -336,7 +336,7 @@ class EngineClient:
         # sessions we just failed here, and refuses their Submits still in the pipe.
         error = unavailable(loss.detail)
         for session in list(self._sessions.values()):
-            session.fail(error)
+            session.lose(error)
         for future in self._ops.values():
             if not future.done():
                 future.set_exception(error)

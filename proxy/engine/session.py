@@ -127,6 +127,19 @@ class Session:
             self.failure = exc
             self.wake()
 
+    def lose(self, exc: ApiError) -> None:
+        """The daemon is gone: fail, unless the records held already end the session (an
+        Error, or a Finish for every sequence not yet finished). Its last records and its
+        Goodbye can come in one read; the reader takes that end, and nothing is lost."""
+        pending = {i for i, done in enumerate(self.finished) if not done}
+        for record in self.records:
+            if isinstance(record, Error):
+                return
+            if isinstance(record, Finish):
+                pending.discard(record.index)
+        if pending:
+            self.fail(exc)
+
     # --- the reader's side ----------------------------------------------------------------------
 
     def take(self) -> Batch:

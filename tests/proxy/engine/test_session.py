@@ -97,3 +97,28 @@ def test_a_pause_the_pipe_refused_stays_wanted_for_the_sweep() -> None:
     s.flow.control = lambda _record: False
     s.push(delta(0, 1, 2))
     assert s.paused and not s.pause_sent  # the sweep sends it again
+
+
+def test_a_lost_daemon_never_hides_an_end_it_already_sent() -> None:
+    """The daemon's last records and its Goodbye can come in one read: a session whose every
+    sequence's Finish is held keeps them for its reader (a background response stopped by
+    the daemon's shutdown is then told incomplete, not left waiting for a next daemon)."""
+    lost = ApiError(503, "the engine is unavailable", code="engine_unavailable")
+    ended = session(sequences=2)
+    for record in [delta(0, 1), finish(0), delta(1, 2), finish(1, FinishReason.ABORT)]:
+        ended.push(record)
+    ended.lose(lost)
+    assert [type(r) for r in ended.take()] == [Delta, Finish, Delta, Finish]
+    refused = session()
+    refused.push(Error("r", "no", Reason.INVALID))
+    refused.lose(lost)
+    with pytest.raises(ApiError) as info:
+        refused.take()
+    assert info.value.status == 400  # the daemon's own refusal, not the loss
+    unended = session(sequences=2)
+    for record in [delta(0, 1), finish(0), delta(1, 2)]:
+        unended.push(record)
+    unended.lose(lost)
+    with pytest.raises(ApiError) as info:
+        unended.take()
+    assert info.value is lost
