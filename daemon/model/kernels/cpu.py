@@ -52,6 +52,11 @@ F32, BF16 = 0, 1  # float weight and cache element types (TL_* in the C source)
 STORE = 0  # a packed weight's output: plain, or act(gate) * up (GATED[act])
 GATED = {"silu": 2, "gelu_pytorch_tanh": 3}
 WEIGHT_TYPES = {torch.float32: F32, torch.bfloat16: BF16}
+# Quantized weights (quant.h's types; daemon/model/kernels/quant_pack.py packs them): kept here,
+# where nothing needs numpy, so a model without them loads without it.
+TL_Q4, TL_Q8, TL_Q8_16 = 3, 4, 5
+GROUP, UNIT = 16, 32  # output rows a quantized unit interleaves; rows a quantized unit holds
+QUANTIZATIONS = {"int8": 8, "int4": 4}  # --quantization: bits a weight keeps
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 

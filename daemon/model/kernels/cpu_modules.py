@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -25,17 +25,19 @@ from torch import Tensor, nn
 from daemon.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from daemon.model.config import ModelConfig
 from daemon.model.decoder import DecoderLayer, DecoderLM, RMSNorm
-from daemon.model.kernels import cpu, quant_pack
+from daemon.model.kernels import cpu
 from daemon.model.kernels.cpu import Kernels
-from daemon.model.kernels.quant_pack import Blocks
 from daemon.model.parallel.layers import Linear
+
+if TYPE_CHECKING:
+    from daemon.model.kernels.quant_pack import Blocks
 
 
 def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None) -> None:
     """Replace the model's layers, final norm, embedding and head, in place. The weights in
     `model.quantized` are packed as they are (and leave it)."""
-    if quantization is not None and quantization not in quant_pack.QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(quant_pack.QUANTIZATIONS)} "
+    if quantization is not None and quantization not in cpu.QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(cpu.QUANTIZATIONS)} "
                          f"or None, got {quantization!r}")
     kept = model.quantized
     model.layers = nn.ModuleList(
@@ -71,7 +73,7 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
 class PackedLinear(nn.Module):
     """A weight packed for tl_linear; forward gives y = (x W^T + bias) * out_scale, float32.
     With gate_up, act(gate) * up (act: a key of cpu.GATED). The weight is a float32 or
-    bfloat16 tensor, quantized here when `quantize` names a format (quant_pack.QUANTIZATIONS),
+    bfloat16 tensor, quantized here when `quantize` names a format (cpu.QUANTIZATIONS),
     or quantized Blocks (quant.h) as a GGUF file held them."""
 
     def __init__(self, weight: Tensor | Blocks, bias: Tensor | None, kernels: Kernels,
@@ -79,11 +81,15 @@ class PackedLinear(nn.Module):
                  out_scale: float = 1.0) -> None:
         super().__init__()
         if isinstance(weight, Tensor) and quantize is not None:
-            weight = quant_pack.quantize(weight, quant_pack.QUANTIZATIONS[quantize])
-        if isinstance(weight, Blocks):
+            from daemon.model.kernels import quant_pack  # numpy: only quantized weights need it
+
+            weight = quant_pack.quantize(weight, cpu.QUANTIZATIONS[quantize])
+        if not isinstance(weight, Tensor):  # Blocks
+            from daemon.model.kernels import quant_pack
+
             n, n_in = weight.codes.shape[0], weight.inputs
             self.packed, kind = quant_pack.pack(weight, gate_up), weight.kind
-            units = -(-n // 2 // quant_pack.GROUP) if gate_up else -(-n // quant_pack.UNIT)
+            units = -(-n // 2 // cpu.GROUP) if gate_up else -(-n // cpu.UNIT)
         else:
             weight = weight.detach()
             if weight.dtype not in cpu.WEIGHT_TYPES:
@@ -111,7 +117,7 @@ class PackedLinear(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        return self.desc.type >= quant_pack.TL_Q4
+        return self.desc.type >= cpu.TL_Q4
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.float().contiguous()
