@@ -1,7 +1,7 @@
 """Why the daemon refuses a request or a store operation: a typed reason, never an HTTP status.
 
 The daemon's message names the field and the limit, and its `param` the field; the proxy turns
-each reason into the status and the OpenAI error code a client gets (proxy/errors.py), so a new
+each reason into the status and the OpenAI error code a client gets (proxy/http/errors.py), so a new
 API surface maps reasons, and the engine knows nothing of HTTP.
 """
 

@@ -228,7 +228,7 @@ class ResponseReply(msgspec.Struct, tag=Kind.RESPONSE_REPLY.value, tag_field="k"
     is listed under), ``deleted`` (DELETE) or, for ITEMS, the input items found (in
     ``input_items`` and ``item_ids``) and the responses whose output holds the others
     (``responses``); for a conversation, ``conversation`` or its items in the same fields; else
-    why it was refused (``reason``, which the proxy turns into a status: proxy/errors.py), in
+    why it was refused (``reason``, which the proxy turns into a status: proxy/http/errors.py), in
     ``message``, and the ``param`` at fault."""
 
     op_id: str

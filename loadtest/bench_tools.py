@@ -25,11 +25,12 @@ from typing import Any
 import orjson
 
 from ipc.records import ToolCallFormat
-from proxy.errors import ApiError
+from proxy.bodies import decode_body
 from proxy.guides import MAX_GUIDE_BYTES
-from proxy.responses_request import parse_request, tool_use
-from proxy.schemas import ChatRequest, decode_body
-from proxy.tool_requests import MAX_TOOLS, chat_tool_use, tool_guide
+from proxy.http.errors import ApiError
+from proxy.openai.schemas import ChatRequest
+from proxy.openai.tool_requests import MAX_TOOLS, chat_tool_use, tool_guide
+from proxy.responses.request import parse_request, tool_use
 
 GOAL_MS = 250.0
 ASK = [{"role": "user", "content": "hi"}]

@@ -22,7 +22,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from proxy.metrics import ProxyMetrics
+    from proxy.engine.metrics import ProxyMetrics
 
 log = logging.getLogger("tether.access")
 

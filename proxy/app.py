@@ -16,16 +16,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy import completions, conversations, responses, tokenize
 from proxy.access_log import AccessLogMiddleware
 from proxy.anthropic import routes as anthropic
-from proxy.auth import ApiKeyMiddleware
-from proxy.engine_client import EngineClient
-from proxy.errors import EXCEPTION_HANDLERS, ApiError, error_response
-from proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from proxy.bodies import REQUEST_ID_PATTERN, check_model
+from proxy.engine.client import EngineClient
+from proxy.engine.metrics import CONTENT_TYPE, ProxyMetrics
+from proxy.http.auth import ApiKeyMiddleware
+from proxy.http.errors import EXCEPTION_HANDLERS, ApiError, error_response
+from proxy.openai import completions, tokenize
 from proxy.openapi import openapi_json
 from proxy.options import ProxyOptions
-from proxy.schemas import REQUEST_ID_PATTERN, check_model
+from proxy.responses import conversations
+from proxy.responses import routes as responses
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN.encode())
 

@@ -12,8 +12,8 @@ import msgspec
 
 from proxy.anthropic.request import CountTokensRequest, MessagesRequest
 from proxy.fields import table
-from proxy.responses_request import CreateResponse
-from proxy.schemas import ChatRequest, CompletionRequest
+from proxy.openai.schemas import ChatRequest, CompletionRequest
+from proxy.responses.request import CreateResponse
 
 
 def endpoints() -> dict[str, type[msgspec.Struct]]:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from proxy.errors import ApiError
+from proxy.http.errors import ApiError
 
 NO_OP = "no-op"
 REFUSED = "refused"

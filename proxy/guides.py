@@ -18,8 +18,8 @@ import msgspec
 
 from ipc.records import Guide, GuideKind
 from proxy.closed_objects import SchemaTooDeep, close_objects
-from proxy.errors import ApiError
 from proxy.fields import honoured, no_op, refused
+from proxy.http.errors import ApiError
 
 # A spec (a schema as JSON, a regex, a grammar, the choices as JSON) beyond this is refused: real
 # schemas take kilobytes. One this size may take seconds to compile (8,000 optional properties:

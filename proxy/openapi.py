@@ -33,15 +33,16 @@ from proxy.answer_types import (
 )
 from proxy.anthropic.answer_types import AnthropicError, MessageEvent, MessageObject, TokenCount
 from proxy.anthropic.request import CountTokensRequest, MessagesRequest
-from proxy.conversations import AddItems, CreateConversation, UpdateConversation
-from proxy.responses_request import CreateResponse
-from proxy.schemas import REQUEST_ID_PATTERN, ChatRequest, CompletionRequest
-from proxy.tokenize import (
+from proxy.bodies import REQUEST_ID_PATTERN
+from proxy.openai.schemas import ChatRequest, CompletionRequest
+from proxy.openai.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
+from proxy.responses.conversations import AddItems, CreateConversation, UpdateConversation
+from proxy.responses.request import CreateResponse
 
 _TYPES = (CompletionRequest, ChatRequest, CreateResponse, ErrorBody, Completion, ChatCompletion,
           CompletionChunk, ChatCompletionChunk, ResponseEvent, ResponseObject, DeletedResponse,

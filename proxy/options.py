@@ -22,7 +22,7 @@ class ProxyOptions:
     port: int
     keep_alive_timeout_s: int
     drain_timeout_s: float
-    # What one connection may hold of it (proxy/http_protocol.py): the server's share of
+    # What one connection may hold of it (proxy/http/protocol.py): the server's share of
     # connections, a request head's bytes and time, a body's time and rate.
     max_connections: int
     max_header_bytes: int

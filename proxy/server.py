@@ -22,10 +22,10 @@ from starlette.applications import Starlette
 
 from ipc.records import AbortCause
 from proxy.app import create_app
-from proxy.engine_client import EngineClient
-from proxy.http_protocol import protocol_class
+from proxy.engine.client import EngineClient
+from proxy.http.protocol import protocol_class
 from proxy.options import ProxyOptions
-from proxy.responses import release_background
+from proxy.responses.routes import release_background
 
 log = logging.getLogger("tether.proxy")
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import llguidance
 import msgspec
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from daemon.engine.bitmask import Bitmask
 from daemon.engine.closing import MAX_CLOSING, Closing, SearchBound, Stopped, closing
@@ -168,15 +168,42 @@ def grammar_text(guide: Guide) -> str:
             return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
                                                                      defaults=_JSON_OPTIONS))
         if guide.kind is GuideKind.REGEX:
-            return str(llguidance.LLMatcher.grammar_from_regex(guide.spec))
+            return str(llguidance.LLMatcher.grammar_from_regex(ascii_digits(guide.spec)))
         if guide.kind is GuideKind.CHOICE:
             choices = msgspec.json.decode(guide.spec, type=list[str])
             return str(llguidance.LLMatcher.grammar_from_regex(
                 "|".join(_regex_literal(c) for c in choices)))
         # Lark as llguidance writes it, or llama.cpp's GBNF, turned into Lark.
         return str(llguidance.LLMatcher.grammar_from_lark(any_to_lark(guide.spec)))
-    except (ValueError, msgspec.DecodeError) as e:
-        raise GrammarError(str(e)) from None
+    except (ValueError, msgspec.DecodeError, GbnfToLarkError, RecursionError) as e:
+        raise GrammarError(str(e) or type(e).__name__) from None
+
+
+def ascii_digits(regex: str) -> str:
+    """The regex with `\\d` as [0-9] and `\\D` as [^0-9], as JSON Schema's ECMA-262 patterns
+    and outlines read them: llguidance's `\\d` is any Unicode digit, so a random-weight answer
+    to `\\d{4}-\\d\\d` once held U+10D43 (a Garay digit). Escapes (`\\\\d`) are kept."""
+    out: list[str] = []
+    i, first, in_class = 0, 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            if nxt == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif nxt == "D" and not in_class:
+                out.append("[^0-9]")
+            else:
+                out.append(c + nxt)
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class, first = True, len(out) + 1
+        elif c == "]" and in_class and out[first:] not in ([], ["^"]):
+            in_class = False  # (a "]" first in a class is one of its characters)
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _regex_literal(text: str) -> str:

@@ -10,6 +10,7 @@ timeout, refuses that request; so is a matcher that reaches its parser limits mi
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -27,6 +28,8 @@ from daemon.engine.session import Session
 from daemon.rejected import Rejected
 from ipc.reasons import Reason
 from ipc.records import Guide, RequestKind, Submit
+
+log = logging.getLogger(__name__)
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 # Below this many token slots (rows x vocabulary) a tick's masks take less than the hop to the
@@ -106,6 +109,12 @@ class Guidance:
         except GrammarError as e:
             raise Rejected(f"invalid {pending.guide.kind.value}: {e}", param=param,
                            reason=e.reason) from None
+        except Exception as e:  # the grammar library failing on a client's text: its request's
+            log.warning("compiling a %s failed unexpectedly", pending.guide.kind.value,
+                        exc_info=True)
+            raise Rejected(f"the {pending.guide.kind.value} could not be compiled: "
+                           f"{type(e).__name__}: {e}", param=param,
+                           reason=Reason.INVALID_GRAMMAR) from None
         seqs = pending.session.sequences
         first = seqs[0]
         left = _tokens_left(first, first.max_tokens)

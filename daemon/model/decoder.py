@@ -164,6 +164,10 @@ class DecoderLayer(nn.Module):
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
+DecodeStack = Callable[[Tensor, list[tuple[Tensor, Tensor]], list[Tensor], AttentionMetadata],
+                      Tensor]
+
+
 class DecoderLM(nn.Module):
     """Parameters are allocated uninitialised; the loader fills them (checkpoint or seed).
 
@@ -199,6 +203,9 @@ class DecoderLM(nn.Module):
         # Parameters a GGUF file holds quantized, kept so for the CPU kernels (which pack them
         # at install); their tensors here are left unfilled.
         self.quantized: dict[str, Blocks] = {}
+        # A backend's whole layer stack for batches of decodes only (the CPU kernels': every
+        # layer in one call); it takes the embedded rows, the RoPE tables and the caches.
+        self.decode_stack: DecodeStack | None = None
         if cfg.scale_embeddings:  # rounded to the weights' dtype, as transformers does
             self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype).item()
 
@@ -214,6 +221,8 @@ class DecoderLM(nn.Module):
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         tables = [rotary(positions, meta, x.dtype) for rotary in self.rotaries]
+        if self.decode_stack is not None and not meta.prefills:
+            return self.decode_stack(x, tables, kv_caches, meta)
         for layer, kv_cache, i in zip(self.layers, kv_caches, self.rotary_of, strict=True):
             x = layer(x, *tables[i], kv_cache, meta)
         return x

@@ -1,5 +1,5 @@
 """A Messages request's answer, from the daemon's records: the ``message`` object, or its stream
-of events, which proxy/exchange.py and proxy/token_stream.py write as they write a chat
+of events, which proxy/engine/exchange.py and proxy/engine/token_stream.py write as they write a chat
 completion's (the `Answer` protocol).
 
     message_start, ping, then per content block content_block_start, content_block_delta
@@ -21,17 +21,17 @@ import orjson
 
 from ipc.records import Delta, Finish, FinishReason, ToolCallFormat, Usage
 from proxy.anthropic.errors import error_event
-from proxy.batching import Batch
-from proxy.collected import CollectedBudget
-from proxy.completion_answer import finish_reason
-from proxy.errors import ApiError
-from proxy.sse import sse_event
+from proxy.engine.batching import Batch
+from proxy.engine.collected import CollectedBudget
+from proxy.http.errors import ApiError
+from proxy.http.sse import sse_event
+from proxy.openai.completion_answer import finish_reason
 from proxy.tool_calls import ToolUse, call_ids
 from proxy.tool_calls.parser import CallArguments, CallStart, Content, Event, FormatParser
 
 Block = dict[str, Any]
 PING = sse_event({"type": "ping"}, "ping")
-# A stream idle this long gets a ping (proxy/token_stream.py's keepalive), as Anthropic's do.
+# A stream idle this long gets a ping (proxy/engine/token_stream.py's keepalive), as Anthropic's do.
 PING_INTERVAL_S = 10.0
 
 
@@ -44,7 +44,7 @@ def usage_body(usage: Usage) -> dict[str, int]:
 
 def stop_reason(record: Finish, called: bool) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence; a sequence the server gave up on raises the
-    ApiError it is (proxy/completion_answer.py's)."""
+    ApiError it is (proxy/openai/completion_answer.py's)."""
     finish_reason(record)
     if record.reason is FinishReason.LENGTH:
         return "max_tokens", None
@@ -74,7 +74,7 @@ class MessageAnswer:
         # How it ended: stop_reason, stop_sequence and usage.
         self._ended: tuple[str, str | None, dict[str, int]] | None = None
 
-    # --- the Answer protocol (proxy/exchange.py) ------------------------------------------------
+    # --- the Answer protocol (proxy/engine/exchange.py) ------------------------------------------------
 
     def render(self, batch: Batch) -> tuple[bytes, bool]:
         events: list[bytes] = []

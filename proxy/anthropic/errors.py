@@ -2,7 +2,7 @@
 statuses: an overloaded server is a 529 ``overloaded_error`` where the OpenAI routes answer 429
 (too many requests waiting) or 503 (the engine unavailable), which Anthropic's clients retry.
 Every refusal on /v1/messages takes this shape, the middleware's (a missing key, a body too
-large) too (proxy/errors.py's `shape_errors`).
+large) too (proxy/http/errors.py's `shape_errors`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from proxy.errors import ApiError, shape_errors
-from proxy.sse import sse_event
+from proxy.http.errors import ApiError, shape_errors
+from proxy.http.sse import sse_event
 
 PREFIX = "/v1/messages"
 OVERLOADED = 529

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from proxy.fields import CACHE_HINT, END_USER, LATENCY_HINT, honoured, no_op, refused
-from proxy.schemas import PositiveInt, TopK, TopP
-from proxy.tool_requests import TOOLS_NOTE
+from proxy.openai.schemas import PositiveInt, TopK, TopP
+from proxy.openai.tool_requests import TOOLS_NOTE
 
 MAX_STOP_SEQUENCES = 16  # as the OpenAI routes' `stop`
 
@@ -126,7 +126,7 @@ class MessageParam(msgspec.Struct, forbid_unknown_fields=True):
 
 class Tool(msgspec.Struct, forbid_unknown_fields=True):
     name: ToolName
-    input_schema: msgspec.Raw  # a JSON schema, kept as the client's text (proxy/tool_requests.py)
+    input_schema: msgspec.Raw  # a JSON schema, kept as the client's text (proxy/openai/tool_requests.py)
     description: str | None = None
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None

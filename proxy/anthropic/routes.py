@@ -1,7 +1,7 @@
 """POST /v1/messages and POST /v1/messages/count_tokens.
 
 A message is a chat request at the edge (proxy/anthropic/translate.py) and is served by the chat
-path's exchange (proxy/exchange.py): the same queue, the same watch on the client, so a
+path's exchange (proxy/engine/exchange.py): the same queue, the same watch on the client, so a
 dropped stream, a dropped non-streaming request and a dropped queued one are aborted at once,
 as on /v1/chat/completions. count_tokens renders the prompt with the chat template and counts
 it, as /tokenize does, without a forward pass.
@@ -26,16 +26,16 @@ from proxy.anthropic import answer as answer_module
 from proxy.anthropic.answer import PING, MessageAnswer
 from proxy.anthropic.request import CountTokensRequest, MessagesRequest
 from proxy.anthropic.translate import chat_messages, check_prompt, sampling, tool_use
-from proxy.collected import CollectedBudget, check_collected
-from proxy.completions import served_models
-from proxy.engine_client import EngineClient
-from proxy.exchange import exchange
-from proxy.metrics import RequestTimer
+from proxy.bodies import check_model, client_request_id, decode_body, new_id
+from proxy.engine.client import EngineClient
+from proxy.engine.collected import CollectedBudget, check_collected
+from proxy.engine.exchange import exchange
+from proxy.engine.metrics import RequestTimer
+from proxy.engine.token_stream import Keepalive
+from proxy.openai.completions import served_models
+from proxy.openai.tokenize import ask
+from proxy.openai.tool_requests import tool_guide
 from proxy.options import ProxyOptions
-from proxy.schemas import check_model, client_request_id, decode_body, new_id
-from proxy.token_stream import Keepalive
-from proxy.tokenize import ask
-from proxy.tool_requests import tool_guide
 
 
 async def messages(request: Request) -> Response:

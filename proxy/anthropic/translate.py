@@ -37,10 +37,10 @@ from proxy.anthropic.request import (
     ToolUseBlock,
     _Prompt,
 )
-from proxy.errors import ApiError
-from proxy.schemas import model_sampling
+from proxy.http.errors import ApiError
+from proxy.openai.schemas import model_sampling
+from proxy.openai.tool_requests import check_count, resolve, tool_function
 from proxy.tool_calls import ToolUse
-from proxy.tool_requests import check_count, resolve, tool_function
 
 ERROR_RESULT = "Error: "  # before the text of a tool_result with is_error
 
@@ -137,7 +137,7 @@ def offered_tools(tools: Sequence[Tool] | None) -> list[ToolFunction]:
 
 
 def tool_use(req: _Prompt, single: bool) -> ToolUse | None:
-    """The request's ToolUse, chat's (proxy/tool_requests.py): None without tools."""
+    """The request's ToolUse, chat's (proxy/openai/tool_requests.py): None without tools."""
     functions = offered_tools(req.tools)
     choice: ToolChoice | None = req.tool_choice
     if choice is None:
@@ -181,7 +181,7 @@ def sampling(req: MessagesRequest, max_model_len: int | None,
 
 @dataclasses.dataclass(slots=True)
 class _SamplingFields:
-    """What proxy/schemas.py's model_sampling reads; the Messages API has no min_p nor
+    """What proxy/openai/schemas.py's model_sampling reads; the Messages API has no min_p nor
     repetition_penalty (the model's defaults apply)."""
 
     temperature: float | None

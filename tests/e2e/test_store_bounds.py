@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from ipc.framing import MAX_FRAME_BYTES
-from proxy.input_items import MAX_INPUT_ITEMS
-from proxy.item_references import MAX_REFERENCES
+from proxy.responses.input_items import MAX_INPUT_ITEMS
+from proxy.responses.item_references import MAX_REFERENCES
 from tests.support.serve import Serve
 from tests.support.streams import Paced
 from tests.support.wait import at_once, free_port, wait_for

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from proxy.tool_requests import MAX_TOOLS
+from proxy.openai.tool_requests import MAX_TOOLS
 from tests.support.pair import Server, start_server, wait_running
 from tests.support.streams import Bystanders
 

@@ -78,7 +78,7 @@ def export_builtin(case: Case) -> Any:
     """transformers' Llama holding the built-in model's weights (cut from the same seed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from daemon.model.loader import _sources
+    from daemon.model.loaded import hf_sources
 
     ours = load_model(case.builtin, case.device, case.dtype, kernels="torch")
     cfg = ours.config
@@ -98,7 +98,7 @@ def export_builtin(case: Case) -> Any:
         torch.set_default_dtype(previous)
     params, theirs = dict(ours.model.named_parameters()), hf.state_dict()
     with torch.no_grad():
-        for name, sources in _sources(cfg).items():
+        for name, sources in hf_sources(cfg).items():
             parts = params[name].split([theirs[s].shape[0] for s in sources])
             for source, part in zip(sources, parts, strict=True):
                 theirs[source].copy_(part)

@@ -13,11 +13,11 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
-from proxy.errors import ApiError
+from proxy.bodies import decode_body
 from proxy.field_table import endpoints, markdown
 from proxy.fields import HONOURED, NO_OP, REFUSED, table
+from proxy.http.errors import ApiError
 from proxy.openapi import document
-from proxy.schemas import decode_body
 
 DOCS = Path(__file__).parents[2] / "docs" / "api.md"
 # Each route's body as the openai client types it (its streaming variants add `stream`).

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ipc.records import GenerationDefaults
-from proxy.responses_request import CreateResponse
-from proxy.responses_request import sampling_params as response_sampling
-from proxy.schemas import ChatRequest, decode_body, sampling_params
+from proxy.bodies import decode_body
+from proxy.openai.schemas import ChatRequest, sampling_params
+from proxy.responses.request import CreateResponse
+from proxy.responses.request import sampling_params as response_sampling
 
 MODEL = GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05,
                            repetition_penalty=1.1)

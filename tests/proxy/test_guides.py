@@ -11,10 +11,11 @@ import msgspec
 import pytest
 
 from ipc.records import Guide, GuideKind
-from proxy.errors import ApiError
+from proxy.bodies import decode_body
 from proxy.guides import MAX_GUIDE_BYTES, request_guide, text_echo, text_guide
-from proxy.responses_request import CreateResponse
-from proxy.schemas import ChatRequest, CompletionRequest, decode_body
+from proxy.http.errors import ApiError
+from proxy.openai.schemas import ChatRequest, CompletionRequest
+from proxy.responses.request import CreateResponse
 from tests.support.peer import Peer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

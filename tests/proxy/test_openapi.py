@@ -37,7 +37,7 @@ def test_request_bodies_are_the_schemas_the_handlers_decode_with() -> None:
     schemas = document()["components"]["schemas"]
     completion = schemas["CompletionRequest"]
     assert completion["required"] == ["prompt"]
-    assert completion["properties"]["n"]["maximum"] == 128  # proxy.schemas.MAX_N
+    assert completion["properties"]["n"]["maximum"] == 128  # proxy.openai.schemas.MAX_N
     assert schemas["CreateResponse"]["required"] == ["input"]
 
 

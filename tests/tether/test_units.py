@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.http_protocol import FD_RESERVE
+from proxy.http.protocol import FD_RESERVE
 from proxy.server import START_EXTEND_S
 from tests.support.systemd import (
     INSTALLED_TETHER,

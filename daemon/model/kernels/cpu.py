@@ -1,5 +1,5 @@
 """Builds, caches and calls the CPU kernels (linear.c, cpu_kernels.c, cpu_layer.c,
-cpu_attention.c); packs weights for them.
+cpu_forward.c, cpu_attention.c); packs weights for them.
 
 The shared library is compiled on first use with the system C compiler (``$CC``, else ``cc``)
 for this CPU (``-march=native``) and cached under ``$TETHER_CACHE_DIR`` (else systemd's
@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "linear.c", HERE / "cpu_kernels.c", HERE / "cpu_layer.c",
-           HERE / "cpu_attention.c", HERE / "quant.c", HERE / "bf16.c")
-HEADERS = (HERE / "cpu_kernels.h", HERE / "vec.h", HERE / "quant.h", HERE / "quant_ymm.h",
-           HERE / "bf16.h")
+           HERE / "cpu_forward.c", HERE / "cpu_attention.c", HERE / "quant.c", HERE / "bf16.c")
+HEADERS = (HERE / "cpu_kernels.h", HERE / "cpu_layer.h", HERE / "vec.h", HERE / "quant.h",
+           HERE / "quant_ymm.h", HERE / "bf16.h")
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-Wno-psabi"]
 # The quantized and bf16 kernels' CPU tiers, each built with its own instructions whatever
 # this CPU has (quant.c and bf16.c call one only where CPUID says the CPU has them); x86-64
@@ -52,6 +52,11 @@ F32, BF16 = 0, 1  # float weight and cache element types (TL_* in the C source)
 STORE = 0  # a packed weight's output: plain, or act(gate) * up (GATED[act])
 GATED = {"silu": 2, "gelu_pytorch_tanh": 3}
 WEIGHT_TYPES = {torch.float32: F32, torch.bfloat16: BF16}
+# Quantized weights (quant.h's types; daemon/model/kernels/quant_pack.py packs them): kept here,
+# where nothing needs numpy, so a model without them loads without it.
+TL_Q4, TL_Q8, TL_Q8_16 = 3, 4, 5
+GROUP, UNIT = 16, 32  # output rows a quantized unit interleaves; rows a quantized unit holds
+QUANTIZATIONS = {"int8": 8, "int4": 4}  # --quantization: bits a weight keeps
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -64,7 +69,7 @@ class Weights(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """tl_layer of cpu_layer.c, field for field."""
+    """tl_layer of cpu_layer.h, field for field."""
 
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
                 ("eps", _F), ("input_norm", _P), ("post_attention_norm", _P), ("q_norm", _P),
@@ -73,6 +78,16 @@ class Layer(ctypes.Structure):
 
 
 _W, _L = ctypes.POINTER(Weights), ctypes.POINTER(Layer)
+
+
+class DecodeStep(ctypes.Structure):
+    """tl_decode_step of cpu_forward.c, field for field."""
+
+    _fields_ = [("layer", _L), ("k_cache", _P), ("v_cache", _P), ("rope", _I), ("scale", _F),
+                ("window", _I)]
+
+
+_S = ctypes.POINTER(DecodeStep)
 _SIGNATURES = {  # name: (argument types, result type)
     "tl_linear": ([_P, _I, _I, _W, _P, _I], None),
     "tl_rmsnorm": ([_P, _I, _I, _P, _F, _P], None),
@@ -82,6 +97,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "tl_layer_attn_out_mlp": ([_L, _P, _I, _P], None),
     "tl_layer_decode": ([_L, _P, _I, _P, _P, _P, _P, _P, _C, _P, _I, _P, _I, _F, _I, _P, _P],
                         None),
+    "tl_forward_decode": ([_S, _I, _P, _I, _P, _P, _P, _C, _P, _I, _P, _I, _P, _P], None),
     "tl_quant_select": ([_C], _C),
     "tl_quant_tier_name": ([_C], ctypes.c_char_p),
     "tl_quant_set_dequant_rows": ([_I], None),
@@ -112,6 +128,7 @@ class Kernels:
     layer_attn_in: Callable[..., None]
     layer_attn_out_mlp: Callable[..., None]
     layer_decode: Callable[..., None]
+    forward_decode: Callable[..., None]
     quant_select: Callable[[int], int]
     quant_tier_name: Callable[[int], bytes]
     quant_set_dequant_rows: Callable[[int], None]

@@ -1,9 +1,10 @@
 /* A decoder layer around its attention, for the CPU kernels: RMSNorm, per-head q/k norms and
  * RoPE, then a whole layer's calls (attention in, attention out and MLP, a layer of decodes in
  * one call). The matrix products are cpu_kernels.c's (tl_linear_add), which sends quantized and
- * bf16 weights on to their own files; built and loaded with it by cpu.py.
+ * bf16 weights on to their own files; built and loaded with it by cpu.py. cpu_forward.c calls
+ * tl_layer_decode for each layer of a decode-only batch.
  */
-#include "cpu_kernels.h"
+#include "cpu_layer.h"
 
 /* ---- RMSNorm and RoPE -------------------------------------------------------------------- */
 
@@ -62,21 +63,6 @@ void tl_rmsnorm(const float* x, int64_t M, int64_t K, const float* w, float eps,
 }
 
 /* ---- a decoder layer around its attention ----------------------------------------------- */
-
-/* One layer's weights; mirrored by ctypes in cpu.py. The norms are the factors the normalised
- * values are multiplied by (Gemma's 1 + w included). q_norm and k_norm (per head), attn_out_norm
- * and mlp_out_norm (of the branch outputs, before the residual add) are NULL when absent. */
-typedef struct {
-  int64_t hidden, heads, kv_heads, head_dim;
-  float eps;
-  const float* input_norm;
-  const float* post_attention_norm;
-  const float* q_norm;
-  const float* k_norm;
-  const float* attn_out_norm;
-  const float* mlp_out_norm;
-  tl_weights qkv, o, gate_up, down;
-} tl_layer;
 
 /* qkv [M, (H + 2 KVH) d] = rope(norm(x) Wqkv^T), the q and k heads normed first when the layer
  * has q/k norms, no rope when cos_ is NULL (a layer without RoPE); K and V rows then go to the

@@ -4,7 +4,8 @@ A decoder layer is three kernel calls: norm, QKV projection, RoPE and the cache 
 (tl_layer_attn_in); attention (decode rows in tl_decode_attention, prefill chunks in torch's
 SDPA); then the output projection with its residual, norm, gate/up with SiLU-and-multiply, and
 the down projection with its residual (tl_layer_attn_out_mlp). Between op-by-op calls Python
-cost more than the normalisation, RoPE and attention together at batch 1.
+cost more than the normalisation, RoPE and attention together at batch 1. A batch of decodes
+only runs every layer in one call (KernelDecodeStack: tl_forward_decode).
 
 Activations are float32 whatever the weights' dtype; weights are packed once as float32 or
 bfloat16 (cpu.pack), or quantized (quant_pack.pack: a GGUF file's blocks as they are, or
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -24,17 +25,19 @@ from torch import Tensor, nn
 from daemon.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from daemon.model.config import ModelConfig
 from daemon.model.decoder import DecoderLayer, DecoderLM, RMSNorm
-from daemon.model.kernels import cpu, quant_pack
+from daemon.model.kernels import cpu
 from daemon.model.kernels.cpu import Kernels
-from daemon.model.kernels.quant_pack import Blocks
 from daemon.model.parallel.layers import Linear
+
+if TYPE_CHECKING:
+    from daemon.model.kernels.quant_pack import Blocks
 
 
 def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None) -> None:
     """Replace the model's layers, final norm, embedding and head, in place. The weights in
     `model.quantized` are packed as they are (and leave it)."""
-    if quantization is not None and quantization not in quant_pack.QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(quant_pack.QUANTIZATIONS)} "
+    if quantization is not None and quantization not in cpu.QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(cpu.QUANTIZATIONS)} "
                          f"or None, got {quantization!r}")
     kept = model.quantized
     model.layers = nn.ModuleList(
@@ -62,12 +65,15 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
     model.embed_tokens = KernelEmbedding(source)  # type: ignore[assignment]
     model.lm_head = KernelLMHead(head, model.config.vocab_size)  # type: ignore[assignment]
     model.quantized = {}
+    layers = [cast(CpuDecoderLayer, layer) for layer in model.layers]
+    if all(isinstance(layer.paged, CpuPagedAttention) for layer in layers):
+        model.decode_stack = KernelDecodeStack(layers, model.rotary_of, kernels)
 
 
 class PackedLinear(nn.Module):
     """A weight packed for tl_linear; forward gives y = (x W^T + bias) * out_scale, float32.
     With gate_up, act(gate) * up (act: a key of cpu.GATED). The weight is a float32 or
-    bfloat16 tensor, quantized here when `quantize` names a format (quant_pack.QUANTIZATIONS),
+    bfloat16 tensor, quantized here when `quantize` names a format (cpu.QUANTIZATIONS),
     or quantized Blocks (quant.h) as a GGUF file held them."""
 
     def __init__(self, weight: Tensor | Blocks, bias: Tensor | None, kernels: Kernels,
@@ -75,11 +81,15 @@ class PackedLinear(nn.Module):
                  out_scale: float = 1.0) -> None:
         super().__init__()
         if isinstance(weight, Tensor) and quantize is not None:
-            weight = quant_pack.quantize(weight, quant_pack.QUANTIZATIONS[quantize])
-        if isinstance(weight, Blocks):
+            from daemon.model.kernels import quant_pack  # numpy: only quantized weights need it
+
+            weight = quant_pack.quantize(weight, cpu.QUANTIZATIONS[quantize])
+        if not isinstance(weight, Tensor):  # Blocks
+            from daemon.model.kernels import quant_pack
+
             n, n_in = weight.codes.shape[0], weight.inputs
             self.packed, kind = quant_pack.pack(weight, gate_up), weight.kind
-            units = -(-n // 2 // quant_pack.GROUP) if gate_up else -(-n // quant_pack.UNIT)
+            units = -(-n // 2 // cpu.GROUP) if gate_up else -(-n // cpu.UNIT)
         else:
             weight = weight.detach()
             if weight.dtype not in cpu.WEIGHT_TYPES:
@@ -107,7 +117,7 @@ class PackedLinear(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        return self.desc.type >= quant_pack.TL_Q4
+        return self.desc.type >= cpu.TL_Q4
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.float().contiguous()
@@ -187,6 +197,51 @@ class CpuDecoderLayer(nn.Module):
         self.kernels.layer_attn_out_mlp(ctypes.byref(self.desc), x.data_ptr(), x.shape[0],
                                         out.data_ptr())
         return x
+
+
+class KernelDecodeStack:
+    """Every layer of a batch of decodes in one kernel call (tl_forward_decode), where a call a
+    layer cost ~15 us of Python and ctypes each; DecoderLM.forward takes it for such batches.
+    Its steps hold each layer's cache addresses, made again when the caches move."""
+
+    def __init__(self, layers: list[CpuDecoderLayer], rotary_of: list[int],
+                 kernels: Kernels) -> None:
+        self.layers, self.kernels = layers, kernels
+        self.ropes = [i if layer.rope else -1 for layer, i in zip(layers, rotary_of, strict=True)]
+        self.steps = (cpu.DecodeStep * len(layers))()
+        self.caches: tuple[int, ...] = ()
+        self.calls = 0  # batches run through the stack (a test's witness)
+
+    def __call__(self, x: Tensor, tables: list[tuple[Tensor, Tensor]], kv_caches: list[Tensor],
+                 meta: AttentionMetadata) -> Tensor:
+        x = x.float().contiguous()  # the residual stream, updated in place
+        first = self.layers[0]
+        args = cast(CpuPagedAttention, first.paged).decode_args(kv_caches[0][0], meta)
+        self._place(kv_caches, meta)
+        cos, sin = ([t[j].float().contiguous() for t in tables] for j in (0, 1))
+        qkv = x.new_empty(x.shape[0], (first.heads + 2 * first.kv_heads) * first.head_dim)
+        out = x.new_empty(x.shape[0], first.heads * first.head_dim)
+        pointers = ctypes.c_void_p * len(tables)
+        self.kernels.forward_decode(
+            self.steps, len(self.layers), x.data_ptr(), x.shape[0],
+            pointers(*(c.data_ptr() for c in cos)), pointers(*(s.data_ptr() for s in sin)),
+            meta.write_rows.data_ptr(), cpu.WEIGHT_TYPES[kv_caches[0].dtype], *args[:4],
+            qkv.data_ptr(), out.data_ptr())
+        self.calls += 1
+        return x
+
+    def _place(self, kv_caches: list[Tensor], meta: AttentionMetadata) -> None:
+        """Each step's layer, caches, RoPE table, score scale and window."""
+        caches = tuple(c.data_ptr() for c in kv_caches)
+        if caches == self.caches:
+            return
+        for step, layer, kv, rope in zip(self.steps, self.layers, kv_caches, self.ropes,
+                                         strict=True):
+            scale, window = cast(CpuPagedAttention, layer.paged).decode_args(kv[0], meta)[4:]
+            step.layer = ctypes.pointer(layer.desc)
+            step.k_cache, step.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+            step.rope, step.scale, step.window = rope, scale, window
+        self.caches = caches
 
 
 class KernelRMSNorm(nn.Module):

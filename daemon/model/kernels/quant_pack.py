@@ -12,9 +12,10 @@ import gguf
 import numpy as np
 import torch
 
+from daemon.model.kernels.cpu import GROUP, TL_Q4, TL_Q8, TL_Q8_16, UNIT
+from daemon.model.kernels.cpu import QUANTIZATIONS as QUANTIZATIONS
+
 Q = gguf.GGMLQuantizationType
-TL_Q4, TL_Q8, TL_Q8_16 = 3, 4, 5  # quant.h
-GROUP, UNIT = 16, 32
 SHIFTS = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
 
 
@@ -160,7 +161,6 @@ def from_gguf(raw: np.ndarray, qtype: Q, rows: int) -> Blocks:
 
 # ---- weights quantized here (--quantization)
 
-QUANTIZATIONS = {"int8": 8, "int4": 4}
 
 
 def quantize(weight: torch.Tensor, bits: int) -> Blocks:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from daemon.engine.bitmask import Bitmask, apply_bitmask, fill_row
 from daemon.engine.closing import SearchBound, closing
 from daemon.engine.constraint import Constraint
-from daemon.engine.grammar import SMALL_SPEC_BYTES, Compiled, GrammarError, Grammars
+from daemon.engine.grammar import SMALL_SPEC_BYTES, Compiled, GrammarError, Grammars, ascii_digits
 from daemon.model.tokenizer import ByteTokenizer
 from ipc.reasons import Reason
 from ipc.records import Guide, GuideKind
@@ -77,6 +77,11 @@ def test_a_bad_guide_names_what_is_wrong(grammars: Grammars) -> None:
         grammars.compile(Guide(GuideKind.REGEX, "(unclosed")).result()
     with pytest.raises(GrammarError):
         grammars.compile(Guide(GuideKind.JSON_SCHEMA, "{not json")).result()
+    # GBNF that llguidance's converter cannot read (it raises an error of its own, not a
+    # ValueError: the fuzzer's grammar "0" once took the daemon down).
+    for text in ["0", "root ::= (", "::="]:
+        with pytest.raises(GrammarError):
+            grammars.compile(Guide(GuideKind.GRAMMAR, text)).result()
 
 
 def test_compiled_grammars_are_cached_within_their_bytes() -> None:
@@ -329,3 +334,19 @@ def test_a_grammar_of_too_many_symbols_is_refused_at_compile_naming_the_limit(
         grammars.compile(schema(8000)).result()
     with pytest.raises(GrammarError, match="parser limits"):  # compiled, then its first row
         grammars.compile(schema(2000)).result()
+
+
+@pytest.mark.parametrize(("regex", "ascii"), [
+    (r"\d{4}-\d\d", "[0-9]{4}-[0-9][0-9]"), (r"[\d_]+", "[0-9_]+"), (r"\D", "[^0-9]"),
+    (r"\\d", r"\\d"), (r"[]\d]", "[]0-9]"), (r"[^]\d]\d", "[^]0-9][0-9]"), (r"\w\s", r"\w\s"),
+])
+def test_a_regex_guide_reads_d_as_ascii_digits(regex: str, ascii: str) -> None:
+    assert ascii_digits(regex) == ascii
+
+
+def test_a_regex_guide_allows_no_other_script_s_digits(grammars: Grammars) -> None:
+    """As JSON Schema's patterns (ECMA-262) and outlines read it: a random-weight answer to
+    \\d{4}-\\d\\d-\\d\\d once held U+10D43, which Python's re does not take for a digit."""
+    matcher = grammars.compile(Guide(GuideKind.REGEX, r"\d\d")).result().matcher
+    assert matcher.validate_tokens(list("\u0660".encode())) == 0  # ARABIC-INDIC DIGIT ZERO
+    assert matcher.validate_tokens([ord("7"), ord("3")]) == 2

@@ -83,6 +83,24 @@ def test_a_grammar_that_cannot_compile_is_the_request_s_400():
     assert not engine.sessions
 
 
+class BrokenGrammars(Grammars):
+    """A compile that raises what no one expected (a grammar library's own bug)."""
+
+    def _build(self, guide: Guide) -> Compiled:
+        raise IndexError("deep inside the grammar library")
+
+
+def test_a_compile_that_fails_unexpectedly_refuses_its_own_request_only():
+    engine, _ = make_engine(guidance=Guidance(BrokenGrammars(TOK, TOK.special_token_ids)))
+    engine.submit(completion("bad", max_tokens=20, guide=GUIDE))
+    engine.submit(completion("bystander", max_tokens=3))
+    out = run(engine)
+    [error] = [r for r in out if isinstance(r, Error)]
+    assert error.rid == "bad" and error.reason is Reason.INVALID_GRAMMAR
+    assert error.param == "response_format" and "IndexError" in error.message
+    assert finishes(out, "bystander") and not engine.sessions
+
+
 def test_a_budget_too_small_for_the_schema_is_a_400_naming_max_tokens():
     engine, _ = make_engine(guidance=guidance())
     engine.submit(completion("tiny", max_tokens=5, guide=GUIDE))

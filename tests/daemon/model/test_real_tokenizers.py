@@ -280,7 +280,7 @@ TOOLS = [
 
 
 def _tool_conversations() -> list[list[dict[str, Any]]]:
-    """Chat messages as the daemon hands them to a template (daemon/engine/admission.py)."""
+    """Chat messages as the daemon hands them to a template (daemon/prompts.py)."""
     from daemon.prompts import template_message
     from ipc.records import Message, ToolCall
 

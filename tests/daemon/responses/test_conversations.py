@@ -26,7 +26,7 @@ from ipc.response_records import (
     ResponseReply,
     StoreRequest,
 )
-from proxy.input_items import input_item_objects
+from proxy.responses.input_items import input_item_objects
 from tests.daemon.responses.test_store import Clock, Open, clock, open_store, target
 
 __all__ = ["clock", "open_store", "target"]  # the fixtures, shared with test_store

@@ -22,7 +22,7 @@ from ipc.response_records import (
     ResponseReply,
     StoreRequest,
 )
-from proxy.response_object import stored_response_object
+from proxy.responses.response_object import stored_response_object
 
 
 class Clock:

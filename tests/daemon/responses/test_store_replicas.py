@@ -15,7 +15,7 @@ from ipc.response_records import (
     ResponseInputItems,
     ResponseOp,
 )
-from proxy.input_items import input_item_objects
+from proxy.responses.input_items import input_item_objects
 from tests.daemon.responses.test_store import (
     Clock,
     Open,
