@@ -101,15 +101,24 @@ class ModelRunner:
         with torch.inference_mode():
             if not chunks:
                 return torch.empty(0, self.config.vocab_size, device=self.device)
-            chunks = as_decodes(chunks)
-            if self.graphs is not None and self.graphs.fits(chunks):
-                self.check(chunks)
+            rows = as_decodes(chunks)
+            if self.graphs is not None and self.graphs.fits(rows):
+                self.check(rows)
                 self.num_static_ticks += 1
-                return self.graphs.run(chunks)
+                return self.graphs.run(rows)
             self.num_eager_ticks += 1
-            batch = self._prepare(chunks)
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
-            return self.model.compute_logits(hidden[batch.logit_rows])
+            batch = self._prepare(rows)
+            count = self.model.count_rows_as if rows is not chunks else None
+            if count is not None:  # a chunk of drafts counts as the one row it stands for
+                count(len(rows) - sum(len(c.token_ids) - 1 for c in chunks if c.all_logits
+                                      and len(c.token_ids) <= MAX_DECODES_PER_CHUNK))
+            try:
+                hidden = self.model(batch.input_ids, batch.positions, batch.meta,
+                                    self.kv_caches)
+                return self.model.compute_logits(hidden[batch.logit_rows])
+            finally:
+                if count is not None:
+                    count(None)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: a forked sequence gets its own copy of a shared partial block."""

