@@ -32,6 +32,10 @@ _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_look
            "disable_by_batch_size")
 MAX_SPECULATIVE_TOKENS = 64
 MAX_DRAFT_WAIT = 32  # steps a sequence whose drafts keep failing goes without, at most
+# Occurrences of a suffix one search looks at (those across two ids' bytes, or too near the end,
+# are passed over): ids a client chooses can make every period of the context such a match,
+# and a search is a Python step each.
+MAX_LOOKS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +103,9 @@ def propose(token_ids: list[int], config: NgramConfig, limit: int) -> list[int]:
         # too near the end to be followed by `limit` tokens (a run of one token) gives way to
         # an earlier one that is.
         last = (num - n - 1) * 4  # the latest byte a match may start at: before the suffix
-        while last >= 0 and (at := text.rfind(suffix, 0, last + len(suffix))) >= 0:
+        for _ in range(MAX_LOOKS):
+            if last < 0 or (at := text.rfind(suffix, 0, last + len(suffix))) < 0:
+                break
             last = at - 1
             if at % 4:
                 continue  # across two ids' bytes: not a match of tokens

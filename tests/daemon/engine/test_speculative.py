@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from daemon.engine.core import Engine
-from daemon.engine.speculative import NgramConfig, accepted, parse_config, propose
+from daemon.engine.speculative import MAX_LOOKS, NgramConfig, accepted, parse_config, propose
 from ipc.records import Delta, Guide, GuideKind, TokenLogprob
 from ipc.wire import ToProxy
 from tests.support.engine_kit import (
@@ -99,6 +99,17 @@ def test_the_byte_search_finds_what_a_loop_over_every_start_finds(ids: list[int]
                                                                   limit: int) -> None:
     # Ids of several bytes: a match across two ids' bytes is no match.
     assert propose(ids, NGRAM, limit) == plain_propose(ids, NGRAM, limit)
+
+
+def test_a_search_looks_at_a_bounded_number_of_occurrences() -> None:
+    """Ids a client chooses can make every period of the context a match across two ids'
+    bytes (1280, 1792 spell 00 05 00 00 00 07 00 00: the bytes of 5, 7 from the second byte
+    on); the search passes over MAX_LOOKS of them and gives up, where it once took a Python
+    step for each, so a true match behind them is not found: the tick's cost is bounded."""
+    ids = [5, 7, 9] + [1280, 1792] * (MAX_LOOKS + 1) + [5, 7]
+    assert propose(ids, NGRAM, 1) == []
+    assert plain_propose(ids, NGRAM, 1) == [9]
+    assert propose(ids[:3] + [1280, 1792] * (MAX_LOOKS - 2) + [5, 7], NGRAM, 1) == [9]
 
 
 def test_accepted_is_the_longest_matching_prefix() -> None:
