@@ -14,6 +14,7 @@ import msgspec
 from daemon.engine.core import Engine, Runner
 from daemon.engine.grammar import Grammars
 from daemon.engine.guided import Guidance
+from daemon.engine.speculative import parse_config
 from daemon.model.chat_template import TOOL_CALL_TOKENS, tool_call_format
 from daemon.model.tokenizer import Tokenizer
 from daemon.options import DaemonOptions, ModelOptions
@@ -75,7 +76,8 @@ def _serve(options: DaemonOptions, built: Built, ranks: Ranks | None, notify: No
                         options.model.max_tokens_per_tick, max_model_len, name,
                         prefix_caching=options.prefix_caching,
                         guidance=Guidance(grammars, options.grammar_compile_timeout_s),
-                        max_seqs_per_request=options.max_seqs_per_request)
+                        max_seqs_per_request=options.max_seqs_per_request,
+                        speculative=parse_config(options.speculative_config))
     except ValueError as e:
         log.error("%s", e)
         pipes.close()

@@ -64,3 +64,4 @@ class DaemonOptions:
     grammar_cache_bytes: int = 64 << 20
     tool_call_parser: str = "auto"  # a ToolCallFormat's value, or auto: the chat template's
     served_model_name: str = ""  # the model id clients see; empty: the model's own
+    speculative_config: str = ""  # --speculative-config's JSON, checked; empty: off

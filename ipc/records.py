@@ -16,7 +16,7 @@ from ipc.reasons import Reason
 
 # What each version changed: docs/architecture.md, "The protocol's versions". A proxy and a
 # daemon of different versions refuse each other at Hello.
-PROTOCOL_VERSION = 18
+PROTOCOL_VERSION = 19
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096

@@ -50,3 +50,8 @@ class Stats(msgspec.Struct, tag=Kind.STATS.value, tag_field="k"):
     conversation_items: int = 0
     # Seconds the engine's steps spent in each phase (a Phase's value), cumulative.
     phase_seconds: dict[str, float] = {}
+    # Speculative decoding (vLLM's spec_decode_* names): decodes that verified drafts, their
+    # draft tokens, and those accepted. Mean acceptance length: 1 + accepted / drafts.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0

@@ -49,7 +49,8 @@ def daemon_options(s: Settings) -> DaemonOptions:
         grammar_compile_timeout_s=s.grammar_compile_timeout_s,
         grammar_cache_bytes=s.grammar_cache_mib << 20,
         tool_call_parser=s.tool_call_parser,
-        max_seqs_per_request=s.max_seqs_per_request, served_model_name=s.served_model_name)
+        max_seqs_per_request=s.max_seqs_per_request, served_model_name=s.served_model_name,
+        speculative_config=s.speculative_config)
 
 
 def proxy_options(s: Settings) -> ProxyOptions:

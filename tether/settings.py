@@ -67,6 +67,7 @@ class Settings:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_mib: int = 64
     tool_call_parser: str = "auto"
+    speculative_config: str = ""  # JSON, as vLLM's; empty: no speculative decoding
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
     max_collected_bytes: int = 64 * 1024 * 1024
@@ -152,6 +153,11 @@ _HELP: dict[str, str] = {
     "grammar_cache_mib": "compiled grammars kept for reuse, in MiB (least recently used go)",
     "tool_call_parser": "how the model writes tool calls: auto (from the chat template; hermes "
     "when it says nothing) | hermes | llama3_json | mistral",
+    "speculative_config": "speculative decoding, JSON as vLLM spells it: {\"method\": "
+    "\"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_max\": M, "
+    "\"prompt_lookup_min\": m, \"disable_by_batch_size\": N} (drafts by prompt lookup, none in "
+    "a step of more than N decodes; requests with penalties, bad_words or a grammar do not "
+    "draft); empty = off",
     "prefix_caching": "reuse the KV of full blocks of earlier prompts with the same start "
     "(--no-prefix-caching turns it off)",
     "max_waiting": "most requests waiting in the proxy before it answers 429",
@@ -207,7 +213,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "max_connections", "keep_alive_timeout_s", "drain_timeout_s")),
     ("engine", ("max_num_seqs", "max_seqs_per_request", "max_tokens_per_tick",
                 "kv_cache_blocks", "kv_cache_mib", "gpu_memory_utilization", "cuda_graphs",
-                "prefix_caching", "grammar_compile_timeout_s", "grammar_cache_mib")),
+                "prefix_caching", "grammar_compile_timeout_s", "grammar_cache_mib",
+                "speculative_config")),
     ("store", ("state_dir", "state_url", "replica_id", "replica_lease_s", "response_store_max",
                "response_store_max_age_s", "response_store_max_bytes", "conversation_store_max",
                "conversation_store_max_age_s", "conversation_store_max_bytes",
@@ -337,5 +344,9 @@ def _check(s: Settings) -> None:
     if s.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                          f"got {s.tool_call_parser!r}")
+    if s.speculative_config:
+        from daemon.engine.speculative import parse_config  # torch-free
+
+        parse_config(s.speculative_config)  # a ValueError naming the field at fault
     if s.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {s.device!r}")

@@ -24,6 +24,9 @@ class Batch:
     sampled: list[Sequence] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     num_rows: int = 0  # rows of logits the runner returns
+    # Speculative decoding: the drafts of the sequence at each index of `sampled` that has
+    # any; its chunk is [last token] + drafts, a logits row each, the first at its `rows`.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -62,6 +65,19 @@ class Batch:
         self.num_rows += chunk.num_logit_rows
         if chunk.needs_logits:
             self._sample(seq, self.num_rows - 1)
+
+    def add_drafted(self, seq: Sequence, drafts: list[int]) -> None:
+        """A decode of the sequence's last token and `drafts` after it: a logits row for each
+        position, to verify every draft and sample the token after the last accepted one."""
+        chunk = ScheduledChunk([seq.token_ids[-1], *drafts], seq.num_computed, seq.block_table,
+                               True, all_logits=True)
+        self.chunks.append(chunk)
+        self.seqs.append(seq)
+        self.num_decode_tokens += len(chunk.token_ids)
+        self.drafts[len(self.sampled)] = drafts
+        self.sampled.append(seq)  # speculable: no siblings to fork
+        self.rows.append(self.num_rows)
+        self.num_rows += len(chunk.token_ids)
 
     def _sample(self, seq: Sequence, row: int) -> None:
         """`seq` and its siblings still to fork sample from logits row `row`."""

@@ -170,6 +170,15 @@ class BlockManager:
                     self._free.append(block)
         table.clear()
 
+    def truncate(self, table: list[int], num_tokens: int) -> None:
+        """Give back the blocks of `table` past its first `num_tokens` positions (those a
+        speculative decode took for drafts that were rejected)."""
+        keep = self.num_blocks_for(num_tokens)
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.free(tail)
+
     def _take(self) -> int:
         if self._free:
             block = self._free.popleft()

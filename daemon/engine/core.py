@@ -28,6 +28,7 @@ from daemon.engine.sampler import Logprob, Sampler, sampled_logprobs
 from daemon.engine.scheduler import Scheduler
 from daemon.engine.sequence import Sequence
 from daemon.engine.session import Session
+from daemon.engine.speculative import NgramConfig, Speculation
 from daemon.engine.stored import StoredTurns, unbuilt_finishes
 from daemon.engine.tokenize import tokenize
 from daemon.engine.update import Advanced, Ends
@@ -56,7 +57,8 @@ class Engine:
                  model_name: str, *, make_detokenizer: Callable[[list[int]], Detokenizer] | None = None,
                  clock: Callable[[], float] = time.monotonic, prefix_caching: bool = True,
                  guidance: Guidance | None = None,
-                 max_seqs_per_request: int | None = None) -> None:
+                 max_seqs_per_request: int | None = None,
+                 speculative: NgramConfig | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         # A stored response's whole life goes through here, off the tick: a failing or slow
@@ -67,8 +69,9 @@ class Engine:
         self.clock = clock
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
                                           enable_caching=prefix_caching)
+        self.speculation = Speculation(speculative) if speculative is not None else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_tokens_per_tick,
-                                   runner.copy_block)
+                                   runner.copy_block, self.speculation)
         self.sampler = Sampler(tokenizer.eos_token_ids)
         self.guidance = guidance  # constrained decoding; None: guided requests are refused
         self.executor = Executor(runner, self.sampler, guidance, self._token_logprob)
@@ -280,8 +283,12 @@ class Engine:
         forked, each sequence's new tokens (as its grammar lets them through, up to the one
         that ends it), the penalty counts, their log-probabilities. Also the Errors of the
         sessions whose grammar failed (ended here)."""
-        self.scheduler.update(batch)
         seqs, rows, starts = executed.seqs, executed.rows(), executed.starts
+        accepted = None
+        if executed.drafts and self.speculation is not None:  # rows cut to what they keep
+            kept = self.speculation.verify(seqs, executed.drafts, rows)
+            accepted = {seqs[i].seq_id: n for i, n in kept.items()}
+        self.scheduler.update(batch, accepted)
         self._count_tick(seqs, rows, starts is not None)
         failed: list[tuple[Sequence, Rejected]] = []
         if executed.masks is not None and self.guidance is not None:
@@ -368,5 +375,11 @@ class Engine:
 
     def stats(self) -> Stats:
         """Gauges and counters now; latency observations since the previous call."""
-        return engine_stats(self.figures, self.scheduler, self.sessions, self.responses,
-                            self.guidance, self.stored)
+        stats = engine_stats(self.figures, self.scheduler, self.sessions, self.responses,
+                             self.guidance, self.stored)
+        if self.speculation is not None:
+            s = self.speculation
+            stats.spec_decode_num_drafts = s.num_drafts
+            stats.spec_decode_num_draft_tokens = s.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = s.num_accepted_tokens
+        return stats

@@ -10,7 +10,7 @@ emitted (constrained decoding may put its closing's token in place of a sampled 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -43,13 +43,20 @@ class Executed:
     logits: torch.Tensor
     masks: Masks | None = None  # the grammar masks the ids were sampled under
     starts: list[int] | None = None
+    # Speculative decoding: the drafts verified, by index in `seqs` (Batch.drafts); a drafted
+    # sequence's ids are those sampled at each of its rows, to verify its drafts against.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def rows(self) -> list[list[int]]:
         """Each sequence's ids, on the host (the step's one read of the device)."""
         ids = self.ids
-        if isinstance(ids, torch.Tensor):
-            return [[token] for token in ids.tolist()]
-        return ids
+        if not isinstance(ids, torch.Tensor):
+            return ids
+        flat = ids.tolist()
+        if self.starts is None:
+            return [[token] for token in flat]
+        ends = [*self.starts[1:], len(flat)]
+        return [flat[start:end] for start, end in zip(self.starts, ends, strict=True)]
 
 
 class Executor:
@@ -71,7 +78,27 @@ class Executor:
             prompt_logprobs(batch.chunks, batch.seqs, logits, self.to_token_logprob)
         if not seqs:
             return Executed([], [], logits[:0])
+        if batch.drafts and masks is None:
+            return self._drafted(batch, logits)
         if len(rows) != logits.shape[0] or rows[-1] != len(rows) - 1:  # not each row once
             logits = logits[torch.tensor(rows, device=logits.device)]
         masked = guidance.mask(logits, masks) if guidance is not None else logits
-        return Executed(seqs, self.sampler.sample(masked, seqs), logits, masks)
+        # Drafts beside grammar masks (a mask a row): only their first row is sampled, so
+        # every draft is rejected - exact, without the gain.
+        return Executed(seqs, self.sampler.sample(masked, seqs), logits, masks,
+                        drafts={i: [] for i in batch.drafts})
+
+    def _drafted(self, batch: Batch, logits: torch.Tensor) -> Executed:
+        """A drafted sequence samples every row of its chunk (each position's next token)."""
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        starts: list[int] = []
+        for i, (seq, row) in enumerate(zip(batch.sampled, batch.rows, strict=True)):
+            n = 1 + len(batch.drafts.get(i, ()))
+            starts.append(len(rows))
+            seqs += [seq] * n
+            rows += range(row, row + n)
+        if len(rows) != logits.shape[0] or rows[-1] != len(rows) - 1:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return Executed(batch.sampled, self.sampler.sample(logits, seqs), logits,
+                        starts=starts, drafts=batch.drafts)

@@ -31,12 +31,14 @@ from daemon.engine.batch import Batch
 from daemon.engine.block_manager import BlockManager, chain_hashes
 from daemon.engine.preemption import reserve_victim, room_victim
 from daemon.engine.sequence import SeqStatus, Sequence
+from daemon.engine.speculative import Speculation
 from daemon.engine.turns import Request, Turns, slots_of
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_tokens_per_tick: int,
-                 copy_block: Callable[[int, int], None]) -> None:
+                 copy_block: Callable[[int, int], None],
+                 speculation: Speculation | None = None) -> None:
         if max_tokens_per_tick < max_num_seqs:
             # Otherwise some running sequences could not decode in a tick and would starve.
             raise ValueError(f"max_tokens_per_tick ({max_tokens_per_tick}) must be >= "
@@ -45,6 +47,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_tokens_per_tick = max_tokens_per_tick
         self.copy_block = copy_block
+        self.speculation = speculation  # n-gram drafts for decodes; None: off
         self.turns = Turns(max_num_seqs, block_manager.num_total)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -104,6 +107,10 @@ class Scheduler:
         running = SeqStatus.RUNNING  # read once: an enum member's lookup costs per sequence
         ready = [seq for seq in self.running if seq.status is running
                  and not seq.paused and len(seq.token_ids) - seq.num_computed == 1][:budget]
+        if self.speculation is not None:
+            used = self._decode_drafted(batch, ready, budget - len(ready), scheduled)
+            if used:
+                return budget - used
         bm = self.block_manager
         size = bm.block_size
         # A decode at position p takes a block when its table ends before p (p = num_computed).
@@ -126,6 +133,29 @@ class Scheduler:
                 self._add(batch, seq, 1, scheduled)
                 budget -= 1
         return budget
+
+    def _decode_drafted(self, batch: Batch, ready: list[Sequence], spare: int,
+                        scheduled: set[int]) -> int:
+        """`ready`'s decodes with the drafts each proposes within `spare` tokens, if all their
+        blocks are free (speculation never preempts); the tokens scheduled, or 0: not done."""
+        assert self.speculation is not None
+        drafts = self.speculation.step_drafts(ready, spare)
+        if not any(drafts):
+            return 0
+        sizes = [1 + len(d) for d in drafts]
+        # _blocks_needed counts each one's forks; the room kept for waiting requests stays.
+        if sum(map(self._blocks_needed, ready, sizes)) + self._room_total[1] > self._num_available:
+            return 0
+        for seq, n in zip(ready, sizes, strict=True):
+            self.block_manager.may_append(seq.block_table, seq.num_computed + n)
+        self._fork_reserve += sum([self._fork_cost(seq, seq.num_computed + 1) for seq in ready])
+        batch.add_decodes([seq for seq, d in zip(ready, drafts, strict=True) if not d],
+                          forking=any([seq.fork_children for seq in ready]))
+        for seq, proposed in zip(ready, drafts, strict=True):
+            if proposed:
+                batch.add_drafted(seq, proposed)
+        scheduled.update([seq.seq_id for seq in ready])
+        return len(ready) + sum(map(len, drafts))
 
     def _prefill(self, batch: Batch, budget: int, scheduled: set[int]) -> None:
         """Prompt chunks and admissions, request by request in turn order."""
@@ -308,15 +338,23 @@ class Scheduler:
 
     # --- after the forward pass -----------------------------------------------------------------
 
-    def update(self, batch: Batch) -> None:
+    def update(self, batch: Batch, accepted: dict[int, int] | None = None) -> None:
         """After the forward pass: advance computed positions, cache the blocks it filled and
-        fork the siblings of the prompts it completed."""
+        fork the siblings of the prompts it completed. `accepted`: the drafts each drafted
+        sequence (by seq_id) keeps; the KV of the rest is stale, its blocks given back."""
         bm = self.block_manager
         size = bm.block_size if bm.enable_caching else 0
         for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
-            seq.num_computed += len(chunk.token_ids)
+            kept = accepted.get(seq.seq_id) if accepted else None
+            token_ids = seq.token_ids
+            if kept is None:
+                seq.num_computed += len(chunk.token_ids)
+            else:  # its accepted drafts join its ids in the update phase, after this
+                token_ids = token_ids + chunk.token_ids[1:1 + kept]
+                seq.num_computed += 1 + kept
+                bm.truncate(seq.block_table, seq.num_computed + 1)
             if size and seq.num_computed // size > chunk.start_pos // size:
-                self._commit(seq, chunk.start_pos)  # the pass filled a block: cache it
+                self._commit(seq, chunk.start_pos, token_ids)  # the pass filled a block
             if not chunk.needs_logits:
                 continue
             if seq.prompt_logprobs is not None:  # gathered in the pass that computed its prompt
@@ -332,11 +370,11 @@ class Scheduler:
                 self.running.append(child)
             seq.fork_children.clear()
 
-    def _commit(self, seq: Sequence, start_pos: int) -> None:
+    def _commit(self, seq: Sequence, start_pos: int, token_ids: list[int]) -> None:
         """Register the blocks this pass filled (their KV now exists) in the prefix cache."""
         bm = self.block_manager
         first, end = start_pos // bm.block_size, seq.num_computed // bm.block_size
-        hashes = chain_hashes(seq.token_ids, seq.block_hashes, bm.block_size, end)
+        hashes = chain_hashes(token_ids, seq.block_hashes, bm.block_size, end)
         bm.commit(seq.block_table, hashes, first, end)
 
     def finish(self, seq: Sequence) -> None:

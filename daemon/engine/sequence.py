@@ -62,6 +62,10 @@ class Sequence:
     # computed (the scheduler asks the runner for every prompt position's logits meanwhile);
     # None once its prompt is computed, or when nothing is to be gathered.
     prompt_logprobs: Echo | None = None
+    # Speculative decoding's back-off (speculative.py): steps to go without drafts, and how
+    # many of its drafts in a row were all rejected. No draft itself outlives its step.
+    draft_wait: int = 0
+    draft_misses: int = 0
     # A draw at temperature 1 from the model's distribution is all its sampling asks (no
     # seed, bias, ban, penalty, min_tokens, truncation or logprobs): what a client that sets
     # nothing gets. The sampler takes such a batch in one step (Sampler.__call__).

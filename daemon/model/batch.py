@@ -16,7 +16,8 @@ class ScheduledChunk:
     start_pos: int
     block_table: list[int]
     needs_logits: bool
-    all_logits: bool = False  # logits at every token, not only the last (prompt logprobs)
+    # Logits at every token, not only the last (prompt logprobs; a speculative decode's drafts).
+    all_logits: bool = False
 
     @property
     def num_logit_rows(self) -> int:

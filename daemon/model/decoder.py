@@ -206,6 +206,9 @@ class DecoderLM(nn.Module):
         # A backend's whole layer stack for batches of decodes only (the CPU kernels': every
         # layer in one call); it takes the embedded rows, the RoPE tables and the caches.
         self.decode_stack: DecodeStack | None = None
+        # A backend whose precision depends on a call's row count (the CPU kernels' quantized
+        # activations) counts a step's rows as this many while set (None: as they are).
+        self.count_rows_as: Callable[[int | None], None] | None = None
         if cfg.scale_embeddings:  # rounded to the weights' dtype, as transformers does
             self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype).item()
 

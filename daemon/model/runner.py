@@ -21,6 +21,10 @@ from daemon.model.decode_graphs import DecodeGraphs
 from daemon.model.decoder import DecoderLM
 from daemon.model.device import keep_heap
 
+# A chunk of at most this many tokens that wants a logits row for each (a speculative decode's
+# last token and drafts) runs as that many one-token decodes of its sequence.
+MAX_DECODES_PER_CHUNK = 65
+
 
 @dataclasses.dataclass(slots=True)
 class _Batch:
@@ -97,14 +101,24 @@ class ModelRunner:
         with torch.inference_mode():
             if not chunks:
                 return torch.empty(0, self.config.vocab_size, device=self.device)
-            if self.graphs is not None and self.graphs.fits(chunks):
-                self.check(chunks)
+            rows = as_decodes(chunks)
+            if self.graphs is not None and self.graphs.fits(rows):
+                self.check(rows)
                 self.num_static_ticks += 1
-                return self.graphs.run(chunks)
+                return self.graphs.run(rows)
             self.num_eager_ticks += 1
-            batch = self._prepare(chunks)
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
-            return self.model.compute_logits(hidden[batch.logit_rows])
+            batch = self._prepare(rows)
+            count = self.model.count_rows_as if rows is not chunks else None
+            if count is not None:  # a chunk of drafts counts as the one row it stands for
+                count(len(rows) - sum(len(c.token_ids) - 1 for c in chunks if c.all_logits
+                                      and len(c.token_ids) <= MAX_DECODES_PER_CHUNK))
+            try:
+                hidden = self.model(batch.input_ids, batch.positions, batch.meta,
+                                    self.kv_caches)
+                return self.model.compute_logits(hidden[batch.logit_rows])
+            finally:
+                if count is not None:
+                    count(None)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: a forked sequence gets its own copy of a shared partial block."""
@@ -194,3 +208,21 @@ class ModelRunner:
         if end > self.config.max_position_embeddings:
             raise ValueError(f"chunk {index}: position {end - 1} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
+
+
+def as_decodes(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """Short chunks with all_logits as one-token decodes at consecutive positions, the rest as
+    they are: the same rows of logits, in the same order. Each layer writes every row's K and V
+    to the cache before any row attends, so a row sees the rows before it; and a step with
+    drafts keeps the decode path (the compiled layer on CPU, the CUDA graphs) for its whole
+    batch, where a prefill span would send every row through the general one."""
+    if not any([c.all_logits and len(c.token_ids) <= MAX_DECODES_PER_CHUNK for c in chunks]):
+        return chunks
+    out: list[ScheduledChunk] = []
+    for c in chunks:
+        if c.all_logits and len(c.token_ids) <= MAX_DECODES_PER_CHUNK:
+            out += [ScheduledChunk([token], c.start_pos + j, c.block_table, True)
+                    for j, token in enumerate(c.token_ids)]
+        else:
+            out.append(c)
+    return out

@@ -64,6 +64,11 @@ _TOKEN_COUNTERS = (
      "grammar_compiles"),
     ("tether_grammar_cache_hits", "Structured-output grammars found compiled",
      "grammar_cache_hits"),
+    ("tether_spec_decode_num_drafts", "Decodes that verified drafts (speculative decoding)",
+     "spec_decode_num_drafts"),
+    ("tether_spec_decode_num_draft_tokens", "Draft tokens verified", "spec_decode_num_draft_tokens"),
+    ("tether_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+     "spec_decode_num_accepted_tokens"),
 )
 
 

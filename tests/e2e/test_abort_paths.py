@@ -17,6 +17,7 @@ from tests.support.pair import (
     assert_baseline,
     check_abort,
     drop,
+    drop_mid_stream,
     new_rid,
     post_raw,
     start_server,
@@ -71,11 +72,7 @@ MESSAGES = {"model": "builtin:small", "max_tokens": 1200, "temperature": 0,
 ], ids=["chat", "completion", "penalised", "biased", "tool_call", "guided", "messages"])
 def test_streaming_disconnect_evicts_session(server: Server, path: str,
                                              body: dict[str, Any]) -> None:
-    before = server.metrics()
-    rid = new_rid("stream-drop")
-    sock = post_raw(server, path, body, rid)
-    read_events(sock, 5)
-    check_abort(server, before, rid, drop(sock), sequences=1)
+    drop_mid_stream(server, path, body, "stream-drop")
 
 
 @pytest.mark.parametrize(("path", "body"), [

@@ -7,6 +7,7 @@ import time
 from daemon.engine.core import Engine
 from daemon.engine.grammar import Grammars
 from daemon.engine.guided import Guidance
+from daemon.engine.speculative import NgramConfig
 from daemon.model.tokenizer import ByteTokenizer
 from daemon.responses.store import ResponseStore
 from ipc.records import Delta, Finish, RequestKind, SamplingParams, Submit
@@ -30,10 +31,12 @@ def make_engine(script: Script | None = None, num_blocks: int = 64, max_num_seqs
                 budget: int = 64, max_model_len: int = 512,
                 store: ResponseStore | None = None,
                 prefix_caching: bool = True,
-                guidance: Guidance | None = None) -> tuple[Engine, FakeRunner]:
+                guidance: Guidance | None = None,
+                speculative: NgramConfig | None = None) -> tuple[Engine, FakeRunner]:
     runner = FakeRunner(num_blocks, TOK.vocab_size, script)
     engine = Engine(runner, TOK, store, max_num_seqs, budget, max_model_len, "fake",
-                    clock=Clock(), prefix_caching=prefix_caching, guidance=guidance)
+                    clock=Clock(), prefix_caching=prefix_caching, guidance=guidance,
+                    speculative=speculative)
     return engine, runner
 
 

@@ -272,13 +272,25 @@ def wait_running(server: Server, at_least: int = 1, gauge: str = "tether_request
 
 
 def check_abort(server: Server, before: dict[str, float], rid: str, t_close: float,
-                sequences: int, cause: str = "client_disconnect") -> dict[str, float]:
+                sequences: int, cause: str = "client_disconnect",
+                tokens_per_pass: int = 1) -> dict[str, float]:
     """One request `rid` whose client closed at `t_close` was aborted: the daemon's figures
     (Stats, through /metrics) and its per-request log line, on the client's clock."""
     line = server.request_line(rid)
     after = check_abort_figures(server, before, cause)
-    check_eviction(line, t_close, sequences, cause)
+    check_eviction(line, t_close, sequences, cause, tokens_per_pass)
     return after
+
+
+def drop_mid_stream(server: Server, path: str, body: dict[str, Any], prefix: str,
+                    events: int = 5, tokens_per_pass: int = 1) -> str:
+    """A streamed request dropped after `events` events, checked by `check_abort`; its rid."""
+    before = server.metrics()
+    rid = new_rid(prefix)
+    sock = post_raw(server, path, body, rid)
+    raw_http.read_events(sock, events)
+    check_abort(server, before, rid, drop(sock), sequences=1, tokens_per_pass=tokens_per_pass)
+    return rid
 
 
 def check_abort_figures(server: Server, before: dict[str, float],
@@ -303,17 +315,17 @@ def check_abort_figures(server: Server, before: dict[str, float],
 
 
 def check_eviction(line: dict[str, Any], t_close: float, sequences: int,
-                   cause: str = "client_disconnect") -> None:
+                   cause: str = "client_disconnect", tokens_per_pass: int = 1) -> None:
     """Per request, from the client's close: at most one of the session's forward passes (one
-    token per sequence) started after it, none after the daemon read the abort, and the
-    session was evicted within CLOSE_TO_EVICTION_S."""
+    token per sequence, or 1 + k drafted ones with speculation) started after it, none after
+    the daemon read the abort, and the session was evicted within CLOSE_TO_EVICTION_S."""
     assert line["finish_reason"] == "abort" and line["cause"] == cause, line
     ticks: list[tuple[float, int]] = line["last_ticks"]
     assert len(ticks) < LOGGED_TICKS or ticks[0][0] <= t_close, (
         f"all {LOGGED_TICKS} logged ticks started after the client's close: {line}")
     after_close = [(t, n) for t, n in ticks if t > t_close]
     assert len(after_close) <= 1, f"{len(after_close)} ticks after the close: {line}"
-    assert sum(n for _, n in after_close) <= sequences, line
+    assert sum(n for _, n in after_close) <= sequences * tokens_per_pass, line
     assert 0 < line["evicted_at"] - t_close < CLOSE_TO_EVICTION_S, (t_close, line)
     # The proxy stamps the disconnect after the close (one clock); no forward pass of this
     # session started after the tick in which the daemon read the abort had begun.

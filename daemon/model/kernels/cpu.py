@@ -102,6 +102,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "tl_quant_tier_name": ([_C], ctypes.c_char_p),
     "tl_quant_set_dequant_rows": ([_I], None),
     "tl_quant_set_two_term_rows": ([_I], None),
+    "tl_quant_set_step_rows": ([_I], None),
     "tl_quant_set_prefetch": ([_I], None),
     "tl_quant_rows": ([_W, _P, _I, _P], None),
     "tl_bf16_select": ([_C], _C),
@@ -133,6 +134,7 @@ class Kernels:
     quant_tier_name: Callable[[int], bytes]
     quant_set_dequant_rows: Callable[[int], None]
     quant_set_two_term_rows: Callable[[int], None]
+    quant_set_step_rows: Callable[[int], None]
     quant_set_prefetch: Callable[[int], None]
     quant_rows: Callable[..., None]
     bf16_select: Callable[[int], int]

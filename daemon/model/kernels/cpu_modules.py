@@ -68,6 +68,7 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
     layers = [cast(CpuDecoderLayer, layer) for layer in model.layers]
     if all(isinstance(layer.paged, CpuPagedAttention) for layer in layers):
         model.decode_stack = KernelDecodeStack(layers, model.rotary_of, kernels)
+    model.count_rows_as = lambda rows: kernels.quant_set_step_rows(rows or 0)
 
 
 class PackedLinear(nn.Module):

@@ -156,3 +156,19 @@ def test_a_tick_builds_its_metadata_as_one_tensor(tiny: LoadedModel, max_batch: 
                 ScheduledChunk([9, 8, 7, 6], 0, [6], True)])
     runner.run([ScheduledChunk([7], 21, [3, 4], True), ScheduledChunk([5], 11, [5], True)])
     assert len(made) == 2
+
+
+def test_a_drafted_chunk_runs_as_decodes_with_the_logits_of_one_at_a_time(
+        tiny: LoadedModel) -> None:
+    """A speculative decode ([last token] + drafts, a row each) gives the logits that decoding
+    those tokens one pass at a time gives, and through the padded buckets (the decode path)."""
+    plain, padded = runners(tiny)
+    (decode,) = prefill_both(plain, padded, [21])
+    tokens = [decode.token_ids[0], 7, 8, 9]
+    table = [*decode.block_table, NUM_BLOCKS - 1]  # room for the drafts past its blocks
+    one_at_a_time = torch.cat([plain.run([ScheduledChunk([t], 21 + j, table, True)])
+                               for j, t in enumerate(tokens)])
+    drafted = padded.run([ScheduledChunk(tokens, 21, table, True, all_logits=True)])
+    assert drafted.shape == one_at_a_time.shape
+    assert (drafted - one_at_a_time).abs().max() < 1e-4
+    assert padded.num_static_ticks == 1

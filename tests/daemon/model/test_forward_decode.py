@@ -54,3 +54,33 @@ def test_the_stack_gives_what_the_layers_give(dtype: torch.dtype, quantization: 
     assert stack.calls == 12
     for got, want in zip(runners[True].kv_caches, runners[False].kv_caches, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_drafted_chunk_through_the_stack_gives_the_logits_of_one_at_a_time(
+        quantization: str | None) -> None:
+    """A speculative verify ([last token] + drafts, a row each) runs through the one-call stack
+    as decodes at consecutive positions, and gives the logits of decoding the tokens one pass at
+    a time: each layer writes every row's K and V before any row attends (past the sliding
+    window of 6, so the window's edge moves within the chunk)."""
+    lib = cpu.load()
+    assert lib is not None, cpu.failure()
+    config = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=72, num_layers=4,
+                         num_heads=6, num_kv_heads=2, head_dim=32, **CONFIG)
+    model = DecoderLM(config, torch.device("cpu"), torch.float32)
+    init_random_(model, seed=7)
+    cpu_modules.install_(model, lib, quantization)
+    stack = model.decode_stack
+    assert isinstance(stack, cpu_modules.KernelDecodeStack)
+    one, drafted = (ModelRunner(model, config, num_blocks=4) for _ in range(2))
+    prompt, table, tokens = list(range(1, 12)), [0, 1], [5, 9, 9, 2, 7]
+    for runner in (one, drafted):
+        runner.run([ScheduledChunk(prompt, 0, table, True)])
+    want = torch.cat([one.run([ScheduledChunk([t], len(prompt) + j, table, True)]).clone()
+                      for j, t in enumerate(tokens)])
+    calls = stack.calls
+    got = drafted.run([ScheduledChunk(tokens, len(prompt), table, True, all_logits=True)])
+    assert stack.calls == calls + 1
+    assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
+    for a, b in zip(one.kv_caches, drafted.kv_caches, strict=True):
+        assert torch.equal(a, b)
