@@ -154,6 +154,12 @@ def _strict(schema: Schema, strict: bool | None, source: str) -> Schema:
         raise ApiError(400, f"'{source}': {e}", param=source, code="invalid_value") from None
 
 
+def strict_schema_guide(schema: Schema, source: str) -> Guide:
+    """The guide of a schema read as a `strict` json_schema format reads it (`source` names the
+    field in errors)."""
+    return _schema_guide(_strict(schema, True, source), source)
+
+
 def _bounded(guide: Guide) -> Guide:
     size = len(guide.spec.encode())
     if size > MAX_GUIDE_BYTES:

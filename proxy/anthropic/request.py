@@ -36,6 +36,11 @@ THINKING_NOTE = (
     "`adaptive` and `disabled` are no thinking, which is what adaptive thinking is on a model "
     "that does not reason; `enabled` (a thinking budget) and `between_tools` are a 400: "
     + NO_REASONING)
+OUTPUT_CONFIG_NOTE = (
+    "`format` (`json_schema`) makes the answer's text JSON that follows the schema, its objects "
+    "closed unless they say `additionalProperties` (as Anthropic's structured outputs); with "
+    "tools the answer is calls or that JSON. `effort` is a no-op: it steers a reasoning model's "
+    "thinking; " + NO_REASONING)
 TOOLS_ANTHROPIC = (
     TOOLS_NOTE.replace("`parameters`", "`input_schema`").replace(
         " (a namespace's functions count one each)", "")
@@ -159,8 +164,16 @@ class ContextManagement(msgspec.Struct, forbid_unknown_fields=True):
     edits: list[ClearThinking] = []
 
 
+class JsonOutputFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """Structured outputs: the answer's text is JSON that follows `schema`."""
+
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
 class OutputConfig(msgspec.Struct, forbid_unknown_fields=True):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
 
 
 class Metadata(msgspec.Struct, forbid_unknown_fields=True):
@@ -179,9 +192,7 @@ class _Prompt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     context_management: Annotated[ContextManagement | None, no_op(
         "only clear_thinking edits are accepted, and no thinking is kept here to clear",
         {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]})] = None
-    output_config: Annotated[OutputConfig | None, no_op(
-        "`effort` steers a reasoning model's thinking; " + NO_REASONING,
-        {"effort": "high"})] = None
+    output_config: Annotated[OutputConfig | None, honoured(OUTPUT_CONFIG_NOTE)] = None
     cache_control: Annotated[CacheControl | None, no_op(CACHE_HINT, {"type": "ephemeral"})] = None
     speed: Annotated[str | None, no_op(LATENCY_HINT, "fast")] = None
     user_profile_id: Annotated[str | None, no_op(END_USER, "p-1")] = None

@@ -51,7 +51,7 @@ async def messages(request: Request) -> Response:
     use = tool_use(req, engine.single_tool_call)
     fmt = engine.tool_call_format
     if use is not None:
-        params = msgspec.structs.replace(params, guide=tool_guide(use, fmt, None))
+        params = msgspec.structs.replace(params, guide=tool_guide(use, fmt, params.guide))
     budget = None
     if not req.stream:
         assert params.max_tokens is not None

@@ -37,6 +37,7 @@ from proxy.anthropic.request import (
     ToolUseBlock,
     _Prompt,
 )
+from proxy.guides import strict_schema_guide
 from proxy.http.errors import ApiError
 from proxy.openai.schemas import model_sampling
 from proxy.openai.tool_requests import check_count, resolve, tool_function
@@ -175,8 +176,11 @@ def sampling(req: MessagesRequest, max_model_len: int | None,
     room the prompt leaves (`max_tokens_ceiling`), so the proxy only bounds it by the context."""
     max_tokens = req.max_tokens if max_model_len is None else min(req.max_tokens, max_model_len)
     fields = _SamplingFields(req.temperature, req.top_p, req.top_k)
+    fmt = req.output_config.format if req.output_config is not None else None
+    guide = None if fmt is None else strict_schema_guide(fmt.schema, "output_config.format")
     return SamplingParams(max_tokens=max_tokens, max_tokens_ceiling=True,
-                          **model_sampling(fields, defaults), stop=list(req.stop_sequences or ()))
+                          **model_sampling(fields, defaults), stop=list(req.stop_sequences or ()),
+                          guide=guide)
 
 
 @dataclasses.dataclass(slots=True)

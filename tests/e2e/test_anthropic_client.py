@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import jsonschema
+import pydantic
 import pytest
 
 from tests.support.pair import Server, assert_baseline, start_server
@@ -113,6 +114,30 @@ def test_a_named_tool_streams_its_input(client: anthropic.Anthropic) -> None:
     assert call.type == "tool_use" and final.stop_reason == "tool_use"
     assert json.loads("".join(pieces)) == call.input == collected.content[0].input
     jsonschema.validate(call.input, WEATHER)
+
+
+class Weather(pydantic.BaseModel):
+    city: str  # the client moves a maxLength into the description: Anthropic refuses it
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_structured_outputs_parse_as_the_schema(client: anthropic.Anthropic,
+                                                server: Server) -> None:
+    """`messages.parse` with a pydantic model sends its schema as `output_config.format`; the
+    answer's text is JSON of that schema, random weights or not, and the client parses it."""
+    m = client.messages.parse(model=MODEL, max_tokens=64, messages=ASK, output_format=Weather,
+                              output_config={"effort": "high"}, extra_body={"temperature": 1})
+    assert isinstance(m.parsed_output, Weather), _text(m)
+    offered = client.messages.create(  # with tools, the answer is a call or that JSON
+        model=MODEL, max_tokens=64, messages=ASK, tools=TOOLS,
+        output_config={"format": {"type": "json_schema", "schema": WEATHER}})
+    for block in offered.content:
+        if block.type == "text":
+            jsonschema.validate(json.loads(block.text), WEATHER)
+        else:
+            assert block.type == "tool_use"
+            jsonschema.validate(block.input, WEATHER)
+    assert_baseline(server.metrics())
 
 
 def test_count_tokens_counts_the_prompt(client: anthropic.Anthropic) -> None:
