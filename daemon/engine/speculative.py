@@ -113,13 +113,10 @@ def propose(token_ids: list[int], config: NgramConfig, limit: int) -> list[int]:
 
 
 def speculable(seq: Sequence) -> bool:
-    """Nothing in its sampling that depends on the tokens before a position (penalties, bad
-    words, a pending min_tokens, a grammar), no siblings to fork, no prompt logprobs to gather:
-    each of its rows is then sampled from what one-token decoding would have sampled from."""
-    p = seq.params
-    return (seq.constraint is None and not seq.bad_words
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and p.repetition_penalty == 1.0 and seq.num_generated >= p.min_tokens
+    """No grammar, no siblings to fork, no prompt logprobs to gather: each of its rows is then
+    sampled from what one-token decoding would have sampled from (penalties, bad words and
+    min_tokens count the drafts before a row: logits_processors.py)."""
+    return (seq.constraint is None
             and not seq.fork_children and seq.prompt_logprobs is None)
 
 
