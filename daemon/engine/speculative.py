@@ -161,9 +161,11 @@ class Speculation:
             return []
         if not speculable(seq):
             return []
-        # Never past its max_tokens: the decode's own token is one, each draft one more.
+        # Never past its max_tokens: the decode's own token is one, each draft one more; never
+        # more than its request allows.
         room = seq.max_tokens - seq.num_generated - 1 if seq.max_tokens else 0
-        return propose(seq.token_ids, self.config, room)
+        cap = seq.params.num_speculative_tokens
+        return propose(seq.token_ids, self.config, room if cap is None else min(room, cap))
 
     def verify(self, seqs: list[Sequence], drafts: dict[int, list[int]],
                rows: list[list[int]]) -> dict[int, int]:
