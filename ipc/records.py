@@ -16,7 +16,7 @@ from ipc.reasons import Reason
 
 # What each version changed: docs/architecture.md, "The protocol's versions". A proxy and a
 # daemon of different versions refuse each other at Hello.
-PROTOCOL_VERSION = 19
+PROTOCOL_VERSION = 20
 
 # Every control record must fit in PIPE_BUF so that one write() is atomic.
 PIPE_BUF = 4096
@@ -168,6 +168,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # Completions: each choice starts with its prompt (Delta.prompt), with logprobs its prompt
     # tokens' log-probabilities too.
     echo: bool = False
+    # Speculative decoding: at most this many drafts a step (0: none); None or more than the
+    # server's --speculative-config: the server's.
+    num_speculative_tokens: NonNegInt | None = None
 
 
 class ResponseFields(msgspec.Struct, frozen=True):

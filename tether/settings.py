@@ -156,8 +156,7 @@ _HELP: dict[str, str] = {
     "speculative_config": "speculative decoding, JSON as vLLM spells it: {\"method\": "
     "\"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_max\": M, "
     "\"prompt_lookup_min\": m, \"disable_by_batch_size\": N} (drafts by prompt lookup, none in "
-    "a step of more than N decodes; requests with penalties, bad_words or a grammar do not "
-    "draft); empty = off",
+    "a step of more than N decodes; requests with a grammar do not draft); empty = off",
     "prefix_caching": "reuse the KV of full blocks of earlier prompts with the same start "
     "(--no-prefix-caching turns it off)",
     "max_waiting": "most requests waiting in the proxy before it answers 429",

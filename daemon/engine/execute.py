@@ -89,16 +89,20 @@ class Executor:
                         drafts={i: [] for i in batch.drafts})
 
     def _drafted(self, batch: Batch, logits: torch.Tensor) -> Executed:
-        """A drafted sequence samples every row of its chunk (each position's next token)."""
+        """A drafted sequence samples every row of its chunk (each position's next token),
+        each row after the drafts before it (its penalties and bans count them)."""
         seqs: list[Sequence] = []
         rows: list[int] = []
         starts: list[int] = []
+        ahead: list[list[int]] = []
         for i, (seq, row) in enumerate(zip(batch.sampled, batch.rows, strict=True)):
-            n = 1 + len(batch.drafts.get(i, ()))
+            drafts = batch.drafts.get(i, [])
+            n = 1 + len(drafts)
             starts.append(len(rows))
             seqs += [seq] * n
             rows += range(row, row + n)
+            ahead += [drafts[:j] for j in range(n)]
         if len(rows) != logits.shape[0] or rows[-1] != len(rows) - 1:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        return Executed(batch.sampled, self.sampler.sample(logits, seqs), logits,
+        return Executed(batch.sampled, self.sampler.sample(logits, seqs, ahead), logits,
                         starts=starts, drafts=batch.drafts)

@@ -17,6 +17,10 @@ Penalties need each sequence's token counts. They live on the logits' device, on
 penalised sequence in a pool (`TokenCounts`), filled once from the sequence's tokens and then
 kept by one scatter-add of the ids each tick emits: nothing is read back to the host. The
 sequence holds its row until it ends, when the engine gives it back (`release`).
+
+A drafted sequence (speculative decoding) has a logits row per position, each given the drafts
+before it (`ahead`): every one of them is processed as if those drafts were already its output
+(counts, bad words, min_tokens), so it is the row one-token decoding would have sampled from.
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ def penalised(params: SamplingParams) -> bool:
             or params.repetition_penalty != 1.0)
 
 
-def processed(seq: Sequence, eos_token_ids: list[int]) -> bool:
-    """Whether anything in this module changes the sequence's logits this tick."""
+def processed(seq: Sequence, eos_token_ids: list[int], ahead: int = 0) -> bool:
+    """Whether anything in this module changes the sequence's logits this tick (at the row
+    `ahead` drafts past its output)."""
     p = seq.params
     if p.logit_bias or seq.bad_words or penalised(p):
         return True
     # Before min_tokens, EOS and stop_token_ids are banned (min_tokens is 0 for most).
-    return (p.min_tokens > 0 and seq.num_generated < p.min_tokens
+    return (p.min_tokens > 0 and seq.num_generated + ahead < p.min_tokens
             and bool(p.stop_token_ids or (eos_token_ids and not p.ignore_eos)))
 
 
@@ -121,19 +126,23 @@ class LogitsProcessors:
         self.eos_token_ids = list(eos_token_ids)
         self.counts = TokenCounts()
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 ahead: list[list[int]] | None = None) -> torch.Tensor:
         """`logits` as the rows' bans, biases and penalties leave them: a copy (never the
         runner's output, nor the model's own distribution the log-probabilities report), or
-        the same tensor when no row has any."""
-        rows = [i for i, s in enumerate(seqs) if processed(s, self.eos_token_ids)]
+        the same tensor when no row has any. `ahead[i]`: the tokens row i comes after beyond
+        its sequence's (the drafts before it); None: none."""
+        ahead = ahead or [[]] * len(seqs)
+        rows = [i for i, s in enumerate(seqs)
+                if processed(s, self.eos_token_ids, len(ahead[i]))]
         if not rows:
             return logits
         logits = logits.clone()
         self._bias(logits, seqs, rows)
-        self._ban(logits, seqs, rows)
+        self._ban(logits, seqs, rows, ahead)
         penalised_rows = [i for i in rows if penalised(seqs[i].params)]
         if penalised_rows:
-            self._penalise(logits, [seqs[i] for i in penalised_rows], penalised_rows)
+            self._penalise(logits, seqs, penalised_rows, ahead)
         return logits
 
     def count(self, seqs: list[Sequence], rows: list[list[int]]) -> None:
@@ -161,23 +170,31 @@ class LogitsProcessors:
             logits.index_put_((index[0], index[1]),
                               torch.tensor(values, device=logits.device), accumulate=True)
 
-    def _ban(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    def _ban(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+             ahead: list[list[int]]) -> None:
         at: list[int] = []
         ids: list[int] = []
         for row in rows:
-            banned = banned_ids(seqs[row], self.eos_token_ids)
+            banned = banned_ids(seqs[row], self.eos_token_ids, ahead[row])
             at += [row] * len(banned)
             ids += banned
         if at:
             index = torch.tensor([at, ids], device=logits.device)
             logits[index[0], index[1]] = _NEG_INF
 
-    def _penalise(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    def _penalise(self, logits: torch.Tensor, all_seqs: list[Sequence], rows: list[int],
+                  ahead: list[list[int]]) -> None:
         device = logits.device
+        seqs = [all_seqs[i] for i in rows]
         index = torch.tensor(rows, device=device)
         own = self.counts.rows(seqs, logits.shape[1], device)
         assert self.counts.counts is not None and self.counts.in_prompt is not None
-        counts = self.counts.counts.index_select(0, own)
+        counts = self.counts.counts.index_select(0, own)  # a copy: the drafts join it only
+        drafted = [(at, t) for at, row in enumerate(rows) for t in ahead[row]]
+        if drafted:
+            at = torch.tensor(drafted, device=device).T
+            counts.index_put_((at[0], at[1]),
+                              torch.ones(len(drafted), device=device), accumulate=True)
         in_output = counts > 0
         part = logits.index_select(0, index)
         repetition = [s.params.repetition_penalty for s in seqs]
@@ -195,18 +212,21 @@ class LogitsProcessors:
         logits.index_copy_(0, index, part)
 
 
-def banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
-    """Ids this sequence cannot take next: a bad word's last token where the output ends with the
-    rest of it, and while min_tokens is not reached, EOS and stop_token_ids."""
+def banned_ids(seq: Sequence, eos_token_ids: list[int],
+               ahead: list[int] | tuple[()] = ()) -> list[int]:
+    """Ids this sequence cannot take next (after `ahead` beyond its own tokens): a bad word's
+    last token where the output ends with the rest of it, and while min_tokens is not reached,
+    EOS and stop_token_ids."""
     p = seq.params
     out: list[int] = []
     if seq.bad_words:
         output = seq.token_ids[seq.num_prompt_tokens :]
+        output += ahead
         for word in seq.bad_words:
             before = len(word) - 1
             if before <= len(output) and output[len(output) - before :] == word[:-1]:
                 out.append(word[-1])
-    if seq.num_generated < p.min_tokens:
+    if seq.num_generated + len(ahead) < p.min_tokens:
         out += p.stop_token_ids
         if not p.ignore_eos:
             out += eos_token_ids

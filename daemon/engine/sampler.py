@@ -47,15 +47,17 @@ class Sampler:
         """`sample`, read back to the host."""
         return self.sample(logits, seqs).tolist() if seqs else []
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per row of `logits` ([len(seqs), vocab], float32) for `seqs` in order.
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               ahead: list[list[int]] | None = None) -> torch.Tensor:
+        """One token per row of `logits` ([len(seqs), vocab], float32) for `seqs` in order;
+        `ahead[i]`: the drafts row i follows (its bans and penalties count them).
 
         Everything runs on the logits' device and the ids stay there: no value is read back
         (which sequences are greedy is known on the host). The penalised sequences' counts
         take the emitted tokens from `count`."""
         if all([s.plain_draw for s in seqs]):  # nothing asked for but the draw itself
             return _draw(torch.softmax(logits.float(), dim=-1))
-        logits = self.processors(logits.float(), seqs)
+        logits = self.processors(logits.float(), seqs, ahead)
         # As vLLM: a temperature under SAMPLING_EPS is greedy (dividing by one that float32
         # rounds to 0 would make every logit infinite, and the draw NaN).
         greedy = [s.params.temperature < SAMPLING_EPS for s in seqs]

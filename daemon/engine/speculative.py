@@ -119,13 +119,10 @@ def propose(token_ids: list[int], config: NgramConfig, limit: int) -> list[int]:
 
 
 def speculable(seq: Sequence) -> bool:
-    """Nothing in its sampling that depends on the tokens before a position (penalties, bad
-    words, a pending min_tokens, a grammar), no siblings to fork, no prompt logprobs to gather:
-    each of its rows is then sampled from what one-token decoding would have sampled from."""
-    p = seq.params
-    return (seq.constraint is None and not seq.bad_words
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and p.repetition_penalty == 1.0 and seq.num_generated >= p.min_tokens
+    """No grammar, no siblings to fork, no prompt logprobs to gather: each of its rows is then
+    sampled from what one-token decoding would have sampled from (penalties, bad words and
+    min_tokens count the drafts before a row: logits_processors.py)."""
+    return (seq.constraint is None
             and not seq.fork_children and seq.prompt_logprobs is None)
 
 
@@ -170,9 +167,11 @@ class Speculation:
             return []
         if not speculable(seq):
             return []
-        # Never past its max_tokens: the decode's own token is one, each draft one more.
+        # Never past its max_tokens: the decode's own token is one, each draft one more; never
+        # more than its request allows.
         room = seq.max_tokens - seq.num_generated - 1 if seq.max_tokens else 0
-        return propose(seq.token_ids, self.config, room)
+        cap = seq.params.num_speculative_tokens
+        return propose(seq.token_ids, self.config, room if cap is None else min(room, cap))
 
     def verify(self, seqs: list[Sequence], drafts: dict[int, list[int]],
                rows: list[list[int]]) -> dict[int, int]:

@@ -186,11 +186,12 @@ def sampling(req: MessagesRequest, max_model_len: int | None,
 @dataclasses.dataclass(slots=True)
 class _SamplingFields:
     """What proxy/openai/schemas.py's model_sampling reads; the Messages API has no min_p nor
-    repetition_penalty (the model's defaults apply)."""
+    repetition_penalty (the model's defaults apply), nor num_speculative_tokens."""
 
     temperature: float | None
     top_p: float | None
     top_k: int | None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    num_speculative_tokens: int | None = None
 

@@ -50,6 +50,11 @@ LogitBias = Annotated[dict[int, Annotated[float, msgspec.Meta(ge=-100.0, le=100.
                       msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 BadWords = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]],
                      msgspec.Meta(max_length=MAX_BAD_WORDS)]
+# vLLM's --speculative-config name, per request: every surface's request carries it to the daemon
+# through `model_sampling`.
+SpeculativeTokens = Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, honoured(
+    "caps the drafts speculative decoding makes for this request a step (0: none; above the "
+    "server's --speculative-config, the server's)")]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -84,6 +89,7 @@ class _Sampling(GuidedFields, kw_only=True, forbid_unknown_fields=True):
     min_p: MinP | None = None
     bad_words: BadWords | None = None
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP)] | None = None
+    num_speculative_tokens: SpeculativeTokens = None
     priority: Annotated[Any, refused(NO_PRIORITY, 1, (0,))] = None
 
     @property
@@ -306,18 +312,20 @@ def sampling_params(req: _Sampling, max_tokens: int | None, param: str,
 
 
 class SamplingFields(Protocol):
-    """The sampling fields every endpoint's request has (a model may default them)."""
+    """The sampling fields every endpoint's request has (a model may default them), and the
+    engine's (num_speculative_tokens)."""
 
     temperature: float | None
     top_p: float | None
     top_k: int | None
     min_p: float | None
     repetition_penalty: float | None
+    num_speculative_tokens: int | None
 
 
 def model_sampling(req: SamplingFields, defaults: GenerationDefaults | None) -> dict[str, Any]:
     """temperature, top_p, top_k, min_p and repetition_penalty: the request's, else the model's
-    (vLLM's --generation-config auto), else the API's."""
+    (vLLM's --generation-config auto), else the API's; num_speculative_tokens as it is."""
     d = defaults or GenerationDefaults()
 
     def pick(given: Any, model: Any, api: Any) -> Any:
@@ -327,4 +335,5 @@ def model_sampling(req: SamplingFields, defaults: GenerationDefaults | None) -> 
     return {"temperature": pick(req.temperature, d.temperature, 1.0),
             "top_p": pick(req.top_p, d.top_p, 1.0), "top_k": -1 if top_k == 0 else top_k,
             "min_p": pick(req.min_p, d.min_p, 0.0),
-            "repetition_penalty": pick(req.repetition_penalty, d.repetition_penalty, 1.0)}
+            "repetition_penalty": pick(req.repetition_penalty, d.repetition_penalty, 1.0),
+            "num_speculative_tokens": req.num_speculative_tokens}

@@ -39,6 +39,7 @@ from proxy.openai.schemas import (
     MinP,
     PositiveInt,
     RepetitionPenalty,
+    SpeculativeTokens,
     Temperature,
     TopK,
     TopP,
@@ -106,6 +107,7 @@ class CreateResponse(msgspec.Struct, forbid_unknown_fields=True):
     top_k: TopK | None = None
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    num_speculative_tokens: SpeculativeTokens = None
     priority: Annotated[Any, refused(NO_PRIORITY, 1, (0,))] = None
     user: Annotated[str | None, no_op(END_USER,
                                       "user-1")] = None

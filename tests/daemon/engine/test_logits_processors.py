@@ -206,3 +206,20 @@ def test_a_sessions_rows_go_back_when_it_is_evicted_or_finishes() -> None:
     engine.abort("a", AbortCause.CLIENT_DISCONNECT)
     assert counts.num_free == counts.num_rows
     assert all(s.penalty_row is None for s in engine.sessions["c"].sequences)
+
+
+def test_a_drafted_row_counts_the_drafts_before_it_as_output() -> None:
+    """Speculative decoding: the rows of one sequence, each after the drafts before it (`ahead`),
+    are processed as one-token decoding would process them at that position."""
+    s = seq([1], [2], frequency_penalty=1.0, presence_penalty=0.5, min_tokens=3,
+            bad_words=[[3, 4]])
+    processors = LogitsProcessors([EOS])
+    out = processors(logits(*[[1.0] * 6] * 3), [s, s, s], [[], [3], [3, 2]])
+    assert out[0, 2] == 1.0 - 1.5 and out[0, 3] == 1.0 and out[0, 4] == 1.0
+    # After 3: it counts once, and 4 would complete the bad word.
+    assert out[1, 3] == 1.0 - 1.5 and out[1, 4] == -math.inf and out[1, EOS] == -math.inf
+    # After 3, 2: 2 counts twice, 4 is allowed again, min_tokens (3) is reached: EOS is not
+    # banned.
+    assert out[2, 2] == 1.0 - 2.5 and out[2, 4] == 1.0 and out[2, EOS] == 0.0
+    # The sequence's own counts are unchanged: drafts join them only when emitted.
+    assert processors(logits([1.0] * 6), [s])[0, 3] == 1.0

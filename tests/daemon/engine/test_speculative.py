@@ -201,23 +201,45 @@ def test_max_tokens_stop_strings_and_logprobs_behave_as_without() -> None:
         assert logprobs(spec) == logprobs(plain), params
 
 
-def test_penalised_and_banning_rows_do_not_draft() -> None:
-    script = copier(PROMPT, " sat on the mat. the cat sat on the mat.")
-    for params in ({"frequency_penalty": 0.5}, {"repetition_penalty": 1.2},
-                   {"bad_words": ["dog"]}, {"min_tokens": 30}):
-        engine, _ = make_engine(script, speculative=NGRAM)
-        engine.submit(completion("a", PROMPT, max_tokens=20, **params))
-        run(engine)
-        assert engine.speculation is not None and engine.speculation.num_drafts == 0
+# A copy of "a"s, whose pick (4.0 against the fake runner's spread of 0 to 2) the penalties turn
+# after a few, within a drafted stretch; bans that fall inside one ("mat" after "ma"; "." before
+# min_tokens, at each place the boundary can fall within a step's drafts). Repetition needs no
+# case of its own: a draft is a token of the context, already seen by its every row.
+A = "a" * 16
+PENALISED = [(A, {"frequency_penalty": 0.45}),
+             (A, {"frequency_penalty": 0.3, "presence_penalty": 1.0}),
+             (A, {"frequency_penalty": 0.2, "repetition_penalty": 1.5}),
+             (PROMPT, {"repetition_penalty": 1.9}),
+             (PROMPT, {"bad_words": ["mat", "on t"]}),
+             *((PROMPT, {"min_tokens": m, "stop_token_ids": [ord(".")]}) for m in range(14, 24))]
 
 
-def samples(speculative: NgramConfig | None, n: int = 64,
-            seed: int = 7) -> tuple[list[str], Engine]:
-    script = copier(PROMPT, " sat on the mat. the cat sat on the mat.")
+@pytest.mark.parametrize(("prompt", "params"), PENALISED, ids=str)
+def test_penalised_and_banning_rows_draft_and_give_the_output_of_without(
+        prompt: str, params: dict[str, Any]) -> None:
+    """Each row of a drafted sequence counts the drafts before it as its output: its
+    penalties, bad words and min_tokens are those one-token decoding would have applied."""
+    text = A if prompt == A else " sat on the mat. the cat sat on the mat."
+    script = copier(prompt, text)
+    plain, _, _ = generate(script, None, prompt, logprobs=1, **params)
+    spec, engine, _ = generate(script, NGRAM, prompt, logprobs=1, **params)
+    assert token_ids(spec) == token_ids(plain)
+    assert finishes(spec, "a")[0] == finishes(plain, "a")[0]
+    assert logprobs(spec) == logprobs(plain)
+    s = engine.speculation
+    assert s is not None and s.num_drafts > 0 and s.num_accepted_tokens > 0
+
+
+COPY = " sat on the mat. the cat sat on the mat."
+
+
+def samples(speculative: NgramConfig | None, n: int = 64, seed: int = 7, prompt: str = PROMPT,
+            text: str = COPY, **params: Any) -> tuple[list[str], Engine]:
+    script = copier(prompt, text)
     engine, _ = make_engine(script, num_blocks=600, max_num_seqs=n, budget=1024,
                             speculative=speculative)
-    engine.submit(completion("a", PROMPT, n=n, temperature=0.5, top_k=50, seed=seed,
-                             max_tokens=12))
+    engine.submit(completion("a", prompt, n=n, seed=seed, max_tokens=12,
+                             **{"temperature": 0.5, "top_k": 50, **params}))
     out = texts(run(engine), "a")
     return [out[i] for i in range(n)], engine
 
@@ -229,23 +251,31 @@ def test_seeded_samples_repeat_with_speculation() -> None:
     assert engine.speculation is not None and engine.speculation.num_accepted_tokens > 0
 
 
-def test_sampled_output_is_distributed_as_without_speculation() -> None:
+def kept(outs: list[str], script: str) -> float:
+    """The mean length of the prefix of `script` the samples keep."""
+    lengths = [next((i for i, (a, b) in enumerate(zip(t, script, strict=False)) if a != b),
+                    min(len(t), len(script))) for t in outs]
+    return sum(lengths) / len(lengths)
+
+
+@pytest.mark.parametrize(("prompt", "text", "params", "mean"), [
     # Each token is the script's with probability about 0.6 (temperature 0.5 over the fake
-    # runner's spread), so the prefix a sample keeps of the script is geometric; the mean
-    # length of that prefix must agree within a few standard errors.
-    script = " sat on the mat. the cat sat on the mat."
-
-    def kept(outs: list[str]) -> float:
-        lengths = [next((i for i, (a, b) in enumerate(zip(t, script, strict=False)) if a != b),
-                        min(len(t), len(script))) for t in outs]
-        return sum(lengths) / len(lengths)
-
-    plain = sum([kept(samples(None, 64, seed)[0]) for seed in range(8)]) / 8
-    runs = [samples(NGRAM, 64, 100 + seed) for seed in range(8)]
-    drafted = sum([kept(texts) for texts, _ in runs]) / 8
+    # runner's spread), so the prefix a sample keeps of the script is geometric.
+    (PROMPT, COPY, {}, (0.5, 4.0)),
+    # Nearly certain at first (temperature 0.3), each "a" counted makes the next less likely:
+    # a row that did not count the drafts before it would keep more.
+    (A, A, {"temperature": 0.3, "frequency_penalty": 0.45}, (1.0, 6.0)),
+], ids=["plain", "frequency_penalty"])
+def test_sampled_output_is_distributed_as_without_speculation(
+        prompt: str, text: str, params: dict[str, Any], mean: tuple[float, float]) -> None:
+    # The mean length of the prefix kept must agree within a few standard errors.
+    plain = sum([kept(samples(None, 64, seed, prompt, text, **params)[0], text)
+                 for seed in range(8)]) / 8
+    runs = [samples(NGRAM, 64, 100 + seed, prompt, text, **params) for seed in range(8)]
+    drafted = sum([kept(texts, text) for texts, _ in runs]) / 8
     # 512 samples a side: the standard error of each mean is about 0.1 (seeded: no flake).
     assert abs(plain - drafted) < 0.4, (plain, drafted)
-    assert 0.5 < plain < 4.0  # neither greedy (12) nor never the script
+    assert mean[0] < plain < mean[1]  # neither greedy (12) nor never the script
     assert sum([e.speculation.num_accepted_tokens for _, e in runs if e.speculation]) > 100
 
 
