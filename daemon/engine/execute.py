@@ -44,7 +44,8 @@ class Executed:
     masks: Masks | None = None  # the grammar masks the ids were sampled under
     starts: list[int] | None = None
     # Speculative decoding: the drafts verified, by index in `seqs` (Batch.drafts); a drafted
-    # sequence's ids are those sampled at each of its rows, to verify its drafts against.
+    # sequence's ids are those sampled at each of its rows (a constrained one's each under the
+    # mask after the drafts before it), to verify its drafts against.
     drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def rows(self) -> list[list[int]]:
@@ -68,37 +69,36 @@ class Executor:
         self.to_token_logprob = to_token_logprob
 
     def __call__(self, batch: Batch) -> Executed:
-        seqs, rows = batch.sampled, batch.rows
+        seqs = batch.sampled
         # A fork's siblings share their prompt's grammar, so they are among `seqs` too.
         guidance = self.guidance if self.guidance is not None and any(
             [s.constraint is not None for s in seqs]) else None
-        masks = guidance.start_masks(seqs) if guidance is not None else None
+        masks = guidance.start_masks(seqs, batch.drafts) if guidance is not None else None
         logits = self.runner.run(batch.chunks)
         if any([chunk.all_logits for chunk in batch.chunks]):
             prompt_logprobs(batch.chunks, batch.seqs, logits, self.to_token_logprob)
         if not seqs:
             return Executed([], [], logits[:0])
-        if batch.drafts and masks is None:
-            return self._drafted(batch, logits)
+        sampled, rows, starts = _sampled_rows(batch)
         if len(rows) != logits.shape[0] or rows[-1] != len(rows) - 1:  # not each row once
             logits = logits[torch.tensor(rows, device=logits.device)]
         masked = guidance.mask(logits, masks) if guidance is not None else logits
-        # Drafts beside grammar masks (a mask a row): only their first row is sampled, so
-        # every draft is rejected - exact, without the gain.
-        return Executed(seqs, self.sampler.sample(masked, seqs), logits, masks,
-                        drafts={i: [] for i in batch.drafts})
+        return Executed(seqs, self.sampler.sample(masked, sampled), logits, masks, starts,
+                        batch.drafts)
 
-    def _drafted(self, batch: Batch, logits: torch.Tensor) -> Executed:
-        """A drafted sequence samples every row of its chunk (each position's next token)."""
-        seqs: list[Sequence] = []
-        rows: list[int] = []
-        starts: list[int] = []
-        for i, (seq, row) in enumerate(zip(batch.sampled, batch.rows, strict=True)):
-            n = 1 + len(batch.drafts.get(i, ()))
-            starts.append(len(rows))
-            seqs += [seq] * n
-            rows += range(row, row + n)
-        if len(rows) != logits.shape[0] or rows[-1] != len(rows) - 1:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return Executed(batch.sampled, self.sampler.sample(logits, seqs), logits,
-                        starts=starts, drafts=batch.drafts)
+
+def _sampled_rows(batch: Batch) -> tuple[list[Sequence], list[int], list[int] | None]:
+    """The sequence and the logits row of each row to sample, and where each sequence's rows
+    start (None: one each). A drafted sequence samples every row of its chunk (each position's
+    next token)."""
+    if not batch.drafts:
+        return batch.sampled, batch.rows, None
+    seqs: list[Sequence] = []
+    rows: list[int] = []
+    starts: list[int] = []
+    for i, (seq, row) in enumerate(zip(batch.sampled, batch.rows, strict=True)):
+        n = 1 + len(batch.drafts.get(i, ()))
+        starts.append(len(rows))
+        seqs += [seq] * n
+        rows += range(row, row + n)
+    return seqs, rows, starts
