@@ -13,6 +13,7 @@ GrammarError: its request is refused naming the limit.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 
 import llguidance
 
@@ -25,6 +26,11 @@ TICK_SEARCH_STEPS = 4096  # matcher steps one search on the tick may take
 SEARCH_S = 0.02  # and seconds
 TICK_SEARCH_S = 0.05  # seconds for all of a tick's searches
 SEARCH_FLOOR_S = 0.002  # what a search past the tick's deadline still gets
+# Speculative decoding's grammar work on the tick (daemon/engine/speculative.py): each draft
+# costs two steps (its check when proposed, its mask row in the execute phase), and proposing
+# stops at the tick's deadline for it. No floor: a draft cut costs speed, never an output.
+TICK_DRAFT_STEPS = 512
+TICK_DRAFT_S = 0.005
 
 
 def search_bound(now: float, tick_deadline: float) -> SearchBound:
@@ -68,19 +74,22 @@ class Constraint:
         if not self.fill_known(bitmask, row):
             fill_row(self.matcher, bitmask, row)
 
-    def fill_known(self, bitmask: Bitmask, row: int) -> bool:
+    def fill_known(self, bitmask: Bitmask, row: int, drafts: int = 0) -> bool:
         """`fill` when the allowed tokens are known without the matcher (a forced token, or
         the mask computed when the last token was consumed); False, and nothing written,
-        when they are not."""
+        when they are not. `drafts`: this step's drafts (`draft`), whose rows follow `row`,
+        each allowing what the grammar allows after the drafts before it."""
         width = bitmask.width
-        at = row * width
-        if self._forced:
-            token = self._forced[0]
-            bitmask.words[at:at + width] = self._grammars.zero_mask
-            bitmask.words[at + (token >> 5)] = bit(token & 31)
+        if self._forced:  # its drafts are the closing's next tokens: a row each, and one more
+            zero = self._grammars.zero_mask
+            for j, token in enumerate(self._forced[:1 + drafts]):
+                at = (row + j) * width
+                bitmask.words[at:at + width] = zero
+                bitmask.words[at + (token >> 5)] = bit(token & 31)
             return True
-        if not self._mask_ready:
+        if not self._mask_ready or drafts:
             return False
+        at = row * width
         bitmask.words[at:at + width] = self._mask
         return True
 
@@ -92,6 +101,29 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(int(self._mask.buffer_info()[0]),
                                              4 * len(self._mask))
         self._mask_ready = True
+
+    def draft(self, more: Callable[[list[int], int], list[int]], limit: int,
+              bound: SearchBound) -> list[int]:
+        """Up to `limit` drafts from here for speculative decoding: the closing being spelled,
+        or the tokens the grammar forces (jump-forward: a schema's keys and punctuation), then
+        `more(forced, room)`'s (the n-gram's), cut at the first the grammar refuses; never an
+        end of sequence (its row's mask would allow nothing). Nothing is consumed. Each costs
+        `bound` two steps; drafting stops where the bound does."""
+        forced = self._forced
+        if forced:  # certain; the row after the last draft must still be the closing's
+            return forced[:max(0, min(limit, len(forced) - 1))]
+        matcher = self.matcher
+        if limit <= 0 or matcher.is_stopped() or matcher.is_error() or not bound.spend(1):
+            return []
+        tokens = matcher.compute_ff_tokens()[:limit]
+        if len(tokens) < limit:
+            tokens += more(tokens, limit - len(tokens))
+        tokens = tokens[:min(len(tokens), bound.steps_left // 2)]
+        if not tokens or not bound.spend(2 * len(tokens)):
+            return []
+        tokens = tokens[:matcher.validate_tokens(tokens)]
+        eos = self._grammars.eos_ids
+        return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
 
     def feasible(self, left: int) -> bool:
         """Whether an output can still be closed in `left` tokens (a request whose budget

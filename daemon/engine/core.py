@@ -69,7 +69,8 @@ class Engine:
         self.clock = clock
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
                                           enable_caching=prefix_caching)
-        self.speculation = Speculation(speculative) if speculative is not None else None
+        self.speculation = (Speculation(speculative, guidance.draft_bound if guidance else None)
+                            if speculative is not None else None)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_tokens_per_tick,
                                    runner.copy_block, self.speculation)
         self.sampler = Sampler(tokenizer.eos_token_ids)
@@ -284,15 +285,17 @@ class Engine:
         that ends it), the penalty counts, their log-probabilities. Also the Errors of the
         sessions whose grammar failed (ended here)."""
         seqs, rows, starts = executed.seqs, executed.rows(), executed.starts
-        accepted = None
+        kept: dict[int, int] = {}
         if executed.drafts and self.speculation is not None:  # rows cut to what they keep
             kept = self.speculation.verify(seqs, executed.drafts, rows)
-            accepted = {seqs[i].seq_id: n for i, n in kept.items()}
-        self.scheduler.update(batch, accepted)
-        self._count_tick(seqs, rows, starts is not None)
         failed: list[tuple[Sequence, Rejected]] = []
         if executed.masks is not None and self.guidance is not None:
             rows, failed = self.guidance.accept(seqs, rows, self.max_model_len, executed.masks)
+        # A grammar that put its closing's token in place of one keeps only the drafts before
+        # it: the KV of those after was computed for other tokens.
+        self.scheduler.update(batch, {seqs[i].seq_id: min(n, len(rows[i]) - 1)
+                                      for i, n in kept.items()} if kept else None)
+        self._count_tick(seqs, rows, starts is not None)
         refused = self._refuse_running(failed) if failed else []
         if refused:  # their sequences, and their siblings, get nothing more
             at = [i for i, seq in enumerate(seqs) if seq.rid in self.sessions]

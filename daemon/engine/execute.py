@@ -44,7 +44,8 @@ class Executed:
     masks: Masks | None = None  # the grammar masks the ids were sampled under
     starts: list[int] | None = None
     # Speculative decoding: the drafts verified, by index in `seqs` (Batch.drafts); a drafted
-    # sequence's ids are those sampled at each of its rows, to verify its drafts against.
+    # sequence's ids are those sampled at each of its rows (a constrained one's each under the
+    # mask after the drafts before it), to verify its drafts against.
     drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def rows(self) -> list[list[int]]:
@@ -68,41 +69,40 @@ class Executor:
         self.to_token_logprob = to_token_logprob
 
     def __call__(self, batch: Batch) -> Executed:
-        seqs, rows = batch.sampled, batch.rows
+        seqs = batch.sampled
         # A fork's siblings share their prompt's grammar, so they are among `seqs` too.
         guidance = self.guidance if self.guidance is not None and any(
             [s.constraint is not None for s in seqs]) else None
-        masks = guidance.start_masks(seqs) if guidance is not None else None
+        masks = guidance.start_masks(seqs, batch.drafts) if guidance is not None else None
         logits = self.runner.run(batch.chunks)
         if any([chunk.all_logits for chunk in batch.chunks]):
             prompt_logprobs(batch.chunks, batch.seqs, logits, self.to_token_logprob)
         if not seqs:
             return Executed([], [], logits[:0])
-        if batch.drafts and masks is None:
-            return self._drafted(batch, logits)
+        sampled, rows, starts, ahead = _sampled_rows(batch)
         if len(rows) != logits.shape[0] or rows[-1] != len(rows) - 1:  # not each row once
             logits = logits[torch.tensor(rows, device=logits.device)]
         masked = guidance.mask(logits, masks) if guidance is not None else logits
-        # Drafts beside grammar masks (a mask a row): only their first row is sampled, so
-        # every draft is rejected - exact, without the gain.
-        return Executed(seqs, self.sampler.sample(masked, seqs), logits, masks,
-                        drafts={i: [] for i in batch.drafts})
+        return Executed(seqs, self.sampler.sample(masked, sampled, ahead), logits, masks, starts,
+                        batch.drafts)
 
-    def _drafted(self, batch: Batch, logits: torch.Tensor) -> Executed:
-        """A drafted sequence samples every row of its chunk (each position's next token),
-        each row after the drafts before it (its penalties and bans count them)."""
-        seqs: list[Sequence] = []
-        rows: list[int] = []
-        starts: list[int] = []
-        ahead: list[list[int]] = []
-        for i, (seq, row) in enumerate(zip(batch.sampled, batch.rows, strict=True)):
-            drafts = batch.drafts.get(i, [])
-            n = 1 + len(drafts)
-            starts.append(len(rows))
-            seqs += [seq] * n
-            rows += range(row, row + n)
-            ahead += [drafts[:j] for j in range(n)]
-        if len(rows) != logits.shape[0] or rows[-1] != len(rows) - 1:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return Executed(batch.sampled, self.sampler.sample(logits, seqs, ahead), logits,
-                        starts=starts, drafts=batch.drafts)
+
+def _sampled_rows(batch: Batch) -> tuple[list[Sequence], list[int], list[int] | None,
+                                         list[list[int]] | None]:
+    """The sequence and the logits row of each row to sample, where each sequence's rows start
+    (None: one each), and the drafts each row follows (its penalties and bans count them). A
+    drafted sequence samples every row of its chunk (each position's next token)."""
+    if not batch.drafts:
+        return batch.sampled, batch.rows, None, None
+    seqs: list[Sequence] = []
+    rows: list[int] = []
+    starts: list[int] = []
+    ahead: list[list[int]] = []
+    for i, (seq, row) in enumerate(zip(batch.sampled, batch.rows, strict=True)):
+        drafts = batch.drafts.get(i, [])
+        n = 1 + len(drafts)
+        starts.append(len(rows))
+        seqs += [seq] * n
+        rows += range(row, row + n)
+        ahead += [drafts[:j] for j in range(n)]
+    return seqs, rows, starts, ahead

@@ -44,7 +44,7 @@ import llguidance
 import msgspec
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
-from daemon.engine.bitmask import Bitmask
+from daemon.engine.bitmask import Bitmask, fill_row
 from daemon.engine.closing import MAX_CLOSING, Closing, SearchBound, Stopped, closing
 from ipc.reasons import Reason
 from ipc.records import Guide, GuideKind
@@ -359,9 +359,24 @@ class Grammars:
     def new_bitmask(self, rows: int) -> Bitmask:
         return Bitmask(rows, self.mask_width)
 
-    def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int]],
+    def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]],
                    bitmask: Bitmask) -> Future[None]:
-        """Each matcher's allowed tokens into its row of `bitmask`, on the mask thread."""
-        return self._mask_thread.submit(self._mask_executor.unsafe_compute_mask_ptr, rows,
-                                        bitmask.address(0), bitmask.width * 4,
-                                        bitmask.tensor.shape[0])
+        """`fill_masks_now` on the mask thread, each kind of row in one batched call."""
+        return self._mask_thread.submit(self.fill_masks_now, rows, bitmask, True)
+
+    def fill_masks_now(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]],
+                       bitmask: Bitmask, batched: bool = False) -> None:
+        """Each matcher's allowed tokens into its row of `bitmask`; with drafts, a row after it
+        for each, the allowed tokens after the drafts before it (llguidance advances the
+        matcher through them and rolls it back). Both calls let go of the GIL."""
+        plain = [(matcher, row) for matcher, row, drafts in rows if not drafts]
+        drafted = [entry for entry in rows if entry[2]]
+        pointer, size, num_rows = bitmask.address(0), bitmask.width * 4, bitmask.tensor.shape[0]
+        if batched and plain:
+            self._mask_executor.unsafe_compute_mask_ptr(plain, pointer, size, num_rows)
+        else:
+            for matcher, row in plain:
+                fill_row(matcher, bitmask, row)
+        if drafted:
+            self._mask_executor.unsafe_compute_mask_ptr_with_draft_token(drafted, pointer, size,
+                                                                        num_rows)

@@ -19,8 +19,15 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from daemon.engine.bitmask import Bitmask, apply_bitmask, fill_row
-from daemon.engine.constraint import TICK_SEARCH_S, Constraint, search_bound
+from daemon.engine.bitmask import Bitmask, apply_bitmask
+from daemon.engine.closing import SearchBound
+from daemon.engine.constraint import (
+    TICK_DRAFT_S,
+    TICK_DRAFT_STEPS,
+    TICK_SEARCH_S,
+    Constraint,
+    search_bound,
+)
 from daemon.engine.grammar import Compiled, GrammarError, Grammars
 from daemon.engine.json_numbers import NumberGuard, guards_numbers
 from daemon.engine.sequence import Sequence
@@ -39,11 +46,13 @@ MASK_THREAD_MIN_TOKENS = 1 << 20
 
 @dataclass(slots=True)
 class Masks:
-    """A tick's masks: `bitmask[j]` is for sampled row `rows[j]`, once `future` is done."""
+    """A tick's masks: `bitmask[j]` is for sampled row `rows[j]`, once `future` is done;
+    `spans[i]`: sequence i's (a drafted one has a row per position)."""
 
     rows: list[int]
     bitmask: Bitmask
     future: Future[None] | None
+    spans: dict[int, range]
 
 
 @dataclass(slots=True)
@@ -133,28 +142,45 @@ class Guidance:
 
     # --- one tick -------------------------------------------------------------------------------
 
-    def start_masks(self, seqs: list[Sequence]) -> Masks | None:
+    def start_masks(self, seqs: list[Sequence],
+                    drafts: dict[int, list[int]] | None = None) -> Masks | None:
         """Starts computing the masks of the constrained ones among `seqs` (the tick's sampled
-        sequences, in order); None when none is constrained. Most were computed when the last
-        token was consumed (`accept`). Masks worth a thread (many rows of a large vocabulary)
-        are computed on the mask thread while the forward pass runs, and until `mask` has
-        waited for them their matchers are the thread's; the others at once, since a hop to a
-        thread and back costs more than they do."""
-        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        sequences, in order; `drafts`: by index, the drafts of those that have any, whose
+        sampled rows follow theirs); None when none is constrained. Most were computed when the
+        last token was consumed (`accept`). A drafted one has a row per position, each the mask
+        after the drafts before it (llguidance advances its matcher through them and rolls it
+        back). Masks worth a thread (many rows of a large vocabulary) are computed on the mask
+        thread while the forward pass runs, and until `mask` has waited for them their matchers
+        are the thread's; the others at once, since a hop to a thread and back costs more than
+        they do."""
+        drafts = drafts or {}
+        rows: list[int] = []
+        spans: dict[int, range] = {}
+        at = 0  # sampled row
+        for i, seq in enumerate(seqs):
+            n = 1 + len(drafts.get(i, ()))
+            if seq.constraint is not None:
+                spans[i] = range(len(rows), len(rows) + n)
+                rows += range(at, at + n)
+            at += n
         if not rows:
             return None
         bitmask = self.grammars.new_bitmask(len(rows))
-        free: list[tuple[llguidance.LLMatcher, int]] = []
-        for j, row in enumerate(rows):
-            constraint = seqs[row].constraint
+        free: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        for i, span in spans.items():
+            constraint = seqs[i].constraint
             assert constraint is not None
-            if not constraint.fill_known(bitmask, j):
-                free.append((constraint.matcher, j))
-        if not free or not self._worth_a_thread(len(free)):
-            for matcher, j in free:
-                fill_row(matcher, bitmask, j)
-            return Masks(rows, bitmask, None)
-        return Masks(rows, bitmask, self.grammars.fill_masks(free, bitmask))
+            drafted = drafts.get(i, [])
+            if not constraint.fill_known(bitmask, span[0], len(drafted)):
+                free.append((constraint.matcher, span[0], drafted))
+        if not free or not self._worth_a_thread(sum([1 + len(d) for _, _, d in free])):
+            self.grammars.fill_masks_now(free, bitmask)
+            return Masks(rows, bitmask, None, spans)
+        return Masks(rows, bitmask, self.grammars.fill_masks(free, bitmask), spans)
+
+    def draft_bound(self) -> SearchBound:
+        """The bound of a tick's grammar work for speculative drafts (Speculation's)."""
+        return SearchBound(TICK_DRAFT_STEPS, self.clock() + TICK_DRAFT_S, self.clock)
 
     def mask(self, logits: torch.Tensor, masks: Masks | None) -> torch.Tensor:
         """`logits` with every token a constrained row forbids at -inf (a copy: the model's own
@@ -182,19 +208,16 @@ class Guidance:
         tokens are not to be emitted). The step's closing searches share one deadline."""
         out = rows
         failed: list[tuple[Sequence, Rejected]] = []
-        mask_rows = {row: j for j, row in enumerate(masks.rows)} if masks is not None else {}
-        now = not self._worth_a_thread(len(mask_rows))
+        spans = masks.spans if masks is not None else {}
+        now = not self._worth_a_thread(len(spans))
         searches_end = self.clock() + TICK_SEARCH_S
         for i, seq in enumerate(seqs):
             constraint = seq.constraint
             if constraint is None:
                 continue
-            j = mask_rows.get(i)
-            allowed = masks.bitmask.allows(j, rows[i][0]) if masks is not None and j is not None \
-                else None
             try:
-                row, left = self._accept_row(seq, constraint, rows[i], max_model_len, allowed,
-                                             searches_end)
+                row, left = self._accept_row(seq, constraint, rows[i], max_model_len,
+                                             masks, spans.get(i, range(0)), searches_end)
             except GrammarError as e:
                 guide = seq.params.guide
                 failed.append((seq, Rejected(str(e), param=guide.source or None if guide else None,
@@ -209,19 +232,22 @@ class Guidance:
         return out, failed
 
     def _accept_row(self, seq: Sequence, constraint: Constraint, row: list[int],
-                    max_model_len: int, allowed: bool | None,
+                    max_model_len: int, masks: Masks | None, span: range,
                     searches_end: float) -> tuple[list[int], int]:
         """One sequence's tokens as its constraint lets them through (the row itself when it
-        takes them all), and the tokens it had left at the last of them. (Past an end of
-        sequence it allows nothing else: the rest are replaced and cut at once.)"""
+        takes them all), and the tokens it had left at the last of them; token `at` was
+        sampled under mask row `span[at]` (the mask after the tokens before it), where it has
+        one. (Past an end of sequence it allows nothing else: the rest are replaced and cut at
+        once.)"""
         clock = self.clock
         left = 0
         for at, token in enumerate(row):
             # Tokens this sequence may still generate, this one included.
             left = min(_tokens_left(seq, seq.max_tokens) - at,
                        max_model_len - seq.num_tokens - at)
-            emitted = constraint.accept(token, left, allowed if at == 0 else None,
-                                        search_bound(clock(), searches_end))
+            allowed = (masks.bitmask.allows(span[at], token)
+                       if masks is not None and at < len(span) else None)
+            emitted = constraint.accept(token, left, allowed, search_bound(clock(), searches_end))
             if emitted != token:
                 return [*row[:at], emitted], left
         return row, left

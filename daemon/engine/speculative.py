@@ -13,6 +13,17 @@ each row is sampled as without speculation (temperature, top-k/p, min-p, bias, i
 generator), and the output is distributed exactly as without; greedy rows take the argmax, so
 greedy output is the same token for token.
 
+With a grammar (structured outputs, forced tool calls), a sequence's drafts are first the
+tokens its grammar forces from here (llguidance's jump-forward tokens: a schema's keys and
+punctuation; or the rest of a closing being spelled), then the n-gram's, cut at the first the
+grammar refuses and before an end of sequence (`Constraint.draft`; nothing is consumed). Each
+row of its chunk is sampled under the mask after the drafts before it (`Guidance.start_masks`:
+llguidance advances the matcher through them and rolls it back, on the mask thread when that
+pays), so each row is sampled as one-token decoding would have; the update phase then hands
+the kept tokens to the constraint one by one as always, and one it replaces with its closing's
+keeps only the drafts before it (`Engine.update`). A tick's grammar work for drafts is bounded
+in matcher steps and time (`Guidance.draft_bound`); past the bound a sequence drafts nothing.
+
 Drafts live in one step's `Batch` only: no sequence or session keeps any, so an abort or a
 preemption between steps leaves nothing speculative behind (a sequence keeps only its back-off
 counters, freed with it).
@@ -24,9 +35,14 @@ from __future__ import annotations
 
 import json
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from daemon.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from daemon.engine.closing import SearchBound
 
 _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
            "disable_by_batch_size")
@@ -119,11 +135,11 @@ def propose(token_ids: list[int], config: NgramConfig, limit: int) -> list[int]:
 
 
 def speculable(seq: Sequence) -> bool:
-    """No grammar, no siblings to fork, no prompt logprobs to gather: each of its rows is then
-    sampled from what one-token decoding would have sampled from (penalties, bad words and
-    min_tokens count the drafts before a row: logits_processors.py)."""
-    return (seq.constraint is None
-            and not seq.fork_children and seq.prompt_logprobs is None)
+    """No siblings to fork, no prompt logprobs to gather: each of its rows is then sampled from
+    what one-token decoding would have sampled from (penalties, bad words and min_tokens count
+    the drafts before a row: logits_processors.py; a grammar masks each row as of the drafts
+    before it: guided.py)."""
+    return not seq.fork_children and seq.prompt_logprobs is None
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:
@@ -141,8 +157,12 @@ class Speculation:
     """The engine's n-gram speculation: proposing for the scheduler, verifying for update,
     and the counters (vLLM's names: drafts, draft tokens, accepted tokens)."""
 
-    def __init__(self, config: NgramConfig) -> None:
+    def __init__(self, config: NgramConfig,
+                 draft_bound: Callable[[], SearchBound] | None = None) -> None:
         self.config = config
+        # A tick's bound on the grammar work of constrained sequences' drafts (Guidance's);
+        # None: no grammars, so no constrained sequence to draft for.
+        self.draft_bound = draft_bound
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -154,24 +174,35 @@ class Speculation:
         if limit is not None and len(ready) > limit:
             return [[] for _ in ready]
         out: list[list[int]] = []
+        bound = self.draft_bound() if self.draft_bound is not None else None
         for seq in ready:
-            proposed = self.drafts(seq)[:spare] if spare > 0 else []
+            proposed = self.drafts(seq, bound)[:spare] if spare > 0 else []
             spare -= len(proposed)
             out.append(proposed)
         return out
 
-    def drafts(self, seq: Sequence) -> list[int]:
-        """This step's drafts for a sequence about to decode one token ([]: none)."""
-        if seq.draft_wait:  # its last drafts were all rejected: it waits, longer each time
+    def drafts(self, seq: Sequence, bound: SearchBound | None = None) -> list[int]:
+        """This step's drafts for a sequence about to decode one token ([]: none); a
+        constrained one's within `bound` (the tick's grammar work for drafts)."""
+        waiting = seq.draft_wait > 0  # its last drafts were all rejected: it waits, longer
+        if waiting:
             seq.draft_wait -= 1
-            return []
         if not speculable(seq):
             return []
         # Never past its max_tokens: the decode's own token is one, each draft one more; never
         # more than its request allows.
         room = seq.max_tokens - seq.num_generated - 1 if seq.max_tokens else 0
         cap = seq.params.num_speculative_tokens
-        return propose(seq.token_ids, self.config, room if cap is None else min(room, cap))
+        if cap is not None:
+            room = min(room, cap)
+        constraint = seq.constraint
+        if constraint is None:
+            return [] if waiting else propose(seq.token_ids, self.config, room)
+        if bound is None:
+            return []
+        # What the grammar forces is drafted even while the n-gram's drafts wait.
+        return constraint.draft(lambda forced, n: [] if waiting else propose(
+            seq.token_ids + forced, self.config, n), room, bound)
 
     def verify(self, seqs: list[Sequence], drafts: dict[int, list[int]],
                rows: list[list[int]]) -> dict[int, int]:
@@ -183,8 +214,6 @@ class Speculation:
             n = accepted(proposed, rows[i])
             del rows[i][n + 1:]
             counts[i] = n
-            if not proposed:  # sampled beside grammar masks: its drafts were dropped
-                continue
             seq = seqs[i]
             seq.draft_misses = 0 if n else seq.draft_misses + 1
             seq.draft_wait = min(1 << seq.draft_misses, MAX_DRAFT_WAIT) if not n else 0
