@@ -57,6 +57,15 @@ WEIGHT_TYPES = {torch.float32: F32, torch.bfloat16: BF16}
 TL_Q4, TL_Q8, TL_Q8_16 = 3, 4, 5
 GROUP, UNIT = 16, 32  # output rows a quantized unit interleaves; rows a quantized unit holds
 QUANTIZATIONS = {"int8": 8, "int4": 4}  # --quantization: bits a weight keeps
+# Calls of at most this many rows take a quantized weight's activations in two terms (~15
+# bits; quant.h): the weight-streaming row counts, where the second term is free. Weights of
+# --quantization int8 take two at every row count (ALL_ROWS): with one term (8 bits) past two
+# rows, 20 of the real model's 572 teacher-forced prefill top-1s left the float32 reference,
+# with two 11, as many as float32 activations on the same weights (docs/benchmarks.md, issue
+# 37), for 1.5-1.75x the time of their products at 8-512 rows. A GGUF file's blocks keep
+# TWO_TERM_ROWS: the 4-bit goal holds with one term, and the Q4_1 file's Q8_0 head would pay
+# the second term at every decode batch.
+TWO_TERM_ROWS, ALL_ROWS = 2, 2**62
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -65,7 +74,8 @@ class Weights(ctypes.Structure):
     """tl_weights of cpu_kernels.c, field for field."""
 
     _fields_ = [("w", _P), ("scale", _P), ("bias", _P), ("blocks", _I), ("n_in", _I),
-                ("n_out", _I), ("type", ctypes.c_int32), ("mode", ctypes.c_int32)]
+                ("n_out", _I), ("type", ctypes.c_int32), ("mode", ctypes.c_int32),
+                ("two_term_rows", _I)]
 
 
 class Layer(ctypes.Structure):
@@ -101,7 +111,6 @@ _SIGNATURES = {  # name: (argument types, result type)
     "tl_quant_select": ([_C], _C),
     "tl_quant_tier_name": ([_C], ctypes.c_char_p),
     "tl_quant_set_dequant_rows": ([_I], None),
-    "tl_quant_set_two_term_rows": ([_I], None),
     "tl_quant_set_step_rows": ([_I], None),
     "tl_quant_set_prefetch": ([_I], None),
     "tl_quant_rows": ([_W, _P, _I, _P], None),
@@ -133,7 +142,6 @@ class Kernels:
     quant_select: Callable[[int], int]
     quant_tier_name: Callable[[int], bytes]
     quant_set_dequant_rows: Callable[[int], None]
-    quant_set_two_term_rows: Callable[[int], None]
     quant_set_step_rows: Callable[[int], None]
     quant_set_prefetch: Callable[[int], None]
     quant_rows: Callable[..., None]

@@ -59,7 +59,8 @@ enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2, TL_GELU_TANH_MUL = 3 };
 /* A packed weight (daemon/model/kernels/cpu.py: pack; quantized types: quant.h): `blocks`
  * blocks of 32 rows of n_in, n_out rows in use. scale (an output multiplier per row) and bias
  * are in packed row order, or NULL. mode TL_STORE, or TL_SILU_MUL / TL_GELU_TANH_MUL (each block holds 16 gate rows then
- * their 16 up rows; the output is act(gate) * up, n_out columns). Mirrored by ctypes in
+ * their 16 up rows; the output is act(gate) * up, n_out columns). Quantized types: calls of at
+ * most two_term_rows rows take their activations in two terms (quant.h). Mirrored by ctypes in
  * cpu.py: keep the two in step. */
 typedef struct {
   const void* w;
@@ -67,6 +68,7 @@ typedef struct {
   const float* bias;
   int64_t blocks, n_in, n_out;
   int32_t type, mode;
+  int64_t two_term_rows;
 } tl_weights;
 
 /* The quantized linears (quant.c), the bf16 products (bf16.c: 0 when it leaves the call to

@@ -104,9 +104,10 @@ class PackedLinear(nn.Module):
             bias = None if bias is None else bias.detach().float() * out_scale
         self.scale = None if row_scale is None else cpu.pack_vector(row_scale, gate_up)
         self.bias = None if bias is None else cpu.pack_vector(bias.detach(), gate_up)
+        two_term = cpu.ALL_ROWS if quantize == "int8" else cpu.TWO_TERM_ROWS
         self.desc = cpu.Weights(self.packed.data_ptr(), _ptr(self.scale), _ptr(self.bias), units,
                                 n_in, n // 2 if gate_up else n, kind,
-                                cpu.GATED[act] if gate_up else cpu.STORE)
+                                cpu.GATED[act] if gate_up else cpu.STORE, two_term)
         self.kernels = kernels
 
     @classmethod

@@ -17,11 +17,10 @@ static const char* const tier_names[TIERS] = {"generic", "avx2", "avx-vnni", "av
 static int tier = -1;
 /* Calls of at least this many rows take the dequantizing walk (set per tier; see cpu.py). */
 static int64_t dequant_rows = INT64_MAX;
-/* Calls of at most this many rows quantize activations in two terms (quant.h). */
-static int64_t two_term_rows = 2;
-/* What a call's rows count as against two_term_rows while a step sets it (0: the call's own
- * rows): a step's sequences, so that a speculative verify's 1 + k rows of one sequence take
- * the precision its one-row decode takes, and greedy output is the same with drafts. */
+/* What a call's rows count as against a weight's two_term_rows while a step sets it (0: the
+ * call's own rows): a step's sequences, so that a speculative verify's 1 + k rows of one
+ * sequence take the precision its one-row decode takes, and greedy output is the same with
+ * drafts. */
 static int64_t step_rows = 0;
 /* How far ahead the kernels prefetch the weights they stream, in records: 64 (20 KB of TL_Q4)
  * read 18 GB per CPU-second on one thread against 11 with none and 14.6 with 8, the real
@@ -70,8 +69,6 @@ int tl_quant_select(int want) {
 const char* tl_quant_tier_name(int t) { return t >= 0 && t < TIERS ? tier_names[t] : "?"; }
 
 void tl_quant_set_dequant_rows(int64_t rows) { dequant_rows = rows; }
-
-void tl_quant_set_two_term_rows(int64_t rows) { two_term_rows = rows; }
 
 void tl_quant_set_step_rows(int64_t rows) { step_rows = rows; }
 
@@ -223,7 +220,7 @@ void tl_quant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W
   }
   int64_t bs = tl_block_size(W->type), nb = group_records(W), ldq = nb * bs;
   int64_t group = nb * tl_record_bytes(W->type);
-  int two = (step_rows > 0 ? step_rows : M) <= two_term_rows;
+  int two = (step_rows > 0 ? step_rows : M) <= W->two_term_rows;
   int8_t* q = malloc(M * ldq * (two ? 2 : 1));
   float* scales = malloc(sizeof(float) * 2 * M * nb);
   int8_t* q2 = two ? q + M * ldq : NULL;

@@ -31,8 +31,8 @@ enum { TL_Q4 = 3, TL_Q8 = 4, TL_Q8_16 = 5 }; /* tl_weights.type, after cpu_kerne
 /* Activations [M] rows quantized per block of bs: q [M][ldq] (ldq = padded K),
  * dx and s [M][lds] (lds = ldq / bs). With q2 (else NULL) each block is two terms,
  * x ~ dx (256 q + q2), q2 the rounding error of the first term quantized again: about 15 bits
- * where one term holds 8, for twice the vpdpbusd (the weight-streaming row counts, where
- * those are free, take it; see quant.c). */
+ * where one term holds 8, for twice the vpdpbusd (tl_weights.two_term_rows says at how many
+ * rows; cpu.py: TWO_TERM_ROWS). */
 typedef struct {
   const int8_t* q;
   const int8_t* q2;

@@ -44,7 +44,6 @@ def tier(request: pytest.FixtureRequest, kernels: cpu.Kernels) -> Iterator[int]:
     kernels.quant_select(request.param)
     yield request.param
     kernels.quant_select(-1)
-    kernels.quant_set_two_term_rows(2)
 
 
 def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> Blocks:
@@ -117,14 +116,27 @@ def test_gated_biased_and_scaled_outputs(kernels: cpu.Kernels, tier: int, rows: 
     b = blocks(Q.Q4_0, 2 * 40, 256)  # gate and up of 40 each: 3 half-filled units
     w = torch.from_numpy(b.dequantized())
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(0))
-    kernels.quant_set_two_term_rows(64)  # near float32 sums, so the tolerances can be tight
     gate, up = F.linear(x, w).chunk(2, dim=-1)
-    gated = PackedLinear(b, None, kernels, False, gate_up=True)(x)
-    assert gated.shape == (rows, 40)
-    assert torch.allclose(gated, F.silu(gate) * up, atol=1e-4)
-    bias = torch.randn(80)
-    out = PackedLinear(b, bias, kernels, False, out_scale=0.5)(x)
-    assert torch.allclose(out, (F.linear(x, w) + bias) * 0.5, atol=1e-4)
+    gated, out = (PackedLinear(b, None, kernels, gate_up=True),
+                  PackedLinear(b, bias := torch.randn(80), kernels, out_scale=0.5))
+    for layer in (gated, out):
+        layer.desc.two_term_rows = 64  # near float32 sums, so the tolerances can be tight
+    assert gated(x).shape == (rows, 40)
+    assert torch.allclose(gated(x), F.silu(gate) * up, atol=1e-4)
+    assert torch.allclose(out(x), (F.linear(x, w) + bias) * 0.5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [3, 8, 64, 512])
+def test_int8_weights_take_two_term_activations_at_every_row_count(kernels: cpu.Kernels,
+                                                                   tier: int, rows: int) -> None:
+    """--quantization int8 weights: one-term activations (8 bits) past two rows would throw
+    away what their 8-bit codes hold (~1e-2 of the largest sum); two terms stay within 1e-4
+    of float32 on the same weights at prefill's row counts too."""
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(7)) * 0.05
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    got = PackedLinear(w, None, kernels, "int8")(x)
+    exact = F.linear(x, torch.from_numpy(quant_pack.quantize(w, 8).dequantized()))
+    assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
 
 
 def test_many_rows_may_take_the_dequantizing_walk(kernels: cpu.Kernels, tier: int) -> None:
