@@ -271,7 +271,7 @@ def report(res: dict[str, Any]) -> None:
     dtype = res.get("dtype", "float32")
     print(f"\n=== tether beside vLLM {res.get('vllm_version', '?')} CPU: {weights(res)} in "
           f"{dtype}, {res['threads']} threads each, medians of {t['reps']} / {v['reps']} reps "
-          f"(load average {t['load_average']} / {v['load_average']}) ===")
+          f"(load average {t['load_average'] or 0:.2f} / {v['load_average'] or 0:.2f}) ===")
     print(f"  {'figure':<44} {'tether':>9} {'vLLM':>9} {'tether/vLLM':>12}")
 
     def row(label: str, a: float | None, b: float | None, fmt: str) -> None:
