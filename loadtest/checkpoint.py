@@ -48,3 +48,33 @@ def write_byte_tokenizer(path: Path) -> None:
     tok.add_special_tokens(["<|endoftext|>"])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+def ensure_gguf_folder(gguf: Path, path: Path) -> Path:
+    """A Hugging Face folder at `path` of the GGUF file's weights dequantized to float32, with
+    its tokenizer, written first when it is not there: what vLLM serves, which reads no GGUF
+    file of this kind, so that both servers hold the same numbers."""
+    if not (path / "config.json").is_file():
+        print(f"writing {gguf.name} dequantized to float32 as a Hugging Face folder at {path}",
+              flush=True)
+        write_gguf_folder(gguf, path)
+    return path
+
+
+def write_gguf_folder(gguf: Path, path: Path) -> None:
+    """transformers' reading of the file (it dequantizes; needs gguf and accelerate) saved
+    anew: a model built from its config without the `quantization_config` that says the
+    weights came from a GGUF file (with it save_pretrained and vLLM want the file back)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    read = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                dtype=torch.float32)
+    config = read.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(read.state_dict())
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(path)

@@ -26,16 +26,16 @@ def not_installed(venv: Path) -> str | None:
 
 
 class VllmServer(ServerPair):
-    """`vllm serve DIR` in fp32 on loopback, its compute on cores 0..threads-1 and none kept
+    """`vllm serve DIR` in `dtype` on loopback, its compute on cores 0..threads-1 and none kept
     back for its API server (by default it binds one core and reserves the other)."""
 
-    def __init__(self, venv: Path, model_dir: Path, threads: int,
+    def __init__(self, venv: Path, model_dir: Path, threads: int, dtype: str = "float32",
                  startup_timeout: float = 600.0) -> None:
         super().__init__(model=str(model_dir), startup_timeout=startup_timeout)
         self.name = "vllm serve"
         # --gpu-memory-utilization is the share of host memory its KV cache takes on the CPU.
         self.cmd = [str(venv / "bin" / "vllm"), "serve", str(model_dir), "--host", "127.0.0.1",
-                    "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048",
+                    "--port", str(self.port), "--dtype", dtype, "--max-model-len", "2048",
                     "--gpu-memory-utilization", "0.3"]
         cores = "0" if threads == 1 else f"0-{threads - 1}"
         self.env = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",

@@ -1,5 +1,7 @@
 """The vLLM comparison's turns, its skip without vLLM, and its medians and goals."""
 
+import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,26 @@ def test_medians_ratios_and_goals() -> None:
     assert got["cold_ratio"] == pytest.approx(0.8) and got["cold_pass"]
     # An abort that never read 0 running is counted apart, not as a time.
     assert got["tether"]["idle_s"] == 0.02 and got["tether"]["never_idle"] == 1
+
+
+def test_a_bf16_run_reports_issue_37s_goals(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [run("tether", 0, 50, 3.0, 0.02), run("vllm", 0, 25, 4.0, 0.2)]
+    res = {"runs": runs, "dtype": "bfloat16", "gguf": "/x/SmolLM2.Q4_1.gguf", "threads": 2,
+           "max_tokens": 64, "abort_after": 8}
+    res["summary"] = bench_vs_vllm.summarize(res)
+    bench_vs_vllm.report(res)
+    said = capsys.readouterr().out
+    assert "SmolLM2.Q4_1.gguf dequantized in bfloat16" in said
+    assert "(issue 37, bfloat16)" in said and "issue 24" not in said
+
+
+def test_reps_of_another_dtype_or_weights_are_not_mixed(tmp_path: Path) -> None:
+    path = tmp_path / "vs_vllm.json"
+    path.write_text(json.dumps({"runs": [run("tether", 0, 50, 3.0, 0.02)],
+                                "model_dir": "/m", "dtype": "float32"}))
+    same = argparse.Namespace(dtype="float32", model_dir=Path("/m"))
+    assert len(bench_vs_vllm.earlier_reps(path, same)["runs"]) == 1
+    for other in (argparse.Namespace(dtype="bfloat16", model_dir=Path("/m")),
+                  argparse.Namespace(dtype="float32", model_dir=Path("/other"))):
+        with pytest.raises(SystemExit, match="give another --out"):
+            bench_vs_vllm.earlier_reps(path, other)
