@@ -31,6 +31,7 @@ SEARCH_FLOOR_S = 0.002  # what a search past the tick's deadline still gets
 # stops at the tick's deadline for it. No floor: a draft cut costs speed, never an output.
 TICK_DRAFT_STEPS = 512
 TICK_DRAFT_S = 0.005
+DRAFT_BYTES_PER_TOKEN = 16  # forced bytes tokenized per draft wanted (fewer: shorter drafts)
 
 
 def search_bound(now: float, tick_deadline: float) -> SearchBound:
@@ -105,17 +106,17 @@ class Constraint:
     def draft(self, more: Callable[[list[int], int], list[int]], limit: int,
               bound: SearchBound) -> list[int]:
         """Up to `limit` drafts from here for speculative decoding: the closing being spelled,
-        or the tokens the grammar forces (jump-forward: a schema's keys and punctuation), then
-        `more(forced, room)`'s (the n-gram's), cut at the first the grammar refuses; never an
-        end of sequence (its row's mask would allow nothing). Nothing is consumed. Each costs
-        `bound` two steps; drafting stops where the bound does."""
+        or the bytes the grammar forces, tokenized (`_jump_forward`: a schema's keys and
+        punctuation), then `more(forced, room)`'s (the n-gram's), cut at the first the grammar
+        refuses; never an end of sequence (its row's mask would allow nothing). Nothing is
+        consumed. Each costs `bound` two steps; drafting stops where the bound does."""
         forced = self._forced
         if forced:  # certain; the row after the last draft must still be the closing's
             return forced[:max(0, min(limit, len(forced) - 1))]
         matcher = self.matcher
         if limit <= 0 or matcher.is_stopped() or matcher.is_error() or not bound.spend(1):
             return []
-        tokens = matcher.compute_ff_tokens()[:limit]
+        tokens = self._jump_forward(min(limit, bound.steps_left // 2))
         if len(tokens) < limit:
             tokens += more(tokens, limit - len(tokens))
         tokens = tokens[:min(len(tokens), bound.steps_left // 2)]
@@ -124,6 +125,16 @@ class Constraint:
         tokens = tokens[:matcher.validate_tokens(tokens)]
         eos = self._grammars.eos_ids
         return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+
+    def _jump_forward(self, limit: int) -> list[int]:
+        """At most `limit` tokens that spell the bytes the grammar forces from here, as the
+        tokenizer spells them. Not llguidance's jump-forward tokens: those stop where the
+        spelling is ambiguous (after a key, `":` may start the token `":"`), so they held a
+        key but never its colon, half of what a key forces; a spelling the model does not
+        choose costs a rejected draft, never an output. Only the bytes `limit` tokens may
+        take are tokenized (forced bytes run up to a closing's 4 KB)."""
+        forced = self.matcher.compute_ff_bytes()[:DRAFT_BYTES_PER_TOKEN * limit]
+        return self._grammars.tokenizer.tokenize_bytes(forced)[:limit] if forced else []
 
     def feasible(self, left: int) -> bool:
         """Whether an output can still be closed in `left` tokens (a request whose budget

@@ -14,7 +14,7 @@ generator), and the output is distributed exactly as without; greedy rows take t
 greedy output is the same token for token.
 
 With a grammar (structured outputs, forced tool calls), a sequence's drafts are first the
-tokens its grammar forces from here (llguidance's jump-forward tokens: a schema's keys and
+bytes its grammar forces from here, as the tokenizer spells them (a schema's keys and
 punctuation; or the rest of a closing being spelled), then the n-gram's, cut at the first the
 grammar refuses and before an end of sequence (`Constraint.draft`; nothing is consumed). Each
 row of its chunk is sampled under the mask after the drafts before it (`Guidance.start_masks`:
