@@ -107,27 +107,31 @@ class Constraint:
         self._mask_ready = True
 
     def draft(self, more: Callable[[list[int], int], list[int]], limit: int,
-              bound: SearchBound) -> list[int]:
+              bound: SearchBound) -> tuple[list[int], int]:
         """Up to `limit` drafts from here for speculative decoding: the closing being spelled,
         or the bytes the grammar forces, tokenized (`_jump_forward`: a schema's keys and
         punctuation), then `more(forced, room)`'s (the n-gram's), cut at the first the grammar
         refuses; never an end of sequence (its row's mask would allow nothing). Nothing is
-        consumed. Each costs `bound` two steps; drafting stops where the bound does."""
+        consumed. Each costs `bound` two steps; drafting stops where the bound does. Also how
+        many of them, the first, the grammar forces."""
         forced = self._forced
         if forced:  # certain; the row after the last draft must still be the closing's
-            return forced[:max(0, min(limit, len(forced) - 1))]
+            drafts = forced[:max(0, min(limit, len(forced) - 1))]
+            return drafts, len(drafts)
         matcher = self.matcher
         if limit <= 0 or matcher.is_stopped() or matcher.is_error() or not bound.spend(1):
-            return []
+            return [], 0
         tokens = self._jump_forward(min(limit, bound.steps_left // 2))
-        if len(tokens) < limit:
-            tokens += more(tokens, limit - len(tokens))
+        sure = len(tokens)
+        if sure < limit:
+            tokens += more(tokens, limit - sure)
         tokens = tokens[:min(len(tokens), bound.steps_left // 2)]
         if not tokens or not bound.spend(2 * len(tokens)):
-            return []
+            return [], 0
         tokens = tokens[:matcher.validate_tokens(tokens)]
         eos = self._grammars.eos_ids
-        return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+        tokens = next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+        return tokens, min(sure, len(tokens))
 
     def _jump_forward(self, limit: int) -> list[int]:
         """At most `limit` tokens that spell the bytes the grammar forces from here, as the
