@@ -31,6 +31,7 @@ SEARCH_FLOOR_S = 0.002  # what a search past the tick's deadline still gets
 # stops at the tick's deadline for it. No floor: a draft cut costs speed, never an output.
 TICK_DRAFT_STEPS = 512
 TICK_DRAFT_S = 0.005
+DRAFT_BYTES_PER_TOKEN = 16  # forced bytes tokenized per draft wanted (fewer: shorter drafts)
 
 
 def search_bound(now: float, tick_deadline: float) -> SearchBound:
@@ -52,8 +53,8 @@ class Constraint:
     closing is not found within the search's bound, is taken back, and the output closes from
     where it was."""
 
-    __slots__ = ("_closing", "_forced", "_grammars", "_mask", "_mask_ready", "_numbers",
-                 "matcher")
+    __slots__ = ("_closing", "_forced", "_grammars", "_last", "_mask", "_mask_ready",
+                 "_numbers", "_splits", "matcher")
 
     def __init__(self, grammars: Grammars, compiled: Compiled,
                  numbers: NumberGuard | None = None) -> None:
@@ -64,6 +65,9 @@ class Constraint:
         self._mask = array("i", bytes(4 * grammars.mask_width))  # from the matcher's state
         self._mask_ready = False
         self._closing = compiled.start  # from the matcher's state
+        self._last: int | None = None  # the last token consumed
+        # Tokens this output spelled as two (`_learn`), so drafts spell them so too.
+        self._splits: dict[int, tuple[int, int]] = {}
 
     @property
     def forced(self) -> bool:
@@ -103,27 +107,46 @@ class Constraint:
         self._mask_ready = True
 
     def draft(self, more: Callable[[list[int], int], list[int]], limit: int,
-              bound: SearchBound) -> list[int]:
+              bound: SearchBound) -> tuple[list[int], int]:
         """Up to `limit` drafts from here for speculative decoding: the closing being spelled,
-        or the tokens the grammar forces (jump-forward: a schema's keys and punctuation), then
-        `more(forced, room)`'s (the n-gram's), cut at the first the grammar refuses; never an
-        end of sequence (its row's mask would allow nothing). Nothing is consumed. Each costs
-        `bound` two steps; drafting stops where the bound does."""
+        or the bytes the grammar forces, tokenized (`_jump_forward`: a schema's keys and
+        punctuation), then `more(forced, room)`'s (the n-gram's), cut at the first the grammar
+        refuses; never an end of sequence (its row's mask would allow nothing). Nothing is
+        consumed. Each costs `bound` two steps; drafting stops where the bound does. Also how
+        many of them, the first, the grammar forces."""
         forced = self._forced
         if forced:  # certain; the row after the last draft must still be the closing's
-            return forced[:max(0, min(limit, len(forced) - 1))]
+            drafts = forced[:max(0, min(limit, len(forced) - 1))]
+            return drafts, len(drafts)
         matcher = self.matcher
         if limit <= 0 or matcher.is_stopped() or matcher.is_error() or not bound.spend(1):
-            return []
-        tokens = matcher.compute_ff_tokens()[:limit]
-        if len(tokens) < limit:
-            tokens += more(tokens, limit - len(tokens))
+            return [], 0
+        tokens = self._jump_forward(min(limit, bound.steps_left // 2))
+        sure = len(tokens)
+        if sure < limit:
+            tokens += more(tokens, limit - sure)
         tokens = tokens[:min(len(tokens), bound.steps_left // 2)]
         if not tokens or not bound.spend(2 * len(tokens)):
-            return []
+            return [], 0
         tokens = tokens[:matcher.validate_tokens(tokens)]
         eos = self._grammars.eos_ids
-        return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+        tokens = next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+        return tokens, min(sure, len(tokens))
+
+    def _jump_forward(self, limit: int) -> list[int]:
+        """At most `limit` tokens that spell the bytes the grammar forces from here, as the
+        tokenizer spells them, but for the tokens this output split (`_learn`). Not
+        llguidance's jump-forward tokens: those stop where the spelling is ambiguous (after a
+        key, `":` may start the token `":"`), so they held a key but never its colon, half of
+        what a key forces; a spelling the model does not choose costs a rejected draft, never
+        an output. Only the bytes `limit` tokens may take are tokenized (forced bytes run up
+        to a closing's 4 KB)."""
+        forced = self.matcher.compute_ff_bytes()[:DRAFT_BYTES_PER_TOKEN * limit]
+        if not forced:
+            return []
+        splits = self._splits
+        tokens = self._grammars.tokenizer.tokenize_bytes(forced)[:limit]
+        return [t for token in tokens for t in splits.get(token, (token,))][:limit]
 
     def feasible(self, left: int) -> bool:
         """Whether an output can still be closed in `left` tokens (a request whose budget
@@ -139,6 +162,7 @@ class Constraint:
         bound on the tick), or when it would make a JSON number infinite. The matcher has
         consumed what it returns. GrammarError when the matcher reached its parser limits."""
         token = self._accept(token, left, allowed, bound)
+        self._learn(token)
         if self._numbers is not None:
             self._numbers.push(self._grammars.token_bytes[token])
         return token
@@ -180,6 +204,19 @@ class Constraint:
         # close from where we were.
         matcher.rollback(1)
         return self._close()
+
+    def _learn(self, token: int) -> None:
+        """Notes how this output spells what one token could: a model that writes `":` then
+        `"` where its tokenizer has `":"` writes the next key's colon so too, and drafts that
+        spell it the tokenizer's way are rejected at every key. The latest spelling counts."""
+        last, self._last = self._last, token
+        self._splits.pop(token, None)
+        if last is None:
+            return
+        grammars = self._grammars
+        joined = grammars.token_ids.get(grammars.token_bytes[last] + grammars.token_bytes[token])
+        if joined is not None:
+            self._splits[joined] = (last, token)
 
     def _consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):

@@ -247,6 +247,9 @@ class Grammars:
         for token_id, raw in enumerate(tokens):
             if len(raw) == 1 and token_id not in special_token_ids:
                 self.byte_tokens.setdefault(raw[0], token_id)
+        # The token of each spelling (speculative drafts learn how an output splits them).
+        self.token_ids = {raw: token_id for token_id, raw in enumerate(tokens)
+                          if raw and token_id not in special_token_ids}
         self.mask_width = (self.vocab_size + 31) // 32
         self.zero_mask = array("i", bytes(4 * self.mask_width))
         self._spelled: dict[bytes, list[int]] = {}  # closings in byte tokens, as checked

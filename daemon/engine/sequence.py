@@ -66,6 +66,7 @@ class Sequence:
     # many of its drafts in a row were all rejected. No draft itself outlives its step.
     draft_wait: int = 0
     draft_misses: int = 0
+    draft_sure: int = 0  # of this step's drafts, the first ones its grammar forces
     # A draw at temperature 1 from the model's distribution is all its sampling asks (no
     # seed, bias, ban, penalty, min_tokens, truncation or logprobs): what a client that sets
     # nothing gets. The sampler takes such a batch in one step (Sampler.__call__).

@@ -14,7 +14,7 @@ generator), and the output is distributed exactly as without; greedy rows take t
 greedy output is the same token for token.
 
 With a grammar (structured outputs, forced tool calls), a sequence's drafts are first the
-tokens its grammar forces from here (llguidance's jump-forward tokens: a schema's keys and
+bytes its grammar forces from here, as the tokenizer spells them (a schema's keys and
 punctuation; or the rest of a closing being spelled), then the n-gram's, cut at the first the
 grammar refuses and before an end of sequence (`Constraint.draft`; nothing is consumed). Each
 row of its chunk is sampled under the mask after the drafts before it (`Guidance.start_masks`:
@@ -184,6 +184,7 @@ class Speculation:
     def drafts(self, seq: Sequence, bound: SearchBound | None = None) -> list[int]:
         """This step's drafts for a sequence about to decode one token ([]: none); a
         constrained one's within `bound` (the tick's grammar work for drafts)."""
+        seq.draft_sure = 0
         waiting = seq.draft_wait > 0  # its last drafts were all rejected: it waits, longer
         if waiting:
             seq.draft_wait -= 1
@@ -201,22 +202,29 @@ class Speculation:
         if bound is None:
             return []
         # What the grammar forces is drafted even while the n-gram's drafts wait.
-        return constraint.draft(lambda forced, n: [] if waiting else propose(
+        drafts, seq.draft_sure = constraint.draft(lambda forced, n: [] if waiting else propose(
             seq.token_ids + forced, self.config, n), room, bound)
+        return drafts
 
     def verify(self, seqs: list[Sequence], drafts: dict[int, list[int]],
                rows: list[list[int]]) -> dict[int, int]:
         """Cuts each drafted row (index -> drafts) to its accepted drafts plus the bonus token,
         in place; each one's number of accepted drafts. A sequence whose drafts were all
-        rejected drafts none for 2, 4, ... MAX_DRAFT_WAIT steps (its text stopped copying)."""
+        rejected drafts none for 2, 4, ... MAX_DRAFT_WAIT steps (its text stopped copying); a
+        constrained one whose n-gram drafts after those its grammar forced were all rejected,
+        only the grammar's (those are judged by nothing: a key's spelling is not a sign that
+        the text copies)."""
         counts: dict[int, int] = {}
         for i, proposed in drafts.items():
             n = accepted(proposed, rows[i])
             del rows[i][n + 1:]
             counts[i] = n
             seq = seqs[i]
-            seq.draft_misses = 0 if n else seq.draft_misses + 1
-            seq.draft_wait = min(1 << seq.draft_misses, MAX_DRAFT_WAIT) if not n else 0
+            sure = seq.draft_sure
+            if len(proposed) > sure:  # the n-gram's drafts, judged
+                missed = n <= sure
+                seq.draft_misses = seq.draft_misses + 1 if missed else 0
+                seq.draft_wait = min(1 << seq.draft_misses, MAX_DRAFT_WAIT) if missed else 0
             self.num_drafts += 1
             self.num_draft_tokens += len(proposed)
             self.num_accepted_tokens += n

@@ -8,7 +8,7 @@ from daemon.engine.core import Engine
 from daemon.engine.grammar import Grammars
 from daemon.engine.guided import Guidance
 from daemon.engine.speculative import NgramConfig
-from daemon.model.tokenizer import ByteTokenizer
+from daemon.model.tokenizer import ByteTokenizer, Tokenizer
 from daemon.responses.store import ResponseStore
 from ipc.records import Delta, Finish, RequestKind, SamplingParams, Submit
 from ipc.wire import ToProxy
@@ -32,17 +32,18 @@ def make_engine(script: Script | None = None, num_blocks: int = 64, max_num_seqs
                 store: ResponseStore | None = None,
                 prefix_caching: bool = True,
                 guidance: Guidance | None = None,
-                speculative: NgramConfig | None = None) -> tuple[Engine, FakeRunner]:
-    runner = FakeRunner(num_blocks, TOK.vocab_size, script)
-    engine = Engine(runner, TOK, store, max_num_seqs, budget, max_model_len, "fake",
+                speculative: NgramConfig | None = None,
+                tokenizer: Tokenizer = TOK) -> tuple[Engine, FakeRunner]:
+    runner = FakeRunner(num_blocks, tokenizer.vocab_size, script)
+    engine = Engine(runner, tokenizer, store, max_num_seqs, budget, max_model_len, "fake",
                     clock=Clock(), prefix_caching=prefix_caching, guidance=guidance,
                     speculative=speculative)
     return engine, runner
 
 
-def guidance() -> Guidance:
-    """Constrained decoding over the byte tokenizer, as the daemon builds it."""
-    return Guidance(Grammars(TOK, TOK.special_token_ids))
+def guidance(tokenizer: Tokenizer = TOK) -> Guidance:
+    """Constrained decoding over the byte tokenizer (or `tokenizer`), as the daemon builds it."""
+    return Guidance(Grammars(tokenizer, tokenizer.special_token_ids))
 
 
 def completion(rid: str, prompt: str = "hello", n: int = 1, **params) -> Submit:
