@@ -191,11 +191,11 @@ class Speculation:
         if not speculable(seq):
             return []
         # Never past its max_tokens: the decode's own token is one, each draft one more; never
-        # more than its request allows.
+        # more than num_speculative_tokens, the server's or its request's (what a grammar
+        # forces too: a pass gives a sequence at most 1 + k tokens, guarantee A20).
         room = seq.max_tokens - seq.num_generated - 1 if seq.max_tokens else 0
         cap = seq.params.num_speculative_tokens
-        if cap is not None:
-            room = min(room, cap)
+        room = min(room, self.config.num_speculative_tokens, room if cap is None else cap)
         constraint = seq.constraint
         if constraint is None:
             return [] if waiting else propose(seq.token_ids, self.config, room)
