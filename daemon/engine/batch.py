@@ -70,7 +70,7 @@ class Batch:
         """A decode of the sequence's last token and `drafts` after it: a logits row for each
         position, to verify every draft and sample the token after the last accepted one."""
         chunk = ScheduledChunk([seq.token_ids[-1], *drafts], seq.num_computed, seq.block_table,
-                               True, all_logits=True)
+                               True, all_logits=True, drafted=True)
         self.chunks.append(chunk)
         self.seqs.append(seq)
         self.num_decode_tokens += len(chunk.token_ids)

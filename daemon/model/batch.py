@@ -18,6 +18,10 @@ class ScheduledChunk:
     needs_logits: bool
     # Logits at every token, not only the last (prompt logprobs; a speculative decode's drafts).
     all_logits: bool = False
+    # A speculative decode ([last token] + drafts): run as one-token decodes at consecutive
+    # positions, each row as decoding it alone would compute it (a prompt's chunk with
+    # all_logits is a prefill: LongRoPE, say, chooses by the chunk's end, not each row's).
+    drafted: bool = False
 
     @property
     def num_logit_rows(self) -> int:

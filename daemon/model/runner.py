@@ -21,10 +21,6 @@ from daemon.model.decode_graphs import DecodeGraphs
 from daemon.model.decoder import DecoderLM
 from daemon.model.device import keep_heap
 
-# A chunk of at most this many tokens that wants a logits row for each (a speculative decode's
-# last token and drafts) runs as that many one-token decodes of its sequence.
-MAX_DECODES_PER_CHUNK = 65
-
 
 @dataclasses.dataclass(slots=True)
 class _Batch:
@@ -110,8 +106,7 @@ class ModelRunner:
             batch = self._prepare(rows)
             count = self.model.count_rows_as if rows is not chunks else None
             if count is not None:  # a chunk of drafts counts as the one row it stands for
-                count(len(rows) - sum(len(c.token_ids) - 1 for c in chunks if c.all_logits
-                                      and len(c.token_ids) <= MAX_DECODES_PER_CHUNK))
+                count(len(rows) - sum(len(c.token_ids) - 1 for c in chunks if c.drafted))
             try:
                 hidden = self.model(batch.input_ids, batch.positions, batch.meta,
                                     self.kv_caches)
@@ -211,16 +206,16 @@ class ModelRunner:
 
 
 def as_decodes(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-    """Short chunks with all_logits as one-token decodes at consecutive positions, the rest as
-    they are: the same rows of logits, in the same order. Each layer writes every row's K and V
-    to the cache before any row attends, so a row sees the rows before it; and a step with
-    drafts keeps the decode path (the compiled layer on CPU, the CUDA graphs) for its whole
-    batch, where a prefill span would send every row through the general one."""
-    if not any([c.all_logits and len(c.token_ids) <= MAX_DECODES_PER_CHUNK for c in chunks]):
+    """Drafted chunks as one-token decodes at consecutive positions, the rest as they are: the
+    same rows of logits, in the same order. Each layer writes every row's K and V to the cache
+    before any row attends, so a row sees the rows before it; and a step with drafts keeps the
+    decode path (the compiled layer on CPU, the CUDA graphs) for its whole batch, where a
+    prefill span would send every row through the general one."""
+    if not any([c.drafted for c in chunks]):
         return chunks
     out: list[ScheduledChunk] = []
     for c in chunks:
-        if c.all_logits and len(c.token_ids) <= MAX_DECODES_PER_CHUNK:
+        if c.drafted:
             out += [ScheduledChunk([token], c.start_pos + j, c.block_table, True)
                     for j, token in enumerate(c.token_ids)]
         else:

@@ -168,7 +168,7 @@ def test_a_drafted_chunk_runs_as_decodes_with_the_logits_of_one_at_a_time(
     table = [*decode.block_table, NUM_BLOCKS - 1]  # room for the drafts past its blocks
     one_at_a_time = torch.cat([plain.run([ScheduledChunk([t], 21 + j, table, True)])
                                for j, t in enumerate(tokens)])
-    drafted = padded.run([ScheduledChunk(tokens, 21, table, True, all_logits=True)])
+    drafted = padded.run([ScheduledChunk(tokens, 21, table, True, all_logits=True, drafted=True)])
     assert drafted.shape == one_at_a_time.shape
     assert (drafted - one_at_a_time).abs().max() < 1e-4
     assert padded.num_static_ticks == 1

@@ -79,7 +79,8 @@ def test_a_drafted_chunk_through_the_stack_gives_the_logits_of_one_at_a_time(
     want = torch.cat([one.run([ScheduledChunk([t], len(prompt) + j, table, True)]).clone()
                       for j, t in enumerate(tokens)])
     calls = stack.calls
-    got = drafted.run([ScheduledChunk(tokens, len(prompt), table, True, all_logits=True)])
+    got = drafted.run([ScheduledChunk(tokens, len(prompt), table, True, all_logits=True,
+                                      drafted=True)])
     assert stack.calls == calls + 1
     assert (got - want).abs().max() < 1e-4, float((got - want).abs().max())
     for a, b in zip(one.kv_caches, drafted.kv_caches, strict=True):
