@@ -1,5 +1,5 @@
 """Builds, caches and calls the CPU kernels (linear.c, cpu_kernels.c, cpu_layer.c,
-cpu_forward.c, cpu_attention.c); packs weights for them.
+cpu_forward.c, cpu_attention.c, cpu_prefill.c); packs weights for them.
 
 The shared library is compiled on first use with the system C compiler (``$CC``, else ``cc``)
 for this CPU (``-march=native``) and cached under ``$TETHER_CACHE_DIR`` (else systemd's
@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "linear.c", HERE / "cpu_kernels.c", HERE / "cpu_layer.c",
-           HERE / "cpu_forward.c", HERE / "cpu_attention.c", HERE / "quant.c", HERE / "bf16.c")
+           HERE / "cpu_forward.c", HERE / "cpu_attention.c", HERE / "cpu_prefill.c", HERE / "quant.c",
+           HERE / "bf16.c")
 HEADERS = (HERE / "cpu_kernels.h", HERE / "cpu_layer.h", HERE / "vec.h", HERE / "quant.h",
            HERE / "quant_ymm.h", HERE / "bf16.h")
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-Wno-psabi"]
@@ -103,6 +104,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "tl_rmsnorm": ([_P, _I, _I, _P, _F, _P], None),
     "tl_decode_attention": ([_P, _I, _P, _P, _C, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P],
                             None),
+    "tl_prefill_attention": ([_P, _I, _I, _P, _P, _C, _P, _I, _I, _I, _I, _I, _F, _I, _P], None),
     "tl_layer_attn_in": ([_L, _P, _I, _P, _P, _P, _P, _P, _C, _P], None),
     "tl_layer_attn_out_mlp": ([_L, _P, _I, _P], None),
     "tl_layer_decode": ([_L, _P, _I, _P, _P, _P, _P, _P, _C, _P, _I, _P, _I, _F, _I, _P, _P],
@@ -135,6 +137,7 @@ class Kernels:
     linear: Callable[..., None]
     rmsnorm: Callable[..., None]
     decode_attention: Callable[..., None]
+    prefill_attention: Callable[..., None]
     layer_attn_in: Callable[..., None]
     layer_attn_out_mlp: Callable[..., None]
     layer_decode: Callable[..., None]
