@@ -1,10 +1,11 @@
 """Compiled kernels behind the model's module boundaries, chosen per device at load time.
 
 CPU: linear.c (every linear's entry), cpu_kernels.c (weight-streaming linears over packed
-weights), cpu_layer.c (norms, RoPE, a layer's calls), cpu_attention.c (decode attention over
-the paged cache), quant.c with its CPU tiers (quantized weights times int8 activations) and
-bf16.c with its (bf16 products), built with the system compiler on first use. CUDA: a Triton kernel for
-decode attention over the paged cache (triton_attention.py); the linears stay cuBLAS's. With
+weights), cpu_layer.c (norms, RoPE, a layer's calls), cpu_attention.c and cpu_prefill.c
+(decode and prefill attention over the paged cache), quant.c with its CPU tiers (quantized
+weights times int8 activations) and bf16.c with its (bf16 products), built with the system
+compiler on first use. CUDA: a Triton kernel for decode attention over the paged cache
+(triton_attention.py); the linears stay cuBLAS's. With
 ``kernels="torch"`` the model keeps the torch reference modules of daemon/model/decoder.py everywhere.
 """
 

@@ -1,7 +1,6 @@
 /* bfloat16 weights with bfloat16 products (bf16.h): the tier chosen at start by CPUID, the
- * activations rounded to bf16, each block of 32 rows repacked into pairs in a scratch buffer
- * and walked by the tier for every row of the call, then cpu_kernels.c's scale / bias / mode
- * step. Built with the library's native flags; the tiers with their own (cpu.py).
+ * activations rounded to bf16, each block of 32 rows (packed in pairs at load) walked by the
+ * tier for every row of the call, then cpu_kernels.c's scale / bias / mode step. Built with the library's native flags; the tiers with their own (cpu.py).
  */
 #include "bf16.h"
 
@@ -14,9 +13,11 @@
 enum { BF16_NONE, BF16_AVX512, BF16_AMX, BF16_TIERS };
 static const char* const bf16_names[BF16_TIERS] = {"none", "avx512-bf16", "amx-bf16"};
 static int bf16_tier = -1;
-/* Calls of at least this many rows take the bf16 products; fewer stream the weights through
- * float32 FMAs (memory, not products, bounds them, and their activations stay float32). */
-static int64_t bf16_rows = 12;
+/* Calls of at least this many rows (tl_counted_rows: a chunk of drafts counts as one) take
+ * the bf16 products; fewer stream the weights through float32 FMAs (memory, not products,
+ * bounds them, and their activations stay float32). SmolLM2 in bf16, 2 threads, decode ticks
+ * of 4 / 8 rows: 7.7 / 9.8 ms at 4 against 10.6 / 14.5 ms at 12 (docs/benchmarks.md). */
+static int64_t bf16_rows = 4;
 
 static const tl_bf16_tier* bf16_table(int t) {
 #if defined(TL_X86)
@@ -59,33 +60,12 @@ const char* tl_bf16_tier_name(int t) { return t >= 0 && t < BF16_TIERS ? bf16_na
 
 void tl_bf16_set_rows(int64_t rows) { bf16_rows = rows; }
 
-/* Block b ([K][32] bf16) as pairs [k2][32][2], the inputs past K zeros; two rows of inputs
- * interleaved at a time (the loop vectorises). */
-static void repack(const uint16_t* w, int64_t K, int64_t k2, uint16_t* pairs) {
-  for (int64_t kp = 0; kp < k2; kp++) {
-    uint16_t* out = pairs + kp * 2 * NB;
-    if (2 * kp + 1 < K) {
-      const uint16_t *a = w + 2 * kp * NB, *b = a + NB;
-      for (int r = 0; r < NB; r++) {
-        out[2 * r] = a[r];
-        out[2 * r + 1] = b[r];
-      }
-    } else {
-      for (int r = 0; r < NB; r++) {
-        out[2 * r] = 2 * kp < K ? w[2 * kp * NB + r] : 0;
-        out[2 * r + 1] = 0;
-      }
-    }
-  }
-}
-
 int tl_bf16_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                    int64_t ldy, int mode, const float* res, int64_t ldr) {
   if (bf16_tier < 0) tl_bf16_select(-1);
   const tl_bf16_tier* t = bf16_table(bf16_tier);
-  if (!t || M < bf16_rows) return 0;
-  int64_t K = W->n_in, k2 = (K + 1) / 2;
-  k2 = (k2 + t->k2_step - 1) / t->k2_step * t->k2_step;
+  if (!t || tl_counted_rows(M) < bf16_rows) return 0;
+  int64_t K = W->n_in, k2 = tl_pairs(K); /* a multiple of every tier's k2_step */
   int64_t ldb = 2 * k2, Mp = (M + t->rows - 1) / t->rows * t->rows;
   uint16_t* xb = calloc(Mp * ldb, sizeof(uint16_t)); /* rows past M and inputs past K: 0 */
 #pragma omp parallel for schedule(static) if (M >= 16)
@@ -93,12 +73,11 @@ int tl_bf16_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
     for (int64_t k = 0; k < K; k++) xb[m * ldb + k] = to_bf16(x[m * ldx + k]);
 #pragma omp parallel
   {
-    uint16_t* pairs = aligned_alloc(64, sizeof(uint16_t) * 2 * NB * k2);
     float* sums = malloc(sizeof(float) * NB * t->rows);
     t->init();
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < W->blocks; b++) {
-      repack((const uint16_t*)W->w + b * K * NB, K, k2, pairs);
+      const uint16_t* pairs = (const uint16_t*)W->w + b * k2 * 2 * NB;
       for (int64_t m0 = 0; m0 < M; m0 += t->rows) {
         int mt = M - m0 < t->rows ? (int)(M - m0) : t->rows;
         t->tile(xb + m0 * ldb, ldb, mt, pairs, k2, sums);
@@ -107,7 +86,6 @@ int tl_bf16_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
                   mode, res + (m0 + r) * ldr, ldr);
       }
     }
-    free(pairs);
     free(sums);
   }
   free(xb);

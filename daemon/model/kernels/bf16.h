@@ -1,9 +1,10 @@
 /* bfloat16 weights with bfloat16 products (`--dtype bfloat16`, many rows): a block of 32 rows
- * (cpu_kernels.h's [K][32] bf16 layout) is repacked into pairs of inputs, P[K2][32][2], so
- * that one 32-bit lane holds two inputs of one row: the operand of AVX512_BF16's vdpbf16ps
- * (2 products a lane, twice float32's FMA) and of AMX's tdpbf16ps. bf16.c picks a tier at
- * start (bf16_avx512.c, bf16_amx.c) and sends the calls of enough rows to it; fewer rows, or
- * a CPU with neither, keep cpu_kernels.c's walk (float32 products of the bf16 weights).
+ * is packed at load in pairs of inputs, P[K2][32][2] (cpu.py's pack; K2 padded to
+ * cpu_kernels.h's PAIR_STEP), so that one 32-bit lane holds two inputs of one row: the operand
+ * of AVX512_BF16's vdpbf16ps (2 products a lane, twice float32's FMA) and of AMX's tdpbf16ps,
+ * read in place. bf16.c picks a tier at start (bf16_avx512.c, bf16_amx.c) and sends the calls
+ * of enough rows to it; fewer rows, or a CPU with neither, keep cpu_kernels.c's walk (float32
+ * products of the same pairs, each half a float32 after a shift or a mask).
  */
 #ifndef TETHER_BF16_H
 #define TETHER_BF16_H

@@ -49,6 +49,7 @@ TIERS = {
     "bf16_amx.c": ["-mamx-tile", "-mamx-bf16"],
 }
 BLOCK = 32  # output rows per packed block (NB in the C source)
+PAIR_STEP = 16  # a bfloat16 block's pairs of inputs are padded to a multiple of this
 F32, BF16 = 0, 1  # float weight and cache element types (TL_* in the C source)
 STORE = 0  # a packed weight's output: plain, or act(gate) * up (GATED[act])
 GATED = {"silu": 2, "gelu_pytorch_tanh": 3}
@@ -245,9 +246,11 @@ def _cpu_flags() -> str:
 
 
 def pack(weight: Tensor, gate_up: bool = False) -> Tensor:
-    """[N, K] -> [ceil(N / 32), K, 32], zero rows padding N. With gate_up the two halves of
-    weight (gate rows, then up rows) are interleaved 16 by 16, so that each block holds 16 gate
-    rows and their 16 up rows and the kernel can write silu(gate) * up."""
+    """[N, K] -> [ceil(N / 32), K, 32], zero rows padding N; bfloat16 in pairs of inputs,
+    [ceil(N / 32), K2, 32, 2] with K2 = ceil(K / 2) padded to PAIR_STEP by zero inputs (the
+    operand of the bf16 products, which read it in place; cpu_kernels.h). With gate_up the two
+    halves of weight (gate rows, then up rows) are interleaved 16 by 16, so that each block
+    holds 16 gate rows and their 16 up rows and the kernel can write silu(gate) * up."""
     if gate_up:
         gate, up = weight.chunk(2)
         half = BLOCK // 2
@@ -257,7 +260,12 @@ def pack(weight: Tensor, gate_up: bool = False) -> Tensor:
         weight = weight.reshape(-1, n_in)
     weight = _pad_rows(weight, BLOCK)
     n, k = weight.shape
-    return weight.view(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+    blocks = weight.view(n // BLOCK, BLOCK, k).transpose(1, 2)
+    if weight.dtype != torch.bfloat16:
+        return blocks.contiguous()
+    pairs = -(-k // 2 // PAIR_STEP) * PAIR_STEP  # ceil(ceil(k / 2) / PAIR_STEP) steps
+    blocks = torch.nn.functional.pad(blocks, (0, 0, 0, 2 * pairs - k))
+    return blocks.view(n // BLOCK, pairs, 2, BLOCK).transpose(2, 3).contiguous()
 
 
 def pack_vector(values: Tensor, gate_up: bool = False) -> Tensor:
@@ -265,9 +273,11 @@ def pack_vector(values: Tensor, gate_up: bool = False) -> Tensor:
     return pack(values.float()[:, None], gate_up).flatten().contiguous()
 
 
-def unpack_rows(packed: Tensor, rows: Tensor) -> Tensor:
-    """Rows `rows` of the weight `pack` was given (no gate_up): [len(rows), K]."""
-    return packed[rows // BLOCK, :, rows % BLOCK]
+def unpack_rows(packed: Tensor, rows: Tensor, n_in: int) -> Tensor:
+    """Rows `rows` of the weight `pack` was given (no gate_up): [len(rows), n_in]."""
+    if packed.dim() == 3:
+        return packed[rows // BLOCK, :, rows % BLOCK]
+    return packed[rows // BLOCK, :, rows % BLOCK, :].flatten(1)[:, :n_in]
 
 
 def _pad_rows(weight: Tensor, multiple: int) -> Tensor:

@@ -6,7 +6,8 @@
  * must stream weights at the memory's speed. Measured on the project's machine, MKL's fp32 GEMV
  * reaches under half of it and oneDNN's prepacked path little more; torch.compile's generated
  * code gets closer but costs about a minute of compilation on a cold cache. Weights here are
- * packed once into blocks of 32 output rows laid out [N/32][K][32], so each thread reads one
+ * packed once into blocks of 32 output rows laid out [N/32][K][32] (bfloat16 ones in pairs of
+ * inputs, [N/32][K/2][32][2], as bf16.h's products read them too), so each thread reads one
  * contiguous stream and needs no horizontal sums.
  *
  * Built at daemon start by daemon/model/kernels/cpu.py (gcc -O3 -march=native -fopenmp, cached by a
@@ -20,6 +21,20 @@
 
 /* ---- linear: y = x W^T (+ bias), W packed [N/32][K][32] ---------------------------------- */
 
+/* Input k's weights for outputs [col, col + VL) of a block: float32 [K][32], or bfloat16 in
+ * pairs [K2][32][2] (cpu_kernels.h), where a 32-bit lane holds the even input's weight in its
+ * low half and the odd one's in its high half: either half is a float32 after a shift or a
+ * mask, as cheap as widening a plain bf16 row. */
+INLINE fvec loadw(const void* w, int64_t k, int64_t col, int type) {
+  if (type == TL_F32) return loadv(w, k * NB + col, TL_F32);
+  ivec bits;
+  memcpy(&bits, (const uint16_t*)w + (k >> 1) * 2 * NB + 2 * col, sizeof bits);
+  bits = (bits << (int)(16 - 16 * (k & 1))) & (int32_t)0xFFFF0000;
+  fvec out;
+  memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 /* Rows [0, mt) of a block over all of K; step k < lines also prefetches line k at pf into L2
  * (a slice of the next block, for the walks of more than CM rows). */
 INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,
@@ -29,7 +44,7 @@ INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, 
   for (int64_t k = 0; k < K; k++) {
     if (k < lines) __builtin_prefetch(pf + k * 64, 0, 2);
     fvec wv[NV];
-    for (int j = 0; j < NV; j++) wv[j] = loadv(w, k * NB + j * VL, type);
+    for (int j = 0; j < NV; j++) wv[j] = loadw(w, k, j * VL, type);
     for (int m = 0; m < mt; m++) {
       fvec xv = splat(x[m * ldx + k]);
       for (int j = 0; j < NV; j++) acc[m][j] += wv[j] * xv;
@@ -47,7 +62,7 @@ INLINE void half_tile(const float* x, int64_t ldx, int mt, int64_t K, const void
     for (int64_t k = 0; k < K; k++) {
       if (h == 0 && k < lines) __builtin_prefetch(pf + k * 64, 0, 2);
       fvec wv[TV];
-      for (int j = 0; j < TV; j++) wv[j] = loadv(w, k * NB + (h + j) * VL, type);
+      for (int j = 0; j < TV; j++) wv[j] = loadw(w, k, (h + j) * VL, type);
       for (int m = 0; m < mt; m++) {
         fvec xv = splat(x[m * ldx + k]);
         for (int j = 0; j < TV; j++) a[m][j] += wv[j] * xv;
@@ -71,7 +86,7 @@ INLINE void part_tile(const float* x, int64_t ldx, int mt, int64_t k0, int64_t k
     for (int64_t l = (k - k0) * per_k; l < lines && l < (k - k0 + 1) * per_k; l++)
       __builtin_prefetch(pf + l * 64, 0, 2);
     fvec wv[NV];
-    for (int j = 0; j < tv; j++) wv[j] = loadv(w, k * NB + (h + j) * VL, type);
+    for (int j = 0; j < tv; j++) wv[j] = loadw(w, k, (h + j) * VL, type);
     for (int m = 0; m < mt; m++) {
       fvec xv = splat(x[m * ldx + k]);
       for (int j = 0; j < tv; j++) a[m][j] += wv[j] * xv;
@@ -237,7 +252,7 @@ INLINE void walk_block(const float* x, int64_t ldx, int64_t M, const tl_weights*
                        const float* res, int64_t ldr) {
   int64_t K = W->n_in;
   int rows = M <= MT ? MT : M <= CM ? CM : HT; /* rows per walk over a block */
-  int64_t block = K * NB * (type == TL_F32 ? 4 : 2); /* bytes */
+  int64_t block = tl_block_bytes(type, K);
   for (int64_t m0 = 0; m0 < M; m0 += rows) {
     int mt = M - m0 < rows ? (int)(M - m0) : rows;
     fvec acc[CM][NV];
@@ -258,7 +273,7 @@ void tl_float_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W
   int type = W->type;
   int64_t K = W->n_in, num_blocks = W->blocks;
   int rows = M <= MT ? MT : M <= CM ? CM : HT;
-  int64_t block = K * NB * (type == TL_F32 ? 4 : 2); /* bytes */
+  int64_t block = tl_block_bytes(type, K);
   /* More than CM rows walk each block several times: each walk prefetches its share of the
    * next block's lines (at most one a k), so that the next block's first walk finds it in L2. */
   int64_t walks = (M + rows - 1) / rows, lines = M > CM ? (block / 64 + walks - 1) / walks : 0;

@@ -55,6 +55,14 @@ enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2, TL_GELU_TANH_MUL = 3 };
 #define NB 32       /* output rows per packed block */
 #define NV (NB / VL) /* vectors per packed block row */
 #define INLINE static inline __attribute__((always_inline))
+/* bfloat16 weights are packed in pairs of inputs, [K2][32][2] a block (bf16.h): K2, the pairs
+ * of n_in, is padded to a multiple of PAIR_STEP (the widest tier's step) with zero inputs. */
+#define PAIR_STEP 16
+INLINE int64_t tl_pairs(int64_t K) { return ((K + 1) / 2 + PAIR_STEP - 1) / PAIR_STEP * PAIR_STEP; }
+/* Bytes of one packed block of float32 or bfloat16 weights. */
+INLINE int64_t tl_block_bytes(int type, int64_t K) {
+  return type == TL_F32 ? K * NB * 4 : tl_pairs(K) * 2 * NB * 2;
+}
 
 /* A packed weight (daemon/model/kernels/cpu.py: pack; quantized types: quant.h): `blocks`
  * blocks of 32 rows of n_in, n_out rows in use. scale (an output multiplier per row) and bias
@@ -74,6 +82,10 @@ typedef struct {
 /* The quantized linears (quant.c), the bf16 products (bf16.c: 0 when it leaves the call to
  * cpu_kernels.c), and the pieces of cpu_kernels.c they share: the fp32 walk over one block of
  * 32 rows, and the scale / bias / mode step of a tile's sums [mt][32] (mt <= QMR). */
+/* The rows a call counts as when it picks a path by its row count: M, or the step's sequences
+ * while a step of drafted chunks runs (tl_quant_set_step_rows), so that a chunk of drafts takes
+ * the path of the one row it stands for (quant.c). */
+int64_t tl_counted_rows(int64_t M);
 void tl_quant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                      int64_t ldy, int mode, const float* res, int64_t ldr);
 int tl_bf16_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,

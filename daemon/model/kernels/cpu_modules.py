@@ -136,7 +136,7 @@ class PackedLinear(nn.Module):
             self.kernels.quant_rows(ctypes.byref(self.desc), ids.data_ptr(), ids.shape[0],
                                     out.data_ptr())
         else:
-            out = cpu.unpack_rows(self.packed, ids).float()
+            out = cpu.unpack_rows(self.packed, ids, self.desc.n_in).float()
         return out if self.scale is None else out * self.scale[ids][:, None]
 
 

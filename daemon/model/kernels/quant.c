@@ -72,6 +72,8 @@ void tl_quant_set_dequant_rows(int64_t rows) { dequant_rows = rows; }
 
 void tl_quant_set_step_rows(int64_t rows) { step_rows = rows; }
 
+int64_t tl_counted_rows(int64_t M) { return step_rows > 0 ? step_rows : M; }
+
 void tl_quant_set_prefetch(int64_t records) { prefetch_records = records; }
 
 /* ---- float16 and one unit's weights as float32 ------------------------------------------ */
@@ -220,7 +222,7 @@ void tl_quant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W
   }
   int64_t bs = tl_block_size(W->type), nb = group_records(W), ldq = nb * bs;
   int64_t group = nb * tl_record_bytes(W->type);
-  int two = (step_rows > 0 ? step_rows : M) <= W->two_term_rows;
+  int two = tl_counted_rows(M) <= W->two_term_rows;
   int8_t* q = malloc(M * ldq * (two ? 2 : 1));
   float* scales = malloc(sizeof(float) * 2 * M * nb);
   int8_t* q2 = two ? q + M * ldq : NULL;
