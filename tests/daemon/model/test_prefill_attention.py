@@ -57,16 +57,19 @@ def test_prefill_attention_reads_the_blocks_in_place(kernels: cpu.Kernels, heads
 
 @pytest.mark.parametrize("window", [1, 7, 16, 40])
 @pytest.mark.parametrize(("tokens", "past"), [(50, 0), (20, 100), (1, 60)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_reads_only_the_window(kernels: cpu.Kernels, window: int, tokens: int,
-                                                 past: int) -> None:
-    got, want = both(kernels, tokens, past, 6, 2, 64, window=window, scale=0.3)
+                                                 past: int, dtype: torch.dtype) -> None:
+    got, want = both(kernels, tokens, past, 6, 2, 64, dtype, window=window, scale=0.3)
     assert (got - want).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("block", [8, 32, 48])
-def test_prefill_attention_takes_any_block_size(kernels: cpu.Kernels, block: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_takes_any_block_size(kernels: cpu.Kernels, block: int,
+                                                dtype: torch.dtype) -> None:
     """Key tiles stop at block ends: blocks smaller than a tile, and not a multiple of it."""
-    got, want = both(kernels, 70, 45, 6, 2, 32, block=block)
+    got, want = both(kernels, 70, 45, 6, 2, 32, dtype, block=block)
     assert (got - want).abs().max() < 1e-5
 
 
