@@ -21,20 +21,6 @@
 
 /* ---- linear: y = x W^T (+ bias), W packed [N/32][K][32] ---------------------------------- */
 
-/* Input k's weights for outputs [col, col + VL) of a block: float32 [K][32], or bfloat16 in
- * pairs [K2][32][2] (cpu_kernels.h), where a 32-bit lane holds the even input's weight in its
- * low half and the odd one's in its high half: either half is a float32 after a shift or a
- * mask, as cheap as widening a plain bf16 row. */
-INLINE fvec loadw(const void* w, int64_t k, int64_t col, int type) {
-  if (type == TL_F32) return loadv(w, k * NB + col, TL_F32);
-  ivec bits;
-  memcpy(&bits, (const uint16_t*)w + (k >> 1) * 2 * NB + 2 * col, sizeof bits);
-  bits = (bits << (int)(16 - 16 * (k & 1))) & (int32_t)0xFFFF0000;
-  fvec out;
-  memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
 /* Rows [0, mt) of a block over all of K; step k < lines also prefetches line k at pf into L2
  * (a slice of the next block, for the walks of more than CM rows). */
 INLINE void tile(const float* x, int64_t ldx, int mt, int64_t K, const void* w, int type,

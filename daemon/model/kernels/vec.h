@@ -1,6 +1,6 @@
-/* The CPU kernels' small vector helpers (a broadcast, loads of float32 / bf16 / fp16 elements,
- * the max, bf16 rounding, exp, the gated MLP's activations), over cpu_kernels.h's vector types;
- * included at its end, never on its own.
+/* The CPU kernels' small vector helpers (a broadcast, loads of float32 / bf16 / fp16 elements
+ * and of a packed block's weights, the max, bf16 rounding, exp, the gated MLP's activations),
+ * over cpu_kernels.h's vector types; included at its end, never on its own.
  */
 #ifndef TETHER_VEC_H
 #define TETHER_VEC_H
@@ -42,6 +42,20 @@ INLINE fvec loadv(const void* base, int64_t i, int type) {
     ivec bits = __builtin_convertvector(h, ivec) << 16;
     memcpy(&out, &bits, sizeof out);
   }
+  return out;
+}
+
+/* Input k's weights for outputs [col, col + VL) of a block: float32 [K][32], or bfloat16 in
+ * pairs [K2][32][2] (cpu_kernels.h), where a 32-bit lane holds the even input's weight in its
+ * low half and the odd one's in its high half: either half is a float32 after a shift or a
+ * mask, as cheap as widening a plain bf16 row. */
+INLINE fvec loadw(const void* w, int64_t k, int64_t col, int type) {
+  if (type == TL_F32) return loadv(w, k * NB + col, TL_F32);
+  ivec bits;
+  memcpy(&bits, (const uint16_t*)w + (k >> 1) * 2 * NB + 2 * col, sizeof bits);
+  bits = (bits << (int)(16 - 16 * (k & 1))) & (int32_t)0xFFFF0000;
+  fvec out;
+  memcpy(&out, &bits, sizeof out);
   return out;
 }
 
