@@ -289,8 +289,8 @@ class KernelLMHead(nn.Module):
 
 
 class CpuPagedAttention(PagedAttention):
-    """Decode rows read the cache blocks in place (tl_decode_attention); a prefill chunk after
-    cached tokens attends to them and to itself apart (`prefill`)."""
+    """Decode rows and prefill chunks read the cache blocks in place (tl_decode_attention,
+    tl_prefill_attention)."""
 
     def __init__(self, kernels: Kernels, scale: float | None = None,
                  window: int | None = None) -> None:
@@ -320,7 +320,6 @@ class CpuPagedAttention(PagedAttention):
         scale = 1.0 / math.sqrt(head_dim) if self.scale is None else self.scale
         return (tables.data_ptr(), tables.shape[1], lens.data_ptr(), k_cache.shape[2], scale,
                 self.window or 0)
-
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 span: PrefillSpan) -> Tensor:
