@@ -1,6 +1,7 @@
 /* bfloat16 weights with bfloat16 products (bf16.h): the tier chosen at start by CPUID, the
  * activations rounded to bf16, each block of 32 rows (packed in pairs at load) walked by the
- * tier for every row of the call, then cpu_kernels.c's scale / bias / mode step. Built with the library's native flags; the tiers with their own (cpu.py).
+ * tier for every row of the call, then cpu_kernels.c's scale / bias / mode step. Built with
+ * the library's native flags; the tiers with their own (cpu.py).
  */
 #include "bf16.h"
 
@@ -31,7 +32,7 @@ static const tl_bf16_tier* bf16_table(int t) {
 static int has_bf16_tier(int t) {
   if (t == BF16_NONE) return 1;
   const tl_bf16_tier* table = bf16_table(t);
-  if (!table) return 0;
+  if (!table || PAIR_STEP % table->k2_step) return 0; /* the packed pairs' padding */
 #if defined(TL_X86)
   __builtin_cpu_init();
   if (t == BF16_AVX512 && !__builtin_cpu_supports("avx512bf16")) return 0;

@@ -20,7 +20,7 @@ typedef struct {
   const char* name;
   tl_bf16_fn tile;
   int rows;     /* activation rows per call */
-  int k2_step;  /* pairs of inputs the tier walks at a time: x and pairs padded to it */
+  int k2_step;  /* pairs of inputs the tier walks at a time: PAIR_STEP must be a multiple */
   int (*init)(void); /* per thread, before its first call; 0 when it cannot run */
 } tl_bf16_tier;
 

@@ -49,7 +49,7 @@ TIERS = {
     "bf16_amx.c": ["-mamx-tile", "-mamx-bf16"],
 }
 BLOCK = 32  # output rows per packed block (NB in the C source)
-PAIR_STEP = 16  # a bfloat16 block's pairs of inputs are padded to a multiple of this
+PAIR_STEP = 16  # a bf16 block's pairs of inputs are padded to this (PAIR_STEP in the C source)
 F32, BF16 = 0, 1  # float weight and cache element types (TL_* in the C source)
 STORE = 0  # a packed weight's output: plain, or act(gate) * up (GATED[act])
 GATED = {"silu": 2, "gelu_pytorch_tanh": 3}
