@@ -1,6 +1,8 @@
 /* Decode attention over the paged KV cache, read where it lies. Built into one library with
  * cpu_kernels.c (cpu.py).
  */
+#include <omp.h>
+
 #include "cpu_kernels.h"
 
 /* The largest of v's lanes (take_max), else their sum. */
@@ -107,13 +109,17 @@ INLINE void tile_values(const void* v_cache, int type, int64_t base, int64_t lo,
   }
 }
 
-/* One (sequence, KV head) of decode attention; head_dim = VL * nv. q holds the G query heads
- * sharing the KV head, out their outputs. Keys and values are read once each, block by block
- * from the block table, with an online softmax: no gathered or padded copy. Keys before
- * `first` (a sliding window's start; 0 without one) take no part. */
+/* One (sequence, KV head) of decode attention over the keys [from, len); head_dim = VL * nv.
+ * q holds the G query heads sharing the KV head. Keys and values are read once each, block by
+ * block from the block table, with an online softmax: no gathered or padded copy. Keys before
+ * `first` (a sliding window's start; 0 without one) take no part; `from` is a block's first
+ * key or at most `first`. Without ml, out gets the G outputs; with it, a part of the keys'
+ * unnormalised sums (out [G][d]) and each head's running max and sum (ml [2][G]) for
+ * merge_parts. */
 INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache, int type,
-                       const int64_t* table, int64_t len, int64_t first, int64_t G, int64_t nv,
-                       int64_t KVH, int64_t g, int64_t bs, float scale, float* out) {
+                       const int64_t* table, int64_t from, int64_t len, int64_t first,
+                       int64_t G, int64_t nv, int64_t KVH, int64_t g, int64_t bs, float scale,
+                       float* out, float* ml) {
   int64_t d = nv * VL, esize = type == TL_F32 ? 4 : 2, pw = (bs + 15) / 16 * 16;
   fvec qv[G * nv], acc[G * nv];
   float mx[G], sum[G], p[G * pw];
@@ -123,7 +129,8 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
     acc[i] = splat(0.0f);
   }
   for (int64_t h = 0; h < G; h++) mx[h] = -INFINITY, sum[h] = 0.0f;
-  for (int64_t start = first / bs * bs; start < len; start += bs) {
+  if (from < first) from = first;
+  for (int64_t start = from / bs * bs; start < len; start += bs) {
     int64_t nt = len - start < bs ? len - start : bs;
     int64_t lo = first > start ? first - start : 0; /* the window's first token in this block */
     int64_t base = (table[start / bs] * KVH + g) * bs * d; /* this head's [bs, d] tile */
@@ -161,6 +168,12 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
     }
     tile_values(v_cache, type, base, lo, nt, G, nv, pw, p, acc);
   }
+  if (ml) {
+    memcpy(out, acc, sizeof(fvec) * G * nv);
+    memcpy(ml, mx, sizeof(float) * G);
+    memcpy(ml + G, sum, sizeof(float) * G);
+    return;
+  }
   for (int64_t h = 0; h < G; h++) {
     fvec inv = splat(1.0f / sum[h]);
     for (int64_t j = 0; j < nv; j++) {
@@ -172,8 +185,8 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
 
 /* decode_one with G a constant for the common group sizes, so tile_values' accumulators
  * are registers. */
-#define DECODE(GC) decode_one(qg, k_cache, v_cache, TYPE, table, len, first, GC, nv, KVH, g, bs, \
-                              scale, og)
+#define DECODE(GC) decode_one(qg, k_cache, v_cache, TYPE, table, from, to, first, GC, nv, KVH, \
+                              g, bs, scale, og, ml)
 #define GROUPS                                 \
   switch (G) {                                 \
     case 1: DECODE(1); break;                  \
@@ -184,6 +197,59 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
     default: DECODE(G);                        \
   }
 
+/* Long contexts over few (sequence, KV head) items: with fewer items than threads, or a
+ * few more, some threads idle while the others read whole contexts (at one stream, 3 KV heads
+ * on 2 threads). Such items are split into parts of at least PART_BLOCKS blocks, to about
+ * PART_ITEMS work items a thread; each part's sums are merged after (merge_parts). */
+#define PART_BLOCKS 4
+#define PART_ITEMS 8
+
+/* How many parts each item is cut into (1: none), from the longest context. */
+static int64_t decode_parts(int64_t items, const int64_t* context_lens, int64_t D, int64_t bs) {
+  int64_t want = PART_ITEMS * omp_get_max_threads();
+  if (items >= want) return 1;
+  int64_t longest = 0;
+  for (int64_t s = 0; s < D; s++) longest = context_lens[s] > longest ? context_lens[s] : longest;
+  int64_t parts = (want + items - 1) / items, most = (longest + bs - 1) / bs / PART_BLOCKS;
+  return parts < most ? parts : most > 1 ? most : 1;
+}
+
+/* The keys [*from, *to) of part p of parts of a context of len keys from `first`: whole
+ * blocks, at least PART_BLOCKS of them; an empty range past the context's end. */
+static void part_range(int64_t p, int64_t parts, int64_t len, int64_t first, int64_t bs,
+                       int64_t* from, int64_t* to) {
+  int64_t b0 = first / bs, blocks = (len + bs - 1) / bs - b0;
+  int64_t per = (blocks + parts - 1) / parts;
+  per = per < PART_BLOCKS ? PART_BLOCKS : per;
+  int64_t lo = (b0 + p * per) * bs, hi = lo + per * bs;
+  *from = lo < len ? lo : len;
+  *to = hi < len ? hi : len;
+}
+
+/* out [G][d] of one item from its parts' records, `stride` floats apart: a part's sums
+ * [G][d], then its max and sum per head [2][G] (a sum of 0: an empty part). Each part's share
+ * is rescaled to the largest max. */
+static void merge_parts(const float* part, int64_t parts, int64_t stride, int64_t G, int64_t d,
+                        float* out) {
+  for (int64_t h = 0; h < G; h++) {
+    float m = -INFINITY, total = 0.0f, *o = out + h * d;
+    for (int64_t p = 0; p < parts; p++) {
+      const float* ml = part + p * stride + G * d;
+      if (ml[G + h] > 0.0f && ml[h] > m) m = ml[h];
+    }
+    for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+    for (int64_t p = 0; p < parts; p++) {
+      const float *sums = part + p * stride + h * d, *ml = part + p * stride + G * d;
+      if (!(ml[G + h] > 0.0f)) continue;
+      float w = expf(ml[h] - m);
+      total += w * ml[G + h];
+      for (int64_t i = 0; i < d; i++) o[i] += w * sums[i];
+    }
+    float inv = 1.0f / total;
+    for (int64_t i = 0; i < d; i++) o[i] *= inv;
+  }
+}
+
 /* Decode attention, one query token per sequence. q [D, H, d] (row stride ldq); caches
  * [blocks, KVH, bs, d] of `type`; block_tables [D, max_blocks]; out [D, H, d]; d % VL == 0
  * (the caller checks d % 16, the widest VL). window > 0: each query sees only the last
@@ -192,14 +258,27 @@ void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const
                          int type, const int64_t* block_tables, int64_t max_blocks,
                          const int64_t* context_lens, int64_t D, int64_t H, int64_t KVH,
                          int64_t d, int64_t bs, float scale, int64_t window, float* out) {
-  int64_t G = H / KVH, nv = d / VL;
+  int64_t G = H / KVH, nv = d / VL, items = D * KVH;
+  int64_t parts = decode_parts(items, context_lens, D, bs);
+  /* With parts: each work item's sums [G][d], then its max and sum [2][G]. */
+  int64_t stride = G * (d + 2);
+  float* scratch = parts > 1 ? malloc(sizeof(float) * items * parts * stride) : NULL;
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t item = 0; item < D * KVH; item++) {
-    int64_t s = item / KVH, g = item % KVH, len = context_lens[s];
-    int64_t first = window > 0 && len > window ? len - window : 0;
+  for (int64_t w = 0; w < items * parts; w++) {
+    int64_t item = w / parts, s = item / KVH, g = item % KVH, len = context_lens[s];
+    int64_t first = window > 0 && len > window ? len - window : 0, from = 0, to = len;
     const float* qg = q + s * ldq + g * G * d;
-    float* og = out + (s * H + g * G) * d;
+    float *og = out + (s * H + g * G) * d, *ml = NULL;
     const int64_t* table = block_tables + s * max_blocks;
+    if (scratch) {
+      part_range(w % parts, parts, len, first, bs, &from, &to);
+      og = scratch + w * stride;
+      ml = og + G * d;
+      if (from >= to) { /* past the context: an empty part */
+        for (int64_t h = 0; h < G; h++) ml[G + h] = 0.0f;
+        continue;
+      }
+    }
     if (type == TL_F32) {
 #define TYPE TL_F32
       GROUPS
@@ -210,6 +289,11 @@ void tl_decode_attention(const float* q, int64_t ldq, const void* k_cache, const
 #undef TYPE
     }
   }
+  if (!scratch) return;
+  for (int64_t item = 0; item < items; item++)
+    merge_parts(scratch + item * parts * stride, parts, stride, G, d,
+                out + ((item / KVH) * H + (item % KVH) * G) * d);
+  free(scratch);
 }
 #undef GROUPS
 #undef DECODE

@@ -228,6 +228,26 @@ def test_decode_attention_reads_only_the_window(kernels: cpu.Kernels, window: in
     assert (got - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(("lens", "heads", "kv_heads", "block"), [
+    ([1000], 9, 3, 16), ([300], 6, 2, 16), ([2049], 4, 4, 16), ([5, 1000], 9, 3, 16),
+    ([65, 700, 131], 8, 2, 32), ([1000], 12, 2, 1)])
+@pytest.mark.parametrize("window", [None, 40, 500])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_of_few_heads_split_and_merge(kernels: cpu.Kernels, lens: list[int],
+                                                    heads: int, kv_heads: int, block: int,
+                                                    window: int | None,
+                                                    dtype: torch.dtype) -> None:
+    """Fewer (sequence, KV head) items than 8 a thread cut each context into parts of whole
+    blocks (cpu_attention.c: decode_parts), merged after; a short sequence beside a long one
+    has empty parts."""
+    cache, tables, lens_t = random_cache(lens, kv_heads, 64, block=block, dtype=dtype)
+    q = torch.randn(len(lens), heads, 64)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables, lens_t, [])
+    want = PagedAttention(None, window).decode(q, cache[0].float(), cache[1].float(), meta)
+    got = CpuPagedAttention(kernels, None, window).decode(q, cache[0], cache[1], meta)
+    assert (got - want).abs().max() < 1e-5
+
+
 def test_decode_attention_scale_is_one_over_sqrt_head_dim(kernels: cpu.Kernels) -> None:
     # Two keys whose scores differ by exactly sqrt(d) * 1: softmax weights e / (1 + e).
     cache = torch.zeros(2, 1, 1, 16, 64)
