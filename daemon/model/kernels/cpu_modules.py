@@ -16,6 +16,7 @@ of the torch module it replaces (daemon/model/decoder.py).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from typing import TYPE_CHECKING, cast
 
@@ -40,10 +41,11 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
         raise ValueError(f"quantization must be one of {', '.join(cpu.QUANTIZATIONS)} "
                          f"or None, got {quantization!r}")
     kept = model.quantized
+    two_term = two_term_rows(quantization, kept)
     model.layers = nn.ModuleList(
         CpuDecoderLayer(cast(DecoderLayer, layer), model.config, kernels, quantization,
                         {k.removeprefix(f"layers.{i}."): v for k, v in kept.items()
-                         if k.startswith(f"layers.{i}.")})
+                         if k.startswith(f"layers.{i}.")}, two_term)
         for i, layer in enumerate(model.layers))
     model.norm = KernelRMSNorm(model.norm, kernels)  # type: ignore[assignment]
     limit, tied = model.vocab_limit, model.lm_head is None
@@ -52,16 +54,16 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
     blocks = kept.get(name)
     if blocks is None:
         head = PackedLinear(weight if limit is None else weight[:limit], None, kernels,
-                            quantization)
+                            quantization, two_term_rows=two_term)
     else:
         head = PackedLinear(blocks if limit is None else blocks.rows(slice(0, limit)), None,
-                            kernels)
+                            kernels, two_term_rows=two_term)
     # A tied head serves the embedding lookups too, so the table is held once, packed; with a
     # vocab limit the packed head lacks rows a token id may still name.
     embed = kept.get("embed_tokens.weight")
     source: PackedLinear | Tensor = (
         head if tied and limit is None else model.embed_tokens.weight if embed is None
-        else PackedLinear(embed, None, kernels))
+        else PackedLinear(embed, None, kernels, two_term_rows=two_term))
     model.embed_tokens = KernelEmbedding(source)  # type: ignore[assignment]
     model.lm_head = KernelLMHead(head, model.config.vocab_size)  # type: ignore[assignment]
     model.quantized = {}
@@ -71,15 +73,28 @@ def install_(model: DecoderLM, kernels: Kernels, quantization: str | None = None
     model.count_rows_as = lambda rows: kernels.quant_set_step_rows(rows or 0)
 
 
+def two_term_rows(quantization: str | None, kept: dict[str, Blocks]) -> int:
+    """Up to how many rows the model's quantized weights take their activations in two terms
+    (quant.h), one rule for the whole model, head included: at every row count where its
+    layers hold 8-bit codes (--quantization int8, a Q8_0 file), else cpu.TWO_TERM_ROWS. With
+    one term past two rows, a Q8_0 file of the real model kept 559 of 572 teacher-forced
+    prefill top-1s of float32 on the same weights (97.7%), with two all 572, for 1.25x its
+    cold prefill and 1.3-1.4x its decode ticks at 8-64 streams (docs/benchmarks.md)."""
+    bits = [b.bits for name, b in kept.items() if name.startswith("layers.")]
+    eight = quantization == "int8" or (quantization is None and bool(bits) and min(bits) >= 8)
+    return cpu.ALL_ROWS if eight else cpu.TWO_TERM_ROWS
+
+
 class PackedLinear(nn.Module):
     """A weight packed for tl_linear; forward gives y = (x W^T + bias) * out_scale, float32.
     With gate_up, act(gate) * up (act: a key of cpu.GATED). The weight is a float32 or
     bfloat16 tensor, quantized here when `quantize` names a format (cpu.QUANTIZATIONS),
-    or quantized Blocks (quant.h) as a GGUF file held them."""
+    or quantized Blocks (quant.h) as a GGUF file held them. two_term_rows: see the function
+    of that name (by default, every row count for int8 weights quantized here)."""
 
     def __init__(self, weight: Tensor | Blocks, bias: Tensor | None, kernels: Kernels,
                  quantize: str | None = None, gate_up: bool = False, act: str = "silu",
-                 out_scale: float = 1.0) -> None:
+                 out_scale: float = 1.0, two_term_rows: int | None = None) -> None:
         super().__init__()
         if isinstance(weight, Tensor) and quantize is not None:
             from daemon.model.kernels import quant_pack  # numpy: only quantized weights need it
@@ -104,7 +119,8 @@ class PackedLinear(nn.Module):
             bias = None if bias is None else bias.detach().float() * out_scale
         self.scale = None if row_scale is None else cpu.pack_vector(row_scale, gate_up)
         self.bias = None if bias is None else cpu.pack_vector(bias.detach(), gate_up)
-        two_term = cpu.ALL_ROWS if quantize == "int8" else cpu.TWO_TERM_ROWS
+        two_term = (two_term_rows if two_term_rows is not None
+                    else cpu.ALL_ROWS if quantize == "int8" else cpu.TWO_TERM_ROWS)
         self.desc = cpu.Weights(self.packed.data_ptr(), _ptr(self.scale), _ptr(self.bias), units,
                                 n_in, n // 2 if gate_up else n, kind,
                                 cpu.GATED[act] if gate_up else cpu.STORE, two_term)
@@ -113,9 +129,11 @@ class PackedLinear(nn.Module):
     @classmethod
     def replacing(cls, linear: Linear, kernels: Kernels, quantize: str | None,
                   gate_up: bool = False, act: str = "silu", out_scale: float = 1.0,
-                  blocks: Blocks | None = None) -> PackedLinear:
+                  blocks: Blocks | None = None, two_term_rows: int | None = None
+                  ) -> PackedLinear:
         weight = linear.weight if blocks is None else blocks
-        return cls(weight, linear.bias, kernels, quantize, gate_up, act, out_scale)
+        return cls(weight, linear.bias, kernels, quantize, gate_up, act, out_scale,
+                   two_term_rows)
 
     @property
     def quantized(self) -> bool:
@@ -142,10 +160,11 @@ class PackedLinear(nn.Module):
 
 class CpuDecoderLayer(nn.Module):
     def __init__(self, layer: DecoderLayer, cfg: ModelConfig, kernels: Kernels,
-                 quantize: str | None = None, quantized: dict[str, Blocks] | None = None
-                 ) -> None:
+                 quantize: str | None = None, quantized: dict[str, Blocks] | None = None,
+                 two_term_rows: int | None = None) -> None:
         """quantize: a format to quantize float weights into; quantized: this layer's weights
-        a GGUF file held quantized, by parameter name in the layer."""
+        a GGUF file held quantized, by parameter name in the layer; two_term_rows: see the
+        function of that name."""
         super().__init__()
         kept = quantized or {}
         attn, mlp = layer.attn, layer.mlp
@@ -153,15 +172,14 @@ class CpuDecoderLayer(nn.Module):
         out_norms = [None if n is None else n.scale() * cfg.residual_multiplier
                      for n in (layer.attn_out_norm, layer.mlp_out_norm)]
         o_scale, down_scale = (cfg.residual_multiplier if n is None else 1.0 for n in out_norms)
-        self.qkv = PackedLinear.replacing(attn.qkv_proj, kernels, quantize,
-                                          blocks=kept.get("attn.qkv_proj.weight"))
-        self.o = PackedLinear.replacing(attn.o_proj, kernels, quantize, out_scale=o_scale,
-                                        blocks=kept.get("attn.o_proj.weight"))
-        self.gate_up = PackedLinear.replacing(mlp.gate_up_proj, kernels, quantize, gate_up=True,
-                                              act=cfg.hidden_act,
-                                              blocks=kept.get("mlp.gate_up_proj.weight"))
-        self.down = PackedLinear.replacing(mlp.down_proj, kernels, quantize, out_scale=down_scale,
-                                           blocks=kept.get("mlp.down_proj.weight"))
+        packed = functools.partial(PackedLinear.replacing, kernels=kernels, quantize=quantize,
+                                   two_term_rows=two_term_rows)
+        self.qkv = packed(attn.qkv_proj, blocks=kept.get("attn.qkv_proj.weight"))
+        self.o = packed(attn.o_proj, out_scale=o_scale, blocks=kept.get("attn.o_proj.weight"))
+        self.gate_up = packed(mlp.gate_up_proj, gate_up=True, act=cfg.hidden_act,
+                              blocks=kept.get("mlp.gate_up_proj.weight"))
+        self.down = packed(mlp.down_proj, out_scale=down_scale,
+                           blocks=kept.get("mlp.down_proj.weight"))
         # Kept referenced: the layer descriptor holds their addresses.
         self.norms = [layer.input_norm.scale(), layer.post_attention_norm.scale(),
                       *(None if n is None else n.scale() for n in (attn.q_norm, attn.k_norm)),

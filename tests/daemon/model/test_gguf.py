@@ -31,18 +31,22 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modu
     return write_gguf(path / "tiny-llama.F32.gguf", model), model
 
 
-@pytest.fixture(scope="module")
-def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Llama wide enough for K-quants' blocks of 256, one tensor type per kind of tensor."""
+def wide_llama() -> torch.nn.Module:
+    """A tiny Llama wide enough for K-quants' blocks of 256."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.2)).eval()
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """wide_llama with one tensor type per kind of tensor."""
     path = tmp_path_factory.mktemp("gguf-mixed") / "tiny-llama.mixed.gguf"
-    return write_gguf(path, model, lambda name: TYPES[name.split(".")[-2]])
+    return write_gguf(path, wide_llama(), lambda name: TYPES[name.split(".")[-2]])
 
 
 def test_a_llama_gguf_computes_what_its_checkpoint_and_transformers_compute(

@@ -6,14 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
-from daemon.model.kernels import quant_pack
+from daemon.model.kernels import cpu, quant_pack
 from daemon.model.kernels.cpu_modules import PackedLinear
 from daemon.model.loader import load_model
-from tests.daemon.model.test_gguf import PROMPT, logits, mixed
+from tests.daemon.model.test_gguf import PROMPT, logits, mixed, wide_llama
+from tests.support.gguf_files import Q, write_gguf
 
 __all__ = ["mixed"]  # the fixture: a tiny Llama holding Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1
+LONG_PROMPT = [(7 * i + 3) % 300 for i in range(30)]  # 30 rows: past the one-row kernels
 
 
 def test_quantized_tensors_are_computed_on_as_they_are(mixed: Path) -> None:
@@ -77,3 +80,28 @@ def test_every_kernel_tier_gives_the_same_tokens(mixed: Path) -> None:
             assert (ours.argmax(-1) == best).float().mean() >= 0.9, (dtype, name)
             ran.append(name)
         assert ran and ran[0] == names[0], ran  # the lowest tier forced too
+
+
+@pytest.fixture(scope="module")
+def eight_bit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The mixed file's model with every matrix in Q8_0."""
+    path = tmp_path_factory.mktemp("gguf-q8") / "tiny-llama.Q8_0.gguf"
+    return write_gguf(path, wide_llama(), lambda _: Q.Q8_0)
+
+
+def test_eight_bit_layers_take_two_term_activations_at_every_row_count(
+        eight_bit: Path, mixed: Path) -> None:
+    """A Q8_0 file's weights, head included, take their activations in two terms at prefill's
+    row counts too (cpu_modules.py: two_term_rows): its logits over a prompt stay as close to
+    float32 on the same weights as one row's do. A file with 4-bit layers keeps one term past
+    two rows, its 8-bit head too."""
+    kept = load_model(str(eight_bit), "cpu", "auto")
+    packed = [m for m in kept.model.modules() if isinstance(m, PackedLinear)]
+    assert {m.desc.type for m in packed} == {quant_pack.TL_Q8}
+    assert {m.desc.two_term_rows for m in packed} == {cpu.ALL_ROWS}
+    reference = load_model(str(eight_bit), "cpu", "float32")
+    ours, want = logits(kept, LONG_PROMPT), logits(reference, LONG_PROMPT)
+    assert (ours - want).abs().max() < 1e-3 * want.abs().max()
+    four = load_model(str(mixed), "cpu", "auto")
+    assert {m.desc.two_term_rows for m in four.model.modules()
+            if isinstance(m, PackedLinear)} == {cpu.TWO_TERM_ROWS}
