@@ -204,10 +204,11 @@ INLINE void decode_one(const float* q, const void* k_cache, const void* v_cache,
 #define PART_BLOCKS 4
 #define PART_ITEMS 8
 
-/* How many parts each item is cut into (1: none), from the longest context. */
+/* How many parts each item is cut into (1: none, as on one thread), from the longest
+ * context. */
 static int64_t decode_parts(int64_t items, const int64_t* context_lens, int64_t D, int64_t bs) {
-  int64_t want = PART_ITEMS * omp_get_max_threads();
-  if (items >= want) return 1;
+  int64_t threads = omp_get_max_threads(), want = PART_ITEMS * threads;
+  if (threads == 1 || items >= want) return 1;
   int64_t longest = 0;
   for (int64_t s = 0; s < D; s++) longest = context_lens[s] > longest ? context_lens[s] : longest;
   int64_t parts = (want + items - 1) / items, most = (longest + bs - 1) / bs / PART_BLOCKS;

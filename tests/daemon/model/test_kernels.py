@@ -238,13 +238,18 @@ def test_long_contexts_of_few_heads_split_and_merge(kernels: cpu.Kernels, lens: 
                                                     window: int | None,
                                                     dtype: torch.dtype) -> None:
     """Fewer (sequence, KV head) items than 8 a thread cut each context into parts of whole
-    blocks (cpu_attention.c: decode_parts), merged after; a short sequence beside a long one
-    has empty parts."""
+    blocks (cpu_attention.c: decode_parts; never on one thread, so 2 here), merged after; a
+    short sequence beside a long one has empty parts."""
     cache, tables, lens_t = random_cache(lens, kv_heads, 64, block=block, dtype=dtype)
     q = torch.randn(len(lens), heads, 64)
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables, lens_t, [])
     want = PagedAttention(None, window).decode(q, cache[0].float(), cache[1].float(), meta)
-    got = CpuPagedAttention(kernels, None, window).decode(q, cache[0], cache[1], meta)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = CpuPagedAttention(kernels, None, window).decode(q, cache[0], cache[1], meta)
+    finally:
+        torch.set_num_threads(threads)
     assert (got - want).abs().max() < 1e-5
 
 
