@@ -55,7 +55,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         sequences.append(tokens)
         want.append(prefill_logits(ref, tokens).argmax(-1)[:-1].tolist())
         ours.append(prefill_logits(test, tokens).argmax(-1)[:-1].tolist())
-    with VllmServer(args.vllm_venv, folder, args.threads, "bfloat16").start() as server:
+    with VllmServer(args.vllm_venv, folder, args.threads, "bfloat16") as server:
         model = served_model(server.base_url) or str(folder)
         theirs = [vllm_top1(server.base_url, model, tokens) for tokens in sequences]
     res: dict[str, Any] = {"model": str(path), "folder": str(folder), "steps": args.steps,
