@@ -20,20 +20,19 @@ INLINE void norm_row(const float* x, int64_t K, const float* w, float eps, float
 }
 
 static void rmsnorm(const float* x, int64_t M, int64_t K, const float* w, float eps, float* y) {
-#pragma omp parallel for schedule(static) if (M >= 16)
-  for (int64_t m = 0; m < M; m++) norm_row(x + m * K, K, w, eps, y + m * K);
+  TL_ROWS(m, M, { norm_row(x + m * K, K, w, eps, y + m * K); });
 }
 
 /* In place: each of the `heads` heads of d values in each row of x [T, ldx] (Qwen3's and
  * Gemma 3's q/k norms). */
 static void head_norms(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t d,
                        const float* w, float eps) {
-#pragma omp parallel for schedule(static) if (T >= 16)
-  for (int64_t t = 0; t < T; t++)
+  TL_ROWS(t, T, {
     for (int64_t h = 0; h < heads; h++) {
       float* head = x + t * ldx + h * d;
       norm_row(head, d, w, eps, head);
     }
+  });
 }
 
 /* In place, rotate-half layout: the first `heads` heads of each row of x [T, ldx], head_dim d;
@@ -41,21 +40,20 @@ static void head_norms(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t 
 static void rope(float* x, int64_t T, int64_t ldx, int64_t heads, int64_t d, const float* cos_,
              const float* sin_) {
   int64_t half = d / 2;
-#pragma omp parallel for schedule(static) if (T >= 16)
-  for (int64_t t = 0; t < T; t++) {
+  TL_ROWS(t, T, {
     const float* c = cos_ + t * half;
     const float* s = sin_ + t * half;
     for (int64_t h = 0; h < heads; h++) {
       float* x1 = x + t * ldx + h * d;
       float* x2 = x1 + half;
-#pragma omp simd
+      _Pragma("omp simd")
       for (int64_t i = 0; i < half; i++) {
         float a = x1[i], b = x2[i];
         x1[i] = a * c[i] - b * s[i];
         x2[i] = b * c[i] + a * s[i];
       }
     }
-  }
+  });
 }
 
 void tl_rmsnorm(const float* x, int64_t M, int64_t K, const float* w, float eps, float* y) {

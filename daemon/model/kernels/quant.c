@@ -161,8 +161,7 @@ void tl_quant_rows(const tl_weights* W, const int64_t* ids, int64_t n, float* ou
 static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t bs,
                           int8_t* q, int8_t* q2, float* dx, float* s, int64_t ldq,
                           int64_t lds) {
-#pragma omp parallel for schedule(static) if (M >= 16)
-  for (int64_t m = 0; m < M; m++)
+  TL_ROWS(m, M, {
     for (int64_t b = 0; b < lds; b++) {
       float xb[32] = {0}; /* the block, zeros past K */
       int64_t n = K - b * bs < bs ? K - b * bs : bs;
@@ -195,6 +194,7 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
       dx[m * lds + b] = d;
       s[m * lds + b] = d * (float)sum;
     }
+  });
 }
 
 static void dequant_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W,
