@@ -55,19 +55,6 @@ enum { TL_STORE = 0, TL_ADD = 1, TL_SILU_MUL = 2, TL_GELU_TANH_MUL = 3 };
 #define NB 32       /* output rows per packed block */
 #define NV (NB / VL) /* vectors per packed block row */
 #define INLINE static inline __attribute__((always_inline))
-/* for (int64_t i = 0; i < n; i++) { ... }, the braces' body the macro's last argument: on the
- * OpenMP threads from 16 rows; below that on the calling thread without entering OpenMP at all,
- * where `parallel for if (0)` still forms a team of one (~0.34 us here), seven times a layer at
- * one row. A pragma in the body is written _Pragma("..."). */
-#define TL_ROWS(i, n, ...)                                         \
-  do {                                                             \
-    if ((n) >= 16) {                                               \
-      _Pragma("omp parallel for schedule(static)")                 \
-      for (int64_t i = 0; i < (n); i++) __VA_ARGS__                \
-    } else {                                                       \
-      for (int64_t i = 0; i < (n); i++) __VA_ARGS__                \
-    }                                                              \
-  } while (0)
 /* bfloat16 weights are packed in pairs of inputs, [K2][32][2] a block (bf16.h): K2, the pairs
  * of n_in, is padded to a multiple of PAIR_STEP (the widest tier's step) with zero inputs. */
 #define PAIR_STEP 16
