@@ -72,16 +72,21 @@ int tl_bf16_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
 #pragma omp parallel for schedule(static) if (M >= 16)
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k++) xb[m * ldb + k] = to_bf16(x[m * ldx + k]);
+  /* Each walk over a block prefetches its share of the next block's lines (blocks lie back
+   * to back), so that memory streams while the products run. */
+  int64_t block = k2 * 2 * NB * sizeof(uint16_t), walks = Mp / t->rows;
+  int64_t lines = (block / 64 + walks - 1) / walks;
 #pragma omp parallel
   {
     float* sums = malloc(sizeof(float) * NB * t->rows);
     t->init();
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < W->blocks; b++) {
-      const uint16_t* pairs = (const uint16_t*)W->w + b * k2 * 2 * NB;
+      const char* wb = (const char*)W->w + b * block;
       for (int64_t m0 = 0; m0 < M; m0 += t->rows) {
         int mt = M - m0 < t->rows ? (int)(M - m0) : t->rows;
-        t->tile(xb + m0 * ldb, ldb, mt, pairs, k2, sums);
+        t->tile(xb + m0 * ldb, ldb, mt, (const uint16_t*)wb, k2, sums,
+                wb + block + m0 / t->rows * lines * 64, lines);
         for (int r = 0; r < mt; r += QMR) /* tl_emit takes QMR rows at most */
           tl_emit(W, b, sums + r * NB, mt - r < QMR ? mt - r : QMR, y + (m0 + r) * ldy, ldy,
                   mode, res + (m0 + r) * ldr, ldr);

@@ -12,9 +12,10 @@
 
 /* out[r * 32 + i] = sums of activation rows r < mr (bf16, x[r * ldx + 2 kp + {0, 1}]) with
  * the block's 32 rows, over k2 pairs of inputs; mr <= the tier's rows (the AMX tier reads all
- * of its 16 rows: x must hold them). */
+ * of its 16 rows: x must hold them). Step kp also prefetches lines 2 kp and 2 kp + 1 at pf
+ * into L2, those below `lines` (a share of the next block: cpu_kernels.c's walks do the same). */
 typedef void (*tl_bf16_fn)(const uint16_t* x, int64_t ldx, int mr, const uint16_t* pairs,
-                           int64_t k2, float* out);
+                           int64_t k2, float* out, const char* pf, int64_t lines);
 
 typedef struct {
   const char* name;

@@ -24,8 +24,8 @@ typedef struct {
 } tile_config;
 
 static void tile16(const uint16_t* x, int64_t ldx, int mr, const uint16_t* pairs, int64_t k2,
-                   float* out) {
-  (void)mr; /* x holds 16 rows; the sums of rows past mr are left unread */
+                   float* out, const char* pf, int64_t lines) {
+  (void)mr, (void)pf, (void)lines; /* x holds 16 rows; the sums of rows past mr are left unread */
   _tile_zero(0);
   _tile_zero(1);
   for (int64_t kp = 0; kp < k2; kp += 16) {

@@ -17,13 +17,17 @@ INLINE __m512bh bcast_pair(const uint16_t* p) {
 }
 
 INLINE void tile(const uint16_t* x, int64_t ldx, const int mr, const uint16_t* pairs,
-                 int64_t k2, float* out) {
+                 int64_t k2, float* out, const char* pf, int64_t lines) {
   __m512 acc[ROWS][2];
 #pragma GCC unroll 12
   for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < k2; kp++) {
     __m512bh w0 = (__m512bh)_mm512_loadu_si512(pairs + kp * 64);
     __m512bh w1 = (__m512bh)_mm512_loadu_si512(pairs + kp * 64 + 32);
+    if (2 * kp < lines) {
+      _mm_prefetch(pf + 128 * kp, _MM_HINT_T1);
+      _mm_prefetch(pf + 128 * kp + 64, _MM_HINT_T1);
+    }
 #pragma GCC unroll 12
     for (int r = 0; r < mr; r++) {
       __m512bh xv = bcast_pair(x + r * ldx + 2 * kp);
@@ -39,20 +43,20 @@ INLINE void tile(const uint16_t* x, int64_t ldx, const int mr, const uint16_t* p
 }
 
 static void rows(const uint16_t* x, int64_t ldx, int mr, const uint16_t* pairs, int64_t k2,
-                 float* out) {
+                 float* out, const char* pf, int64_t lines) {
   switch (mr) {
-    case 12: tile(x, ldx, 12, pairs, k2, out); break;
-    case 11: tile(x, ldx, 11, pairs, k2, out); break;
-    case 10: tile(x, ldx, 10, pairs, k2, out); break;
-    case 9: tile(x, ldx, 9, pairs, k2, out); break;
-    case 8: tile(x, ldx, 8, pairs, k2, out); break;
-    case 7: tile(x, ldx, 7, pairs, k2, out); break;
-    case 6: tile(x, ldx, 6, pairs, k2, out); break;
-    case 5: tile(x, ldx, 5, pairs, k2, out); break;
-    case 4: tile(x, ldx, 4, pairs, k2, out); break;
-    case 3: tile(x, ldx, 3, pairs, k2, out); break;
-    case 2: tile(x, ldx, 2, pairs, k2, out); break;
-    default: tile(x, ldx, 1, pairs, k2, out); break;
+    case 12: tile(x, ldx, 12, pairs, k2, out, pf, lines); break;
+    case 11: tile(x, ldx, 11, pairs, k2, out, pf, lines); break;
+    case 10: tile(x, ldx, 10, pairs, k2, out, pf, lines); break;
+    case 9: tile(x, ldx, 9, pairs, k2, out, pf, lines); break;
+    case 8: tile(x, ldx, 8, pairs, k2, out, pf, lines); break;
+    case 7: tile(x, ldx, 7, pairs, k2, out, pf, lines); break;
+    case 6: tile(x, ldx, 6, pairs, k2, out, pf, lines); break;
+    case 5: tile(x, ldx, 5, pairs, k2, out, pf, lines); break;
+    case 4: tile(x, ldx, 4, pairs, k2, out, pf, lines); break;
+    case 3: tile(x, ldx, 3, pairs, k2, out, pf, lines); break;
+    case 2: tile(x, ldx, 2, pairs, k2, out, pf, lines); break;
+    default: tile(x, ldx, 1, pairs, k2, out, pf, lines); break;
   }
 }
 
