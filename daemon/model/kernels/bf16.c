@@ -69,9 +69,9 @@ int tl_bf16_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
   int64_t K = W->n_in, k2 = tl_pairs(K); /* a multiple of every tier's k2_step */
   int64_t ldb = 2 * k2, Mp = (M + t->rows - 1) / t->rows * t->rows;
   uint16_t* xb = calloc(Mp * ldb, sizeof(uint16_t)); /* rows past M and inputs past K: 0 */
-#pragma omp parallel for schedule(static) if (M >= 16)
-  for (int64_t m = 0; m < M; m++)
+  TL_ROWS(m, M, {
     for (int64_t k = 0; k < K; k++) xb[m * ldb + k] = to_bf16(x[m * ldx + k]);
+  });
   /* Each walk over a block prefetches its share of the next block's lines (blocks lie back
    * to back), so that memory streams while the products run. */
   int64_t block = k2 * 2 * NB * sizeof(uint16_t), walks = Mp / t->rows;

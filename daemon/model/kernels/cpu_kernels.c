@@ -260,12 +260,12 @@ void tl_float_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W
   int64_t K = W->n_in, num_blocks = W->blocks;
   int rows = M <= MT ? MT : M <= CM ? CM : HT;
   int64_t block = tl_block_bytes(type, K);
-  /* More than CM rows walk each block several times: each walk prefetches its share of the
-   * next block's lines (at most one a k), so that the next block's first walk finds it in L2.
-   * A bf16 block walked once (K lines) prefetches all the next: 1.0-1.18x at 1-3 rows; half a
-   * float32 one (2K lines) gained nothing. */
-  int64_t walks = (M + rows - 1) / rows, lines = M > CM ? (block / 64 + walks - 1) / walks : 0;
-  if (M <= MT && type == TL_BF16) lines = block / 64;
+  /* More than CM rows walk each block several times, bf16 blocks of at most MT rows once:
+   * each walk prefetches its share of the next block's lines (at most one a k), so that the
+   * next block's first walk finds it in L2 (bf16 once: 1.0-1.18x at 1-3 rows; the half of a
+   * float32 block that one walk could cover gained nothing). */
+  int64_t walks = (M + rows - 1) / rows, prefetch = M > CM || (M <= MT && type == TL_BF16);
+  int64_t lines = prefetch ? (block / 64 + walks - 1) / walks : 0;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < num_blocks; b++)
     walk_block(x, ldx, M, W, b, (const char*)W->w + b * block, type, lines, y, ldy, mode, res,
