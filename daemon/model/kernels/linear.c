@@ -5,9 +5,12 @@
  */
 #include "cpu_kernels.h"
 
-/* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with add, y = res + x W^T (res may be y). */
+/* y [M, ldy] = x [M, n_in] (row stride ldx) W^T; with add, y = res + x W^T (res may be y).
+ * No rows (a prefill chunk whose logits nobody samples) is no work: the kernels' shares of a
+ * block are counted per walk, and no rows make no walk. */
 void tl_linear_add(const float* x, int64_t ldx, int64_t M, const tl_weights* W, float* y,
                    int64_t ldy, int add, const float* res, int64_t ldr) {
+  if (M <= 0) return;
   int mode = add ? TL_ADD : W->mode;
   if (W->type >= TL_Q4)
     tl_quant_linear(x, ldx, M, W, y, ldy, mode, res, ldr);

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from daemon.model.attention import AttentionMetadata, PagedAttention
 from daemon.model.config import ModelConfig
 from daemon.model.decoder import ACTIVATIONS, DecoderLM, RMSNorm
-from daemon.model.kernels import cpu, quant_pack
+from daemon.model.kernels import cpu, cpu_modules, quant_pack
 from daemon.model.kernels.cpu_modules import CpuDecoderLayer, CpuPagedAttention, KernelRMSNorm, PackedLinear
 from daemon.model.loader import init_random_
 from daemon.model.runner import ModelRunner, ScheduledChunk
@@ -64,6 +64,38 @@ def test_every_row_count_matches_torch(kernels: cpu.Kernels, rows: int) -> None:
     gate, up = F.linear(x, w[:64]).chunk(2, dim=-1)
     assert torch.allclose(PackedLinear(w[:64], None, kernels, gate_up=True)(x),
                           F.silu(gate) * up, atol=1e-5)
+
+
+def test_no_rows_is_an_empty_product(kernels: cpu.Kernels) -> None:
+    """A prefill chunk whose logits nobody samples sends the head no rows: every weight type
+    gives an empty product."""
+    w = weights(70, 300)
+    layers = [PackedLinear(w, None, kernels), PackedLinear(w.bfloat16(), None, kernels),
+              PackedLinear(w[:64], None, kernels, gate_up=True),
+              *(PackedLinear(w, None, kernels, q) for q in quant_pack.QUANTIZATIONS)]
+    for layer in layers:
+        assert layer(torch.empty(0, 300)).shape[0] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_prompt_in_two_chunks_gives_the_logits_of_one(dtype: torch.dtype,
+                                                        quantization: str | None) -> None:
+    """The first chunk of a chunked prefill asks for no logits (its head gets no rows); the
+    second then gives the logits the whole prompt gives in one chunk."""
+    lib = cpu.load()
+    assert lib is not None, cpu.failure()
+    config = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=72, num_layers=2,
+                         num_heads=6, num_kv_heads=2, head_dim=32, tie_word_embeddings=True)
+    model = DecoderLM(config, torch.device("cpu"), dtype)
+    init_random_(model, seed=7)
+    cpu_modules.install_(model, lib, quantization)
+    prompt, table = list(range(1, 12)), [0, 1]
+    whole = ModelRunner(model, config, num_blocks=4).run([ScheduledChunk(prompt, 0, table, True)])
+    runner = ModelRunner(model, config, num_blocks=4)
+    assert runner.run([ScheduledChunk(prompt[:5], 0, table, False)]).shape[0] == 0
+    last = runner.run([ScheduledChunk(prompt[5:], 5, table, True)])
+    assert (last - whole).abs().max() < 1e-3 * whole.abs().max()
 
 
 @pytest.mark.parametrize("intermediate", [64, 40, 5])
