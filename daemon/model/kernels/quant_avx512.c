@@ -45,7 +45,7 @@ INLINE void tile(const tl_qact* a, int64_t m0, const int mr, const uint8_t* g, i
     __m512 d[2], m[2];
     for (int k = 0; k < ng; k++) {
       const uint8_t* gk = g + k * nb * rec;
-      for (int64_t l = 0; l < rec; l += 64) _mm_prefetch((const char*)gk + a->prefetch + l, _MM_HINT_T0);
+      for (int64_t l = 0; l < rec; l += 64) _mm_prefetch((const char*)gk + a->prefetch + l, _MM_HINT_T1);
       if (type == TL_Q4) {
         for (int j = 0; j < 4; j++) {
           __m512i v = _mm512_load_si512(gk + 64 * j);

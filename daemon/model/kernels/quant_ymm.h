@@ -35,7 +35,7 @@ INLINE void half_tile(const tl_qact* a, int64_t m0, const int mr, const uint8_t*
   for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++, g += rec) {
     if (h == 0)
-      for (int64_t l = 0; l < rec; l += 64) _mm_prefetch((const char*)g + a->prefetch + l, _MM_HINT_T0);
+      for (int64_t l = 0; l < rec; l += 64) _mm_prefetch((const char*)g + a->prefetch + l, _MM_HINT_T1);
     __m256i c[8];
     if (type == TL_Q4) {
       for (int j = 0; j < 4; j++) {
