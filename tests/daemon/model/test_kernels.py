@@ -79,17 +79,15 @@ def test_no_rows_is_an_empty_product(kernels: cpu.Kernels) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantization", [None, "int4"])
-def test_a_prompt_in_two_chunks_gives_the_logits_of_one(dtype: torch.dtype,
+def test_a_prompt_in_two_chunks_gives_the_logits_of_one(kernels: cpu.Kernels, dtype: torch.dtype,
                                                         quantization: str | None) -> None:
     """The first chunk of a chunked prefill asks for no logits (its head gets no rows); the
     second then gives the logits the whole prompt gives in one chunk."""
-    lib = cpu.load()
-    assert lib is not None, cpu.failure()
     config = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=72, num_layers=2,
                          num_heads=6, num_kv_heads=2, head_dim=32, tie_word_embeddings=True)
     model = DecoderLM(config, torch.device("cpu"), dtype)
     init_random_(model, seed=7)
-    cpu_modules.install_(model, lib, quantization)
+    cpu_modules.install_(model, kernels, quantization)
     prompt, table = list(range(1, 12)), [0, 1]
     whole = ModelRunner(model, config, num_blocks=4).run([ScheduledChunk(prompt, 0, table, True)])
     runner = ModelRunner(model, config, num_blocks=4)
