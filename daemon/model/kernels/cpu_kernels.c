@@ -167,9 +167,17 @@ static __attribute__((noinline)) void big_tile(const float* x, int64_t ldx, int 
 /* One row of a block's 32 outputs, v[NV] vectors: y[n0 + i] (+= res[n0 + i] with TL_ADD). */
 INLINE void store_row(float* y, int64_t n0, int64_t n_valid, const fvec v[NV], int mode,
                       const float* res) {
+  int64_t n = n_valid - n0 < NB ? n_valid - n0 : NB;
+  if (n == NB) { /* a whole block: vector stores */
+    for (int j = 0; j < NV; j++) {
+      fvec o = v[j];
+      if (mode == TL_ADD) o += loadv(res, n0 + j * VL, TL_F32);
+      memcpy(y + n0 + j * VL, &o, sizeof o);
+    }
+    return;
+  }
   float tmp[NB];
   memcpy(tmp, v, sizeof tmp);
-  int64_t n = n_valid - n0 < NB ? n_valid - n0 : NB;
   for (int64_t i = 0; i < n; i++) y[n0 + i] = (mode == TL_ADD ? res[n0 + i] : 0.0f) + tmp[i];
 }
 
@@ -281,6 +289,7 @@ void tl_walk_f32(const float* x, int64_t ldx, int64_t M, const tl_weights* W, in
 void tl_emit(const tl_weights* W, int64_t b, const float* sums, int64_t mt, float* y,
              int64_t ldy, int mode, const float* res, int64_t ldr) {
   fvec acc[QMR][NV];
-  memcpy(acc, sums, sizeof(float) * NB * mt);
+  for (int64_t m = 0; m < mt; m++) /* fixed-size copies: vector loads, not a memmove call */
+    for (int j = 0; j < NV; j++) memcpy(&acc[m][j], sums + m * NB + j * VL, sizeof(fvec));
   emit(W, b, acc, mt, y, ldy, mode, res, ldr);
 }
