@@ -77,8 +77,8 @@ int tl_bf16_linear(const float* x, int64_t ldx, int64_t M, const tl_weights* W, 
   {
     float* sums = malloc(sizeof(float) * NB * t->rows);
     t->init();
-    /* The activations as bf16, rows past M and inputs past K zeros, shared by the threads
-     * (a serial calloc and rounding were ~4% of a 64-row tick). */
+    /* The activations as bf16, rows past M and inputs past K zeros, rounded by all the
+     * threads: on the calling thread alone, the other waited. */
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < Mp; m++) {
       uint16_t* row = xb + m * ldb;

@@ -226,8 +226,8 @@ INLINE void emit(const tl_weights* W, int64_t b, const fvec acc[][NV], int64_t m
     if (mode >= TL_SILU_MUL) { /* vectors [0, NV/2): gates; [NV/2, NV): their ups */
       float tmp[NB / 2];
       int64_t n0 = b * (NB / 2), n = n_out - n0 < NB / 2 ? n_out - n0 : NB / 2;
-      /* A whole block stores its vectors where they go; a call to memcpy here (GCC's
-       * choice for the loop below) spilled every register around it: 10% of a prefill. */
+      /* A whole block stores its vectors where they go: GCC made the loop below a call to
+       * memcpy, with every vector register spilled around it. */
       float* to = n == NB / 2 ? yrow + n0 : tmp;
       for (int j = 0; j < NV / 2; j++) {
         fvec out = gate_act(v[j], mode) * v[j + NV / 2];
