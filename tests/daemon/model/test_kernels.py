@@ -139,9 +139,13 @@ def test_weights_quantize_in_blocks_of_32_inputs(kernels: cpu.Kernels, quantize:
     assert ((back[:, :64] - w[:, :64]).abs().reshape(40, 2, 32) <= step[..., None] * 0.51 + 1e-3).all()
     assert (back[7] == 0).all()
     layer = PackedLinear(w, None, kernels, quantize)
-    x = torch.randn(1, 70)
+    x = torch.randn(1, 70, generator=torch.Generator().manual_seed(1))
     exact = F.linear(x, back)
-    assert (layer(x) - exact).abs().max() < 1e-4 * exact.abs().max()
+    # At one row the activations go in two terms, each within max|x| / 127 / 512 of its
+    # value, so each output is within that times its row's sum of |w|. Against the largest
+    # output instead, a draw whose loud row cancelled out failed about one run in six.
+    bound = F.linear(x.abs().max().expand_as(x), back.abs()) / 127 / 512
+    assert ((layer(x) - exact).abs() <= 1.3 * bound + 1e-7).all()
     ids = torch.tensor([0, 3, 39])
     assert torch.allclose(layer.rows(ids), back[ids], atol=1e-6)
 
