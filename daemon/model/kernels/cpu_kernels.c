@@ -164,21 +164,21 @@ static __attribute__((noinline)) void big_tile(const float* x, int64_t ldx, int 
   half_tile_any(x, ldx, mt, K, w, type, pf, lines, acc);
 }
 
-/* One row of a block's 32 outputs, v[NV] vectors: y[n0 + i] (+= res[n0 + i] with TL_ADD). */
-INLINE void store_row(float* y, int64_t n0, int64_t n_valid, const fvec v[NV], int mode,
-                      const float* res) {
-  int64_t n = n_valid - n0 < NB ? n_valid - n0 : NB;
-  if (n == NB) { /* a whole block: vector stores */
-    for (int j = 0; j < NV; j++) {
+/* y[0, n) = the first n floats of v's nv vectors, plus res[0, n) unless res is NULL. All nv
+ * vectors go straight to y; fewer floats (a weight's last block) go through a buffer, whose
+ * loop GCC makes a call to memcpy with every vector register spilled around it. */
+INLINE void store_vectors(float* y, int64_t n, const fvec* v, int nv, const float* res) {
+  if (n == (int64_t)nv * VL) {
+    for (int j = 0; j < nv; j++) {
       fvec o = v[j];
-      if (mode == TL_ADD) o += loadv(res, n0 + j * VL, TL_F32);
-      memcpy(y + n0 + j * VL, &o, sizeof o);
+      if (res) o += loadv(res, j * VL, TL_F32);
+      memcpy(y + j * VL, &o, sizeof o);
     }
     return;
   }
   float tmp[NB];
-  memcpy(tmp, v, sizeof tmp);
-  for (int64_t i = 0; i < n; i++) y[n0 + i] = (mode == TL_ADD ? res[n0 + i] : 0.0f) + tmp[i];
+  memcpy(tmp, v, sizeof(fvec) * nv);
+  for (int64_t i = 0; i < n; i++) y[i] = (res ? res[i] : 0.0f) + tmp[i];
 }
 
 /* Rows [0, mr) of one block, in groups of at most HT rows (WR while mr <= WM), balanced (8 rows
@@ -224,19 +224,14 @@ INLINE void emit(const tl_weights* W, int64_t b, const fvec acc[][NV], int64_t m
     for (int j = 0; j < NV; j++) v[j] = acc[m][j] * sc[j] + bi[j];
     float* yrow = y + m * ldy;
     if (mode >= TL_SILU_MUL) { /* vectors [0, NV/2): gates; [NV/2, NV): their ups */
-      float tmp[NB / 2];
-      int64_t n0 = b * (NB / 2), n = n_out - n0 < NB / 2 ? n_out - n0 : NB / 2;
-      /* A whole block stores its vectors where they go: GCC made the loop below a call to
-       * memcpy, with every vector register spilled around it. */
-      float* to = n == NB / 2 ? yrow + n0 : tmp;
-      for (int j = 0; j < NV / 2; j++) {
-        fvec out = gate_act(v[j], mode) * v[j + NV / 2];
-        memcpy(to + j * VL, &out, sizeof out);
-      }
-      if (to == tmp)
-        for (int64_t i = 0; i < n; i++) yrow[n0 + i] = tmp[i];
+      fvec out[NV / 2];
+      for (int j = 0; j < NV / 2; j++) out[j] = gate_act(v[j], mode) * v[j + NV / 2];
+      int64_t n0 = b * (NB / 2);
+      store_vectors(yrow + n0, n_out - n0 < NB / 2 ? n_out - n0 : NB / 2, out, NV / 2, NULL);
     } else {
-      store_row(yrow, b * NB, n_out, v, mode, res + m * ldr);
+      int64_t n0 = b * NB;
+      store_vectors(yrow + n0, n_out - n0 < NB ? n_out - n0 : NB, v, NV,
+                    mode == TL_ADD ? res + m * ldr + n0 : NULL);
     }
   }
 }
