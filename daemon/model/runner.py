@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from daemon.model.attention import AttentionMetadata, PrefillSpan, cache_rows
+from daemon.model.attention import AttentionMetadata, PrefillSpan
 from daemon.model.batch import ScheduledChunk
 from daemon.model.config import ModelConfig
 from daemon.model.decode_graphs import DecodeGraphs
@@ -27,7 +27,7 @@ class _Batch:
     input_ids: Tensor
     positions: Tensor
     meta: AttentionMetadata
-    logit_rows: Tensor
+    logit_rows: Tensor | None  # None: every row, in order (a batch of decodes)
 
 
 class _Cursor:
@@ -110,7 +110,8 @@ class ModelRunner:
             try:
                 hidden = self.model(batch.input_ids, batch.positions, batch.meta,
                                     self.kv_caches)
-                return self.model.compute_logits(hidden[batch.logit_rows])
+                rows_out = hidden if batch.logit_rows is None else hidden[batch.logit_rows]
+                return self.model.compute_logits(rows_out)
             finally:
                 if count is not None:
                     count(None)
@@ -135,7 +136,10 @@ class ModelRunner:
         prefill = [c for c in chunks if len(c.token_ids) > 1]
         token_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        # AttentionMetadata.write_rows, made here: six tensor ops were half of a one-stream
+        # tick's preparation, and a tick runs them with caches the weights have just flushed.
+        head_rows = [h * bs for h in range(self.model.num_kv_heads)]
+        write_rows: list[int] = []
         first_row: dict[int, int] = {}
         for chunk in decode + prefill:
             span = range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids))
@@ -143,7 +147,9 @@ class ModelRunner:
             first_row[id(chunk)] = len(token_ids)
             token_ids += chunk.token_ids
             positions += span
-            slots += [table[p // bs] * bs + p % bs for p in span]
+            for p in span:
+                base = table[p // bs] * len(head_rows) * bs + p % bs
+                write_rows += [base + h for h in head_rows]
         # The last token's row, or every token's for a chunk with all_logits.
         rows = [first_row[id(c)] + len(c.token_ids) - c.num_logit_rows + i
                 for c in chunks for i in range(c.num_logit_rows)]
@@ -153,23 +159,25 @@ class ModelRunner:
         tables = [x for c in decode for x in c.block_table[:width]
                   + [0] * (width - len(c.block_table))]
         spans = [c.block_table[: -(-(c.start_pos + len(c.token_ids)) // bs)] for c in prefill]
-        host = torch.tensor([*token_ids, *positions, *slots, *rows, *lens, *tables,
+        host = torch.tensor([*token_ids, *positions, *write_rows, *rows, *lens, *tables,
                              *(x for s in spans for x in s)], dtype=torch.long)
         if self.device.type == "cuda":
             host = host.pin_memory()
         cursor = _Cursor(host.to(self.device, non_blocking=True))
         num = len(token_ids)
-        input_ids, pos, slot_t, logit_rows = (cursor.take(num), cursor.take(num),
-                                              cursor.take(num), cursor.take(len(rows)))
+        input_ids, pos, write_t, logit_rows = (cursor.take(num), cursor.take(num),
+                                               cursor.take(len(write_rows)), cursor.take(len(rows)))
         lens_t, tables_t = cursor.take(len(lens)), cursor.take(len(tables))
         meta = AttentionMetadata(
-            write_rows=cache_rows(slot_t, self.model.num_kv_heads, bs),
+            write_rows=write_t,
             num_decode_tokens=len(decode),
             decode_block_tables=tables_t.view(len(decode), width) if decode else None,
             decode_context_lens=lens_t if decode else None,
             prefills=self._spans(prefill, spans, cursor, pos, len(decode)),
         )
-        return _Batch(input_ids=input_ids, positions=pos, meta=meta, logit_rows=logit_rows)
+        every = rows == list(range(num))  # then no gather: a copy with a cold cache
+        return _Batch(input_ids=input_ids, positions=pos, meta=meta,
+                      logit_rows=None if every else logit_rows)
 
     def _spans(self, chunks: list[ScheduledChunk], blocks: list[list[int]], cursor: _Cursor,
                positions: Tensor, first_row: int) -> list[PrefillSpan]:
