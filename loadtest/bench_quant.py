@@ -6,7 +6,9 @@ and bfloat16 (`--dtype` dequantizes them at load), the three taking turns round 
 
   roofline  bytes a decode token reads (every packed linear and the head, as held) over the
             read bandwidth (`a.sum()` over 1 GiB, measured between the ticks), against the
-            batch-1 forward pass: issue 37's goal is >= 85% of it
+            batch-1 forward pass: issue 37's goal is >= 85% of it; beside it the read floor,
+            the quantized token's weights read a weight at a time with nothing computed
+            (loadtest/read_floor.c)
   decode    the forward pass of a decode tick at each --levels streams (contexts of ~80
             tokens), and streams / tick as tokens/s
   cold      a fresh random 1,516-token prompt prefilled in chunks of 512 (the daemon's
@@ -37,6 +39,7 @@ from daemon.model.kernels import cpu
 from daemon.model.kernels.cpu_modules import KernelLMHead, PackedLinear
 from loadtest.decode_figures import Bandwidth, Ticker
 from loadtest.gguf_parity import gguf_path
+from loadtest.read_floor import ReadFloor
 from loadtest.report import goal_line, results_dir, write_json
 
 VARIANTS = {"quantized": "auto", "float32": "float32", "bfloat16": "bfloat16"}  # --dtype
@@ -44,11 +47,17 @@ COLD_PROMPT, CHUNK = 1516, 512
 ROOFLINE_GOAL = 0.85
 
 
+def token_weights(ticker: Ticker) -> list[torch.Tensor]:
+    """What a decode token reads, in its order: every packed weight as it is held, the layers'
+    then the head (once, though a tied one also serves the embedding's lookups)."""
+    model = ticker.loaded.model
+    linears = {id(m): m.packed for m in [*model.layers.modules(), *model.modules()]
+               if isinstance(m, PackedLinear)}
+    return list(linears.values())
+
+
 def held_bytes(ticker: Ticker) -> int:
-    """What a decode token reads: every packed weight as it is held (the head once, though a
-    tied one also serves the embedding's lookups)."""
-    linears = {id(m): m for m in ticker.loaded.model.modules() if isinstance(m, PackedLinear)}
-    return sum(m.packed.numel() * m.packed.element_size() for m in linears.values())
+    return sum(w.numel() * w.element_size() for w in token_weights(ticker))
 
 
 def cold_prefill(ticker: Ticker, rng: random.Random) -> float:
@@ -76,13 +85,15 @@ def stats(values: list[float]) -> dict[str, float]:
 def measure(tickers: dict[str, Ticker], args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = Bandwidth()
     res: dict[str, Any] = {"bytes": {n: held_bytes(t) for n, t in tickers.items()}}
+    floor = ReadFloor(token_weights(tickers["quantized"]))
     one = {n: t.chunks(1, 80) for n, t in tickers.items()}
     for n, t in tickers.items():
         t.tick(one[n])  # warm
-    calls: dict[str, Callable[[], float]] = {"read": bandwidth.seconds}
+    calls: dict[str, Callable[[], float]] = {"read": bandwidth.seconds, "floor": floor.seconds}
     calls.update({n: functools.partial(t.tick, one[n]) for n, t in tickers.items()})
     runs = taking_turns(calls, args.rounds * 3)
     res["bandwidth"] = bandwidth.nbytes / statistics.median(runs.pop("read"))
+    res["read_floor_quantized"] = stats(runs.pop("floor"))
     res["forward_1"] = {n: stats(v) for n, v in runs.items()}
     del bandwidth
     res["decode"] = {}
@@ -150,6 +161,11 @@ def report(res: dict[str, Any]) -> None:
         print(f"  {n:>9}: {res['bytes'][n] / 1e6:6.1f} MB a token, roofline {roof * 1e3:5.2f} ms, "
               f"forward {fwd['median'] * 1e3:5.2f} ms (best {fwd['best'] * 1e3:5.2f}): "
               f"{100 * share:4.0f}% of the roofline")
+    floor = res["read_floor_quantized"]["median"]
+    print(f"  read floor, quantized (its weights read a weight at a time, nothing computed): "
+          f"{floor * 1e3:5.2f} ms, {100 * res['bytes']['quantized'] / bw / floor:4.0f}% of the "
+          f"roofline; the forward is {100 * floor / res['forward_1']['quantized']['median']:.0f}% "
+          f"of it")
     q = res["bytes"]["quantized"] / bw / res["forward_1"]["quantized"]["median"]
     print(goal_line("batch-1 decode, quantized, share of roofline", 100 * q,
                     f">= {100 * ROOFLINE_GOAL:.0f}%", q >= ROOFLINE_GOAL, "%"))
