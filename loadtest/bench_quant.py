@@ -8,7 +8,7 @@ and bfloat16 (`--dtype` dequantizes them at load), the three taking turns round 
             read bandwidth (`a.sum()` over 1 GiB, measured between the ticks), against the
             batch-1 forward pass: issue 37's goal is >= 85% of it; beside it the read floor,
             the quantized token's weights read a weight at a time with nothing computed
-            (loadtest/read_floor.c)
+            (loadtest/read_floor.c), and the same number of bytes read as one piece
   decode    the forward pass of a decode tick at each --levels streams (contexts of ~80
             tokens), and streams / tick as tokens/s
   cold      a fresh random 1,516-token prompt prefilled in chunks of 512 (the daemon's
@@ -86,14 +86,18 @@ def measure(tickers: dict[str, Ticker], args: argparse.Namespace) -> dict[str, A
     bandwidth = Bandwidth()
     res: dict[str, Any] = {"bytes": {n: held_bytes(t) for n, t in tickers.items()}}
     floor = ReadFloor(token_weights(tickers["quantized"]))
+    # The same bytes in one piece, one region: what reading them as one stream would cost.
+    stream = ReadFloor([torch.empty(floor.nbytes, dtype=torch.uint8).fill_(1)])
     one = {n: t.chunks(1, 80) for n, t in tickers.items()}
     for n, t in tickers.items():
         t.tick(one[n])  # warm
-    calls: dict[str, Callable[[], float]] = {"read": bandwidth.seconds, "floor": floor.seconds}
+    calls: dict[str, Callable[[], float]] = {"read": bandwidth.seconds, "floor": floor.seconds,
+                                             "stream": stream.seconds}
     calls.update({n: functools.partial(t.tick, one[n]) for n, t in tickers.items()})
     runs = taking_turns(calls, args.rounds * 3)
     res["bandwidth"] = bandwidth.nbytes / statistics.median(runs.pop("read"))
     res["read_floor_quantized"] = stats(runs.pop("floor"))
+    res["read_one_stream_quantized"] = stats(runs.pop("stream"))
     res["forward_1"] = {n: stats(v) for n, v in runs.items()}
     del bandwidth
     res["decode"] = {}
@@ -166,6 +170,9 @@ def report(res: dict[str, Any]) -> None:
           f"{floor * 1e3:5.2f} ms, {100 * res['bytes']['quantized'] / bw / floor:4.0f}% of the "
           f"roofline; the forward is {100 * floor / res['forward_1']['quantized']['median']:.0f}% "
           f"of it")
+    one = res["read_one_stream_quantized"]["median"]
+    print(f"  the same bytes read as one piece: {one * 1e3:5.2f} ms, "
+          f"{100 * res['bytes']['quantized'] / bw / one:4.0f}% of the roofline")
     q = res["bytes"]["quantized"] / bw / res["forward_1"]["quantized"]["median"]
     print(goal_line("batch-1 decode, quantized, share of roofline", 100 * q,
                     f">= {100 * ROOFLINE_GOAL:.0f}%", q >= ROOFLINE_GOAL, "%"))
