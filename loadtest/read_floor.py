@@ -2,7 +2,7 @@
 in the order a token reads them, nothing computed (read_floor.c, compiled here as the kernels are
 and loaded after torch, so that it shares torch's OpenMP threads). bench_quant times it beside the
 batch-1 forward: what the token's reads alone cost when they come a weight at a time, as the
-kernels' linears read them. Its loop reads 1 GiB at 90-96% of `a.sum()`'s rate.
+kernels' linears read them. Its loop reads 1 GiB at 89-96% of `a.sum()`'s rate.
 """
 
 from __future__ import annotations
