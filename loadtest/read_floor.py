@@ -8,8 +8,6 @@ kernels' linears read them. Its loop reads 1 GiB at 89-96% of `a.sum()`'s rate.
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -26,9 +24,7 @@ class ReadFloor:
     """`seconds()` reads every tensor of `weights` once, in order."""
 
     def __init__(self, weights: list[torch.Tensor]) -> None:
-        compiler = os.environ.get("CC", "cc")
-        if shutil.which(compiler) is None:
-            raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
+        compiler = cpu.c_compiler()
         self._dir = tempfile.TemporaryDirectory()
         lib = Path(self._dir.name) / "read_floor.so"
         done = subprocess.run([compiler, *cpu.FLAGS, "-march=native", "-shared", str(SOURCE),

@@ -185,11 +185,17 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "tether"
 
 
-def _build(arch: str = "native") -> Path:
-    """The library for `-march=arch` (tests build other vector widths), compiled if needed."""
+def c_compiler() -> str:
+    """`$CC`, else `cc`; RuntimeError when it is not on the PATH."""
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
+    return compiler
+
+
+def _build(arch: str = "native") -> Path:
+    """The library for `-march=arch` (tests build other vector widths), compiled if needed."""
+    compiler = c_compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     units = [(src, [*FLAGS, f"-march={arch}"]) for src in SOURCES]
